@@ -1,0 +1,67 @@
+"""kvcore: the third tier of an LLM serving engine's KV cache, as a plugin framework.
+
+Engine authors open a backend by name (:func:`open_backend`) or embed a
+:class:`kvcore.transfer.TransferManager`; backend authors implement the hooks in
+:mod:`kvcore.hookspecs` and test them with :mod:`kvcore.testing`.
+"""
+
+from __future__ import annotations
+
+from kvcore.backend import Backend
+from kvcore.errors import (
+    BackendDefinitionError,
+    BackendImportError,
+    ConfigError,
+    DuplicateBackendError,
+    KVCoreError,
+    UnknownBackendError,
+)
+from kvcore.hookspecs import hookimpl, hookspec
+from kvcore.keys import KeyScope, block_hashes, object_names
+from kvcore.registry import available_backends, open_backend
+from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, leading_run
+from kvcore.schemas import (
+    BackendConfig,
+    BackendContext,
+    CacheDType,
+    CacheLayout,
+    Capabilities,
+    FlushTask,
+    ReadTask,
+    SwapTask,
+    TaskResult,
+    WriteTask,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "BackendContext",
+    "BackendDefinitionError",
+    "BackendImportError",
+    "BlockRequest",
+    "CacheDType",
+    "CacheLayout",
+    "Capabilities",
+    "ConfigError",
+    "DeviceBuffers",
+    "DuplicateBackendError",
+    "FlushTask",
+    "HostBuffers",
+    "KVCoreError",
+    "KeyScope",
+    "ReadTask",
+    "SwapTask",
+    "TaskResult",
+    "UnknownBackendError",
+    "WriteTask",
+    "available_backends",
+    "block_hashes",
+    "hookimpl",
+    "hookspec",
+    "leading_run",
+    "object_names",
+    "open_backend",
+]

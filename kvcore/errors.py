@@ -1,0 +1,46 @@
+"""Exceptions raised by kvcore's public API. Backends' own failures never surface as these."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+__all__ = [
+    "BackendDefinitionError",
+    "BackendImportError",
+    "ConfigError",
+    "DuplicateBackendError",
+    "KVCoreError",
+    "UnknownBackendError",
+]
+
+
+class KVCoreError(Exception):
+    """Base of kvcore's errors."""
+
+
+class UnknownBackendError(KVCoreError, LookupError):
+    """No installed backend has the requested name; the message lists the installed ones."""
+
+
+class DuplicateBackendError(KVCoreError):
+    """Two distributions publish a backend under the same name."""
+
+
+class BackendImportError(KVCoreError, ImportError):
+    """A backend's module failed to import; the message says what to install."""
+
+
+class BackendDefinitionError(KVCoreError, TypeError):
+    """A backend breaks the plugin contract (misspelled hook, missing required hook, ...)."""
+
+
+class ConfigError(KVCoreError, ValueError):
+    """A config or task failed validation; the message names each offending field."""
+
+    @classmethod
+    def from_validation(cls, what: str, exc: ValidationError) -> ConfigError:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+            lines.append(f"  {loc}: {err['msg']}")
+        return cls(f"invalid {what}:\n" + "\n".join(lines))

@@ -1,0 +1,168 @@
+"""Hook specifications: the contract between kvcore and a storage backend.
+
+A backend is a class (or any callable) published under the entry-point group
+``kvcore.backends``; the entry-point name is the backend's name. kvcore calls it as
+``Backend(config, context)`` and registers the instance, alone, in a fresh
+:class:`pluggy.PluginManager`, so every hook below reaches exactly one implementation and
+``firstresult`` simply means "the backend's answer". The instance's class declares:
+
+- ``config_model``: a subclass of :class:`kvcore.schemas.BackendConfig` (its own settings);
+- ``capabilities``: a :class:`kvcore.schemas.Capabilities` (addressing and I/O kind, and the
+  optional behaviours the conformance kit should test).
+
+Implement hooks as methods decorated with :data:`kvcore.hookimpl`. ``kvcore_query``,
+``kvcore_read`` and ``kvcore_write`` are required; the others have documented defaults when
+absent. A method decorated with ``hookimpl`` whose name matches no spec (a typo) makes
+:func:`kvcore.open_backend` fail. Like pluggy hooks everywhere, an implementation may accept
+only the arguments it needs, so new arguments can be added to a spec without breaking
+existing backends.
+
+Semantics shared by the data hooks:
+
+- A request covers blocks ``start_block .. start_block + n`` of one sequence
+  (:class:`kvcore.requests.BlockRequest`). Results are counts of *leading* blocks: a prefix
+  cache can only use a contiguous run from the first block, so a success after a failure
+  does not count.
+- Every request has a deadline (``request.deadline``, a ``time.monotonic()`` instant). Return
+  what finished by then; never block past it on I/O you can abandon.
+- Failures are results, not exceptions, wherever the backend can tell: return the count that
+  succeeded. An exception that escapes is caught by kvcore, logged once, counted, and turned
+  into the miss result (0) - except in strict mode, used by tests, where it propagates.
+- Hooks may be called concurrently from several threads unless the backend declares
+  ``Capabilities(concurrent=False)``, in which case kvcore serialises calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pluggy
+
+from kvcore.requests import BlockRequest
+
+PROJECT_NAME = "kvcore"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: Hooks every backend must implement.
+REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
+
+
+@hookspec(firstresult=True)
+def kvcore_query(request: BlockRequest) -> int:
+    """Count the leading blocks of ``request`` that a read could restore now.
+
+    :param request: the blocks to look up. Key-addressed backends check every name in
+        ``request.object_names[i]`` (K and V, and the scales for block-wise fp8): a block
+        counts only when all its parts are present *for this rank*. Token-addressed backends
+        match ``request.token_ids`` from ``request.start_block``. ``host`` and ``device``
+        are None.
+    :return: ``n`` in ``[0, request.num_blocks]``: blocks ``0 .. n-1`` are all present.
+        A block missing in the middle ends the run even if later ones exist.
+
+    ``firstresult``: the backend's answer is the result (one backend per plugin manager).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_read(request: BlockRequest) -> int:
+    """Copy stored blocks into the request's buffers.
+
+    :param request: for ``io="host"`` backends, ``request.host`` gives one staging region per
+        block and part, to be filled with exactly the bytes written under
+        ``request.object_names[i][j]``. For ``io="device"`` backends, ``request.device`` gives
+        the per-layer cache tensors and the device block ids to fill.
+    :return: ``n`` in ``[0, request.num_blocks]``: blocks ``0 .. n-1`` were fully read (every
+        part, every byte). Buffers of blocks at and after ``n`` hold unspecified bytes. A
+        stored object whose size differs from the region's is a miss, never a partial copy.
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_write(request: BlockRequest) -> int:
+    """Store the request's blocks, idempotently.
+
+    :param request: the blocks and their bytes (``request.host`` or ``request.device``, as
+        for :func:`kvcore_read`). Blocks already stored under the same names hold the same
+        bytes (names are content-derived), so a backend may skip them rather than rewrite.
+    :return: ``n`` in ``[0, request.num_blocks]``: blocks ``0 .. n-1`` are durably stored
+        (per the backend's durability settings) and a later query will count them. Storing
+        block ``i`` after failing block ``i-1`` is allowed but does not count.
+
+    The bytes must have been copied out of the buffers before the hook returns: the caller
+    reuses them immediately.
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_flush_token_index(request: BlockRequest, resident_on_device: bool) -> int:
+    """Update a token index's record of where blocks live, without moving data (seed 003).
+
+    Called after blocks were restored to the device (``resident_on_device=True``) and when a
+    host-cache eviction drops them (``False``).
+
+    :param request: ``token_ids`` is the full token path from the root (never just the new
+        tokens) and ``start_block`` the first block whose residency changed; ``host`` and
+        ``device`` are None.
+    :param resident_on_device: whether the blocks are now held in the engine's device cache.
+    :return: the number of blocks whose record was updated. A backend with no token index
+        does not implement this hook; kvcore then returns 0.
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kvcore_register_buffer(ptr: int, nbytes: int) -> None:
+    """Announce a host staging region that later requests' buffers will point into.
+
+    Called once per region before the first request that uses it (e.g. so a zero-copy
+    transport can register the memory with its NIC). Optional; the default does nothing.
+
+    :param ptr: address of the region's first byte.
+    :param nbytes: its length.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kvcore_unregister_buffer(ptr: int) -> None:
+    """The region registered at ``ptr`` is about to be freed. Optional.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_stats() -> Mapping[str, float]:
+    """Backend-specific gauges and counters (bytes stored, objects, evictions, ...).
+
+    :return: a flat mapping of metric name to number, merged into kvcore's own metrics under
+        the ``backend_`` prefix. Optional; the default is empty.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def kvcore_close() -> None:
+    """Release connections, threads and files. Called once; no hook is called afterwards.
+
+    Optional. Exceptions are logged and swallowed.
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,99 @@
+"""Prefix keys: chained SHA-256 block hashes and the object names stored per block.
+
+A block's key commits to every token before it, so equal keys mean equal prefixes and a
+prefix cache can look blocks up one by one. Keys depend only on the token ids and the scope
+(never on Python's ``hash``), so every process and machine computes the same names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import Field
+
+from kvcore.schemas import StrictModel
+
+__all__ = ["KeyScope", "block_hashes", "object_name", "object_names", "root_hash"]
+
+KEY_FORMAT = b"kvcore.block.v1"
+_TOKEN_MAX = 2**32  # token ids are hashed as little-endian uint32
+
+
+class KeyScope(StrictModel):
+    """Everything besides the tokens that makes a cached block valid.
+
+    Two engines share blocks only when all of these match: a different model, adapter or
+    weight version must never read another's KV.
+    """
+
+    model: str = ""
+    namespace: str = "default"
+    adapter: str = ""
+    weight_version: str = ""
+    extra: dict[str, str] = Field(default_factory=dict)
+
+
+def root_hash(scope: KeyScope | None = None) -> bytes:
+    """Hash that seeds every chain: the format tag and the canonical JSON of the scope."""
+    scope = scope or KeyScope()
+    canonical = json.dumps(scope.model_dump(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(KEY_FORMAT + b"\0" + canonical.encode()).digest()
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray, n_tokens: int) -> bytes:
+    arr = np.asarray(token_ids[:n_tokens] if n_tokens else [], dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= _TOKEN_MAX):
+        bad = int(arr[(arr < 0) | (arr >= _TOKEN_MAX)][0])
+        raise ValueError(f"token_ids contains {bad}, outside [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    scope: KeyScope | None = None,
+    *,
+    parent: str | None = None,
+) -> list[str]:
+    """Hex keys of every full block of ``token_ids``; a trailing partial block gets none.
+
+    ``parent`` continues a chain: pass the key of the block before ``token_ids[0]``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(token_ids) // block_size
+    data = _token_bytes(token_ids, n_full * block_size)
+    digest = bytes.fromhex(parent) if parent else root_hash(scope)
+    stride = block_size * 4
+    keys = []
+    for i in range(n_full):
+        digest = hashlib.sha256(digest + data[i * stride : (i + 1) * stride]).digest()
+        keys.append(digest.hex())
+    return keys
+
+
+def object_name(block_key: str, part: str, *, namespace: str, rank: int, world_size: int) -> str:
+    """Name of one stored object: one block's ``part`` (k, v, k_scale, v_scale) on one rank.
+
+    Rank and world size are in the name because each tensor-parallel rank holds a different
+    slice of the heads; a cache written with another TP degree must not be read back.
+    """
+    return f"{namespace}/{block_key}/{part}/r{rank}of{world_size}"
+
+
+def object_names(
+    block_keys: Sequence[str],
+    parts: Sequence[str],
+    *,
+    namespace: str,
+    rank: int,
+    world_size: int,
+) -> tuple[tuple[str, ...], ...]:
+    """``[block][part]`` object names for a run of blocks."""
+    suffixes = [f"/{p}/r{rank}of{world_size}" for p in parts]
+    return tuple(tuple(f"{namespace}/{k}{s}" for s in suffixes) for k in block_keys)

@@ -1,0 +1,501 @@
+"""Native swap ops that move KV-cache blocks between the engine's cache tensors and host memory.
+
+Same call signatures as FastDeploy's ``swap_cache_all_layers`` / ``swap_cache_layout``. Cache
+tensors may be Paddle or torch tensors (anything with ``data_ptr()``), CuPy arrays or numpy
+arrays. CPU tensors go to the C++ extension ``kvcore._swap``; GPU tensors go to the optional CUDA
+library ``kvcore/_swap_cuda.so`` (built with ``KVCORE_CUDA=1`` or ``=auto``).
+
+Modes: 0 copies device → host, 1 copies host → device. A destination id may appear only once per
+call (duplicates raise ValueError: the result would depend on copy order); source ids may repeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcore import _swap
+
+__all__ = [
+    "TO_DEVICE",
+    "TO_HOST",
+    "HostBuffer",
+    "cuda_available",
+    "swap_cache_all_layers",
+    "swap_cache_layout",
+]
+
+TO_HOST = 0
+TO_DEVICE = 1
+PAGE_SIZE = 4096
+
+_EINVAL = 1
+
+
+# --------------------------------------------------------------------------- CUDA library
+
+
+class _CudaLib:
+    """ctypes wrapper of kvcore/_swap_cuda.so (see csrc/swap_ops_cuda.h)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lib = lib = ctypes.CDLL(path)
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        err = [ctypes.c_char_p, i32]
+        sigs: dict[str, list[Any]] = {
+            "kvc_cuda_device_count": [ctypes.POINTER(i32), *err],
+            "kvc_cuda_host_alloc": [i64, ctypes.POINTER(ctypes.c_uint64), *err],
+            "kvc_cuda_host_free": [ctypes.c_uint64, *err],
+            "kvc_cuda_swap_all_layers": [
+                i32,
+                ctypes.c_uint64,
+                p,
+                p,
+                p,
+                i32,
+                i64,
+                i64,
+                p,
+                p,
+                i64,
+                i32,
+                i32,
+                *err,
+            ],
+            "kvc_cuda_swap_layout": [
+                i32,
+                ctypes.c_uint64,
+                p,
+                p,
+                i32,
+                i64,
+                ctypes.c_uint64,
+                i64,
+                p,
+                p,
+                i64,
+                i32,
+                i32,
+                *err,
+            ],
+        }
+        for name, argtypes in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, i32
+
+    def call(self, name: str, *args: Any) -> None:
+        err = ctypes.create_string_buffer(512)
+        rc = getattr(self.lib, name)(*args, err, len(err))
+        if rc != 0:
+            msg = err.value.decode(errors="replace")
+            raise (ValueError if rc == _EINVAL else RuntimeError)(msg)
+
+    def device_count(self) -> int:
+        count = ctypes.c_int(0)
+        self.call("kvc_cuda_device_count", ctypes.byref(count))
+        return count.value
+
+
+_cuda_lock = threading.Lock()
+_cuda_state: dict[str, Any] = {}
+
+
+def _cuda_lib() -> _CudaLib | None:
+    """The CUDA library if it was built (or KVCORE_CUDA_LIB points at one), loaded once."""
+    with _cuda_lock:
+        if "lib" not in _cuda_state:
+            path = os.environ.get("KVCORE_CUDA_LIB") or str(
+                Path(__file__).with_name("_swap_cuda.so")
+            )
+            lib = None
+            if os.path.exists(path):
+                try:
+                    lib = _CudaLib(path)
+                except OSError as exc:
+                    _cuda_state["load_error"] = f"{path}: {exc}"
+            else:
+                _cuda_state["load_error"] = (
+                    f"{path} not built (reinstall with KVCORE_CUDA=1 or KVCORE_CUDA=auto)"
+                )
+            _cuda_state["lib"] = lib
+        return _cuda_state["lib"]
+
+
+def cuda_available() -> bool:
+    """True when the CUDA library is built and loadable and at least one device is usable."""
+    lib = _cuda_lib()
+    if lib is None:
+        return False
+    try:
+        return lib.device_count() > 0
+    except RuntimeError:  # e.g. error 35 on a machine with the toolkit but no driver
+        return False
+
+
+def _require_cuda() -> _CudaLib:
+    lib = _cuda_lib()
+    if lib is None:
+        raise RuntimeError(
+            f"GPU tensors need the CUDA swap library: {_cuda_state.get('load_error', '')}"
+        )
+    return lib
+
+
+# --------------------------------------------------------------------------- host memory
+
+
+class _PinnedOwner:
+    """Frees pinned memory once the last numpy view of it is gone (it hangs off the view base)."""
+
+    def __init__(self, lib: _CudaLib, ptr: int) -> None:
+        self.lib, self.ptr = lib, ptr
+
+    def __del__(self) -> None:
+        # At interpreter shutdown the library may already be gone: nothing sensible left to do.
+        with contextlib.suppress(Exception):
+            self.lib.call("kvc_cuda_host_free", self.ptr)
+
+
+class HostBuffer:
+    """Host memory for swap targets: pinned (cudaHostAlloc) or page-aligned ordinary memory.
+
+    ``pinned="auto"`` pins when the CUDA library is built and a device is present. The memory is
+    owned by the base object of ``.array``: ``close()`` only drops this buffer's reference, so it
+    is never freed while a numpy view is alive.
+    """
+
+    def __init__(self, nbytes: int, pinned: bool | str = "auto") -> None:
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        if pinned == "auto":
+            pinned = cuda_available()
+        elif not isinstance(pinned, bool):
+            raise ValueError(f"pinned must be True, False or 'auto', got {pinned!r}")
+        if pinned:
+            lib = _require_cuda()
+            ptr = ctypes.c_uint64(0)
+            lib.call("kvc_cuda_host_alloc", nbytes, ctypes.byref(ptr))
+            raw = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
+            raw._kvcore_owner = _PinnedOwner(lib, ptr.value)  # type: ignore[attr-defined]
+            self._array: np.ndarray | None = np.frombuffer(raw, dtype=np.uint8)
+        else:
+            raw_np = np.empty(nbytes + PAGE_SIZE, dtype=np.uint8)
+            start = -raw_np.ctypes.data % PAGE_SIZE
+            self._array = raw_np[start : start + nbytes]
+        self.pinned: bool = pinned
+        self.nbytes: int = nbytes
+
+    @property
+    def array(self) -> np.ndarray:
+        """The whole buffer as a 1-D uint8 array (keeps the memory alive)."""
+        if self._array is None:
+            raise ValueError("HostBuffer is closed")
+        return self._array
+
+    @property
+    def ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
+
+    def view(self, dtype: Any, shape: Sequence[int] | None = None) -> np.ndarray:
+        """A typed view of the first prod(shape) elements (the whole buffer if shape is None)."""
+        dt = np.dtype(dtype)
+        count = self.nbytes // dt.itemsize if shape is None else math.prod(shape)
+        if count * dt.itemsize > self.nbytes:
+            raise ValueError(f"{count} x {dt} does not fit in {self.nbytes} bytes")
+        out = self.array[: count * dt.itemsize].view(dt)
+        return out if shape is None else out.reshape(tuple(shape))
+
+    def close(self) -> None:
+        self._array = None
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else hex(self.ptr)
+        return f"HostBuffer(nbytes={self.nbytes}, pinned={self.pinned}, {state})"
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _describe(t: Any, name: str) -> tuple[int, tuple[int, ...], int, bool]:
+    """(address, shape, element size, on_gpu) of a contiguous tensor or array."""
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        return int(t.ctypes.data), tuple(t.shape), t.itemsize, False
+    cai = getattr(t, "__cuda_array_interface__", None)
+    if cai is not None:  # CuPy, Numba
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        shape = tuple(int(s) for s in cai["shape"])
+        contiguous_strides = tuple(itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        if cai.get("strides") not in (None, contiguous_strides):
+            raise ValueError(f"{name} must be C-contiguous")
+        return int(cai["data"][0]), shape, itemsize, True
+    if hasattr(t, "data_ptr"):  # Paddle, torch
+        if hasattr(t, "is_contiguous") and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        place = getattr(t, "place", None)
+        if place is not None and hasattr(place, "is_gpu_place"):
+            on_gpu = bool(place.is_gpu_place())
+        else:
+            on_gpu = bool(getattr(t, "is_cuda", False))
+        return int(t.data_ptr()), tuple(int(s) for s in t.shape), int(t.element_size()), on_gpu
+    raise TypeError(f"{name}: unsupported type {type(t).__name__}")
+
+
+def _host_address(obj: Any, name: str) -> tuple[int, int | None]:
+    """(address, size in bytes or None if unknown) of a host buffer given as int or object."""
+    if isinstance(obj, HostBuffer):
+        return obj.ptr, obj.nbytes
+    if isinstance(obj, (int, np.integer)):
+        if obj <= 0:
+            raise ValueError(f"{name} must be a non-null address, got {obj}")
+        return int(obj), None
+    ptr, shape, itemsize, on_gpu = _describe(obj, name)
+    if on_gpu:
+        raise ValueError(f"{name} must be host memory, got a GPU tensor")
+    return ptr, math.prod(shape) * itemsize
+
+
+def _ids(ids: Any, name: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D list of block ids, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _layers(
+    cache_tensors: Sequence[Any],
+) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], int, bool]:
+    """Addresses, per-layer block counts, per-block shape, element size and placement."""
+    if len(cache_tensors) == 0:
+        raise ValueError("cache_tensors is empty")
+    ptrs, nblocks = [], []
+    block_shape: tuple[int, ...] | None = None
+    itemsize = on_gpu = None
+    for i, t in enumerate(cache_tensors):
+        ptr, shape, size, gpu = _describe(t, f"cache_tensors[{i}]")
+        if len(shape) < 2:
+            raise ValueError(f"cache_tensors[{i}] must be [num_blocks, ...], got shape {shape}")
+        if block_shape is None:
+            block_shape, itemsize, on_gpu = shape[1:], size, gpu
+        elif shape[1:] != block_shape:
+            raise ValueError(f"cache_tensors[{i}] block shape {shape[1:]} != {block_shape}")
+        elif size != itemsize:
+            raise ValueError(f"cache_tensors[{i}] element size {size} != {itemsize}")
+        elif gpu != on_gpu:
+            raise ValueError("cache_tensors mix CPU and GPU tensors")
+        ptrs.append(ptr)
+        nblocks.append(shape[0])
+    assert block_shape is not None and itemsize is not None and on_gpu is not None
+    return (
+        np.asarray(ptrs, dtype=np.uint64),
+        np.asarray(nblocks, dtype=np.int64),
+        block_shape,
+        itemsize,
+        on_gpu,
+    )
+
+
+def _check_mode(mode: int) -> int:
+    if mode not in (TO_HOST, TO_DEVICE):
+        raise ValueError(f"mode must be 0 (device->host) or 1 (host->device), got {mode}")
+    return int(mode)
+
+
+def _current_stream(sample: Any, device_id: int) -> int:
+    """The framework's current CUDA stream for device_id, or 0 (legacy default stream)."""
+    try:
+        if hasattr(sample, "place"):
+            import paddle
+
+            return int(paddle.device.current_stream(f"gpu:{device_id}").stream_base.cuda_stream)
+        if hasattr(sample, "is_cuda"):
+            import torch
+
+            return int(torch.cuda.current_stream(device_id).cuda_stream)
+        if hasattr(sample, "__cuda_array_interface__"):
+            import cupy
+
+            return int(cupy.cuda.get_current_stream().ptr)
+    except Exception:
+        pass
+    return 0
+
+
+def _p(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+# --------------------------------------------------------------------------- the ops
+
+
+def swap_cache_all_layers(
+    cache_tensors: Sequence[Any],
+    host_ptrs: Sequence[Any],
+    max_host_blocks: int,
+    device_block_ids: Sequence[int],
+    host_block_ids: Sequence[int],
+    device_id: int,
+    mode: int,
+    *,
+    num_threads: int | None = None,
+    stream: int | None = None,
+) -> None:
+    """Copy blocks between each layer's cache tensor and that layer's host buffer.
+
+    host_ptrs[i] (int address, HostBuffer, numpy array or CPU tensor) holds max_host_blocks
+    blocks laid out like cache_tensors[i]. Block device_block_ids[k] pairs with host block
+    host_block_ids[k]; runs consecutive on both sides are copied at once. mode 0: device → host,
+    1: host → device. num_threads (CPU path) defaults to KVCORE_SWAP_THREADS or min(4, cores);
+    stream (GPU path) defaults to the framework's current stream. Returns after the copy is done.
+    """
+    mode = _check_mode(mode)
+    dev_ptrs, nblocks, block_shape, itemsize, on_gpu = _layers(cache_tensors)
+    if len(host_ptrs) != len(cache_tensors):
+        raise ValueError(
+            f"host_ptrs has {len(host_ptrs)} entries for {len(cache_tensors)} cache_tensors"
+        )
+    block_bytes = math.prod(block_shape) * itemsize
+    max_host_blocks = int(max_host_blocks)
+    if max_host_blocks < 0:
+        raise ValueError(f"max_host_blocks must be >= 0, got {max_host_blocks}")
+    host = []
+    for i, obj in enumerate(host_ptrs):
+        ptr, size = _host_address(obj, f"host_ptrs[{i}]")
+        if size is not None and size < max_host_blocks * block_bytes:
+            raise ValueError(
+                f"host_ptrs[{i}] holds {size} bytes < max_host_blocks * {block_bytes} bytes"
+            )
+        host.append(ptr)
+    host_arr = np.asarray(host, dtype=np.uint64)
+    dev_ids = _ids(device_block_ids, "device_block_ids")
+    host_ids = _ids(host_block_ids, "host_block_ids")
+    if len(dev_ids) != len(host_ids):
+        raise ValueError(
+            f"device_block_ids ({len(dev_ids)}) and host_block_ids ({len(host_ids)}) "
+            "differ in length"
+        )
+    # The tensors and buffers stay referenced by the caller's frame and these locals until return.
+    if not on_gpu:
+        _swap.swap_all_layers(
+            dev_ptrs,
+            host_arr,
+            nblocks,
+            block_bytes,
+            max_host_blocks,
+            dev_ids,
+            host_ids,
+            mode,
+            num_threads or 0,
+        )
+        return
+    lib = _require_cuda()
+    s = _current_stream(cache_tensors[0], device_id) if stream is None else stream
+    lib.call(
+        "kvc_cuda_swap_all_layers",
+        int(device_id),
+        s,
+        _p(dev_ptrs),
+        _p(host_arr),
+        _p(nblocks),
+        len(dev_ptrs),
+        block_bytes,
+        max_host_blocks,
+        _p(dev_ids),
+        _p(host_ids),
+        len(dev_ids),
+        mode,
+        1,
+    )
+
+
+def swap_cache_layout(
+    cache_tensors: Sequence[Any],
+    staging_ptr: Any,
+    cache_shape: Sequence[int],
+    device_block_ids: Sequence[int],
+    staging_slot_ids: Sequence[int],
+    device_id: int,
+    mode: int,
+    *,
+    staging_nslots: int | None = None,
+    num_threads: int | None = None,
+    stream: int | None = None,
+) -> None:
+    """Gather blocks of all layers into a [slot, layer, *block] staging buffer, or scatter back.
+
+    cache_shape is [num_blocks, *block] of the main layers; every tensor must share the block
+    shape, but its own num_blocks (extra layers may have fewer) bounds its ids. One slot is
+    len(cache_tensors) blocks. mode 0 gathers (cache → staging), 1 scatters. staging_ptr may be
+    an int address (slot ids then only checked against staging_nslots if given), a HostBuffer,
+    a numpy array or a tensor (its size bounds the slot ids).
+    """
+    mode = _check_mode(mode)
+    ptrs, nblocks, block_shape, itemsize, on_gpu = _layers(cache_tensors)
+    if len(cache_shape) < 2 or tuple(int(s) for s in cache_shape[1:]) != block_shape:
+        raise ValueError(
+            f"cache_shape {list(cache_shape)} does not match cache tensors' block shape "
+            f"{list(block_shape)}"
+        )
+    block_bytes = math.prod(block_shape) * itemsize
+    slot_bytes = block_bytes * len(ptrs)
+    if isinstance(staging_ptr, (int, np.integer, HostBuffer, np.ndarray)) or not on_gpu:
+        staging, size = _host_address(staging_ptr, "staging_ptr")
+    else:  # a device staging tensor is fine on the GPU path
+        staging, shape, esize, _ = _describe(staging_ptr, "staging_ptr")
+        size = math.prod(shape) * esize
+    nslots = -1 if size is None else size // slot_bytes
+    if staging_nslots is not None:
+        nslots = int(staging_nslots) if nslots < 0 else min(nslots, int(staging_nslots))
+    dev_ids = _ids(device_block_ids, "device_block_ids")
+    slot_ids = _ids(staging_slot_ids, "staging_slot_ids")
+    if len(dev_ids) != len(slot_ids):
+        raise ValueError(
+            f"device_block_ids ({len(dev_ids)}) and staging_slot_ids ({len(slot_ids)}) "
+            "differ in length"
+        )
+    if not on_gpu:
+        _swap.swap_layout(
+            ptrs, nblocks, block_bytes, staging, nslots, dev_ids, slot_ids, mode, num_threads or 0
+        )
+        return
+    lib = _require_cuda()
+    s = _current_stream(cache_tensors[0], device_id) if stream is None else stream
+    lib.call(
+        "kvc_cuda_swap_layout",
+        int(device_id),
+        s,
+        _p(ptrs),
+        _p(nblocks),
+        len(ptrs),
+        block_bytes,
+        staging,
+        nslots,
+        _p(dev_ids),
+        _p(slot_ids),
+        len(dev_ids),
+        mode,
+        1,
+    )

@@ -1,0 +1,292 @@
+"""Pydantic schemas: cache layout, engine-facing tasks and results, backend context and config.
+
+Every model forbids unknown fields so a typo in a config or a task is an error that names the
+field instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from enum import Enum
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "BackendConfig",
+    "BackendContext",
+    "CacheDType",
+    "CacheLayout",
+    "Capabilities",
+    "FlushTask",
+    "ReadTask",
+    "StrictModel",
+    "SwapTask",
+    "TaskResult",
+    "WriteTask",
+]
+
+
+class StrictModel(BaseModel):
+    """Base for every kvcore model: unknown fields are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CacheDType(str, Enum):
+    """Element type of the KV cache. ``block_wise_fp8`` stores 1-byte elements plus float32 scales."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    uint8 = "uint8"
+    block_wise_fp8 = "block_wise_fp8"
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if self in (CacheDType.bfloat16, CacheDType.float16) else 1
+
+    @property
+    def has_scales(self) -> bool:
+        return self is CacheDType.block_wise_fp8
+
+
+SCALE_ITEMSIZE = 4  # block-wise fp8 scales are float32, one per (head, token)
+
+
+class CacheLayout(StrictModel):
+    """Shape of one rank's KV cache.
+
+    Per layer the engine holds one K and one V tensor ``[num_blocks, num_heads, block_size,
+    head_dim]`` and, for ``block_wise_fp8``, scale tensors ``[num_blocks, num_heads, block_size]``.
+    Extra layers (e.g. an MTP draft model's) follow the main layers and may have their own
+    block count. A stored object holds one block of one part (K, V, K scales or V scales) for all
+    layers, in the staging layout ``[layer, head, block_size, head_dim]``.
+    """
+
+    num_layers: int = Field(gt=0, description="main model layers on this rank")
+    num_heads: int = Field(gt=0, description="KV heads on this rank")
+    block_size: int = Field(gt=0, description="tokens per block")
+    head_dim: int = Field(gt=0)
+    dtype: CacheDType = CacheDType.bfloat16
+    num_blocks: int = Field(
+        default=0, ge=0, description="device blocks per main layer (0: unknown)"
+    )
+    num_extra_layers: int = Field(default=0, ge=0)
+    extra_num_blocks: int | None = Field(
+        default=None, ge=0, description="device blocks per extra layer (default: num_blocks)"
+    )
+
+    @property
+    def total_layers(self) -> int:
+        return self.num_layers + self.num_extra_layers
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Names of the objects stored per block, in staging order."""
+        return ("k", "v", "k_scale", "v_scale") if self.dtype.has_scales else ("k", "v")
+
+    @property
+    def kv_block_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.block_size, self.head_dim)
+
+    @property
+    def scale_block_shape(self) -> tuple[int, int]:
+        return (self.num_heads, self.block_size)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        """Shape of one main layer's K (or V) cache tensor."""
+        return (self.num_blocks, *self.kv_block_shape)
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int]:
+        return (self.num_blocks, *self.scale_block_shape)
+
+    @property
+    def kv_layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return self.num_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
+    @property
+    def scale_layer_block_bytes(self) -> int:
+        return self.num_heads * self.block_size * SCALE_ITEMSIZE if self.dtype.has_scales else 0
+
+    def layer_block_bytes(self, part: str) -> int:
+        return self.kv_layer_block_bytes if part in ("k", "v") else self.scale_layer_block_bytes
+
+    def part_bytes(self, part: str) -> int:
+        """Bytes of one stored object: one block of ``part`` across all layers."""
+        return self.layer_block_bytes(part) * self.total_layers
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all parts and layers (what a stored block costs)."""
+        return sum(self.part_bytes(p) for p in self.parts)
+
+    def layer_num_blocks(self, layer: int) -> int:
+        if layer < self.num_layers:
+            return self.num_blocks
+        return self.num_blocks if self.extra_num_blocks is None else self.extra_num_blocks
+
+
+class Capabilities(StrictModel):
+    """What a backend can do; the conformance kit selects its tests from these.
+
+    ``addressing``: ``"key"`` backends store objects by name (block hash, part, rank);
+    ``"token"`` backends index blocks by the token path from the root and a start block.
+    ``io``: ``"host"`` backends read and write host staging memory; ``"device"`` backends
+    read and write the engine's per-layer cache tensors by pointer and block id.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    addressing: Literal["key", "token"] = "key"
+    io: Literal["host", "device"] = "host"
+    token_index: bool = False
+    persistent: bool = False
+    shared: bool = False
+    scales: bool = True
+    concurrent: bool = True
+
+
+class BackendContext(StrictModel):
+    """Facts about the engine a backend is opened for, passed to its constructor."""
+
+    layout: CacheLayout | None = None
+    rank: int = Field(default=0, ge=0)
+    world_size: int = Field(default=1, ge=1)
+    device_id: int = Field(default=0, ge=0)
+    namespace: str = "default"
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> BackendContext:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        return self
+
+
+class BackendConfig(StrictModel):
+    """Base of every backend's own config model.
+
+    Subclasses set ``env_prefix`` (e.g. ``"KVCORE_FILE_"``); :meth:`load` then applies
+    environment overrides: ``KVCORE_FILE_ROOT=/data`` sets ``root``. Values in the environment
+    override the given config (an operator's knob beats a baked-in file); JSON is accepted for
+    non-string fields.
+    """
+
+    env_prefix: ClassVar[str] = ""
+    default_timeout_s: float = Field(default=5.0, gt=0, description="deadline when a task has none")
+
+    @classmethod
+    def env_overrides(cls, environ: dict[str, str] | None = None) -> dict[str, Any]:
+        environ = os.environ if environ is None else environ
+        found: dict[str, Any] = {}
+        if not cls.env_prefix:
+            return found
+        for name, field in cls.model_fields.items():
+            raw = environ.get(f"{cls.env_prefix}{name.upper()}")
+            if raw is None:
+                continue
+            if field.annotation is str:
+                found[name] = raw
+            else:
+                try:
+                    found[name] = json.loads(raw)
+                except json.JSONDecodeError:
+                    found[name] = raw  # let pydantic coerce or report it, naming the field
+        return found
+
+    @classmethod
+    def load(
+        cls, config: BaseModel | dict[str, Any] | None = None, environ: dict[str, str] | None = None
+    ) -> BackendConfig:
+        """Validate ``config`` (a dict, a model or None) with environment overrides applied."""
+        if isinstance(config, BaseModel):
+            data = config.model_dump(exclude_unset=True)
+        else:
+            data = dict(config or {})
+        data.update(cls.env_overrides(environ))
+        return cls.model_validate(data)
+
+
+class _TaskBase(StrictModel):
+    task_id: str = Field(min_length=1)
+    timeout_s: float | None = Field(default=None, gt=0, description="None: the backend default")
+
+
+class ReadTask(_TaskBase):
+    """Restore blocks ``start_block .. start_block + len(keys)`` into ``device_block_ids``.
+
+    ``keys[i]`` is the chained hash of block ``start_block + i``; ``token_ids`` is the full
+    token path from the root (required by token-addressed backends).
+    """
+
+    keys: list[str]
+    device_block_ids: list[int]
+    token_ids: list[int] | None = None
+    start_block: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> ReadTask:
+        _check_block_lists(self.keys, self.device_block_ids)
+        return self
+
+
+class WriteTask(ReadTask):
+    """Store the blocks held in ``device_block_ids`` under ``keys``."""
+
+
+class FlushTask(_TaskBase):
+    """Update a token index's residency record for blocks from ``start_block`` (seed 003)."""
+
+    token_ids: list[int]
+    keys: list[str] = Field(default_factory=list)
+    start_block: int = Field(default=0, ge=0)
+    resident_on_device: bool
+
+
+class SwapTask(_TaskBase):
+    """Copy (device block, host block) pairs between device cache and the host cache."""
+
+    direction: Literal["to_host", "to_device"]
+    device_block_ids: list[int]
+    host_block_ids: list[int]
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SwapTask:
+        if len(self.device_block_ids) != len(self.host_block_ids):
+            raise ValueError(
+                f"device_block_ids has {len(self.device_block_ids)} ids but host_block_ids has "
+                f"{len(self.host_block_ids)}; they are pairs"
+            )
+        return self
+
+
+def _check_block_lists(keys: list[str], device_block_ids: list[int]) -> None:
+    if len(keys) != len(device_block_ids):
+        raise ValueError(
+            f"keys has {len(keys)} entries but device_block_ids has {len(device_block_ids)}; "
+            "one device block per key"
+        )
+    for i, key in enumerate(keys):
+        if not key:
+            raise ValueError(f"keys[{i}] is empty")
+    for i, b in enumerate(device_block_ids):
+        if b < 0:
+            raise ValueError(f"device_block_ids[{i}] = {b} is negative")
+
+
+class TaskResult(StrictModel):
+    """Outcome of one task: what was done, how many bytes, how long each stage took."""
+
+    task_id: str
+    op: Literal["read", "write", "query", "flush", "swap_to_host", "swap_to_device"]
+    ok: bool = True
+    num_blocks: int = 0
+    block_ids: list[int] = Field(default_factory=list, description="device block ids done")
+    skipped_blocks: int = Field(default=0, description="write: already stored, not rewritten")
+    bytes: int = 0
+    error: str | None = None
+    deadline_missed: bool = False
+    timings_s: dict[str, float] = Field(default_factory=dict)

@@ -1,0 +1,87 @@
+"""Build script: dependencies that depend on the CUDA choice, and the native swap ops (csrc/)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+BASE_DEPS = [
+    "pluggy>=1.5",
+    "pydantic>=2.6,<3",
+    "numpy>=1.24",
+    "importlib-metadata>=6",
+]
+
+
+def _cuda_requested() -> bool:
+    return os.environ.get("KVCORE_CUDA", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _paddle_dep() -> str:
+    # CPU and GPU wheels both install the `paddle` module; never pull both.
+    return "paddlepaddle-gpu>=2.6" if _cuda_requested() else "paddlepaddle>=2.6"
+
+
+def _nvcc() -> str | None:
+    """nvcc to build kvcore/_swap_cuda.so with, or None. KVCORE_CUDA=1 requires it, =auto uses it
+    when found; anything else (the default) never calls it, so CPU installs need no CUDA."""
+    choice = os.environ.get("KVCORE_CUDA", "").strip().lower()
+    if not _cuda_requested() and choice != "auto":
+        return None
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=str(Path(cuda_home) / "bin"))
+    if nvcc is None and _cuda_requested():
+        sys.exit("KVCORE_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    return nvcc
+
+
+class BuildExtWithCuda(build_ext):
+    """Builds kvcore._swap, then (if requested) the ctypes-loaded CUDA library beside it."""
+
+    def run(self) -> None:
+        super().run()
+        nvcc = _nvcc()
+        if nvcc is None:
+            return
+        out = Path(self.get_ext_fullpath("kvcore._swap")).parent / "_swap_cuda.so"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            nvcc,
+            "-O3",
+            "-std=c++17",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC,-pthread",
+            "-gencode=arch=compute_80,code=sm_80",
+            "-gencode=arch=compute_90,code=sm_90",
+            "-Icsrc",
+            "csrc/swap_ops_cuda.cu",
+            "csrc/swap_ops.cc",
+            "-o",
+            str(out),
+        ]
+        self.announce(" ".join(cmd), level=2)
+        subprocess.check_call(cmd, cwd=Path(__file__).resolve().parent)
+
+
+swap_ext = Extension(
+    "kvcore._swap",
+    sources=["csrc/_swap_module.cc", "csrc/swap_ops.cc"],
+    include_dirs=["csrc"],
+    depends=["csrc/swap_ops.h"],
+    extra_compile_args=["-O3", "-std=c++17", "-pthread"],
+    extra_link_args=["-pthread"],
+    language="c++",
+)
+
+setup(
+    install_requires=[*BASE_DEPS, _paddle_dep()],
+    ext_modules=[swap_ext],
+    cmdclass={"build_ext": BuildExtWithCuda},
+)
