@@ -213,7 +213,5 @@ def _has_impl(pm: pluggy.PluginManager, hook_name: str) -> bool:
 
 
 def _close_quietly(pm: pluggy.PluginManager) -> None:
-    try:
+    with contextlib.suppress(Exception):  # already failing: the original error matters
         pm.hook.kvcore_close()
-    except Exception:
-        pass
