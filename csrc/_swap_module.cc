@@ -119,7 +119,7 @@ PyMethodDef kMethods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_swap", "Native KV-cache swap ops (CPU).", -1,
-                       kMethods};
+                       kMethods, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

@@ -75,12 +75,19 @@ class Backend:
         start_block: int = 0,
         token_ids: Sequence[int] | None = None,
         timeout_s: float | None = None,
+        deadline: float | None = None,
         host: HostBuffers | None = None,
         device: DeviceBuffers | None = None,
     ) -> BlockRequest:
-        """A :class:`BlockRequest` with this rank's object names and a deadline from now."""
+        """A :class:`BlockRequest` with this rank's object names.
+
+        The deadline is ``deadline`` (a ``time.monotonic()`` instant) if given, else
+        ``timeout_s`` (default: the config's ``default_timeout_s``) from now.
+        """
         ctx = self.context
-        timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+        if deadline is None:
+            timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + timeout
         return BlockRequest(
             task_id=task_id,
             block_keys=tuple(block_keys),
@@ -92,7 +99,7 @@ class Backend:
                 world_size=ctx.world_size,
             ),
             parts=self._parts,
-            deadline=time.monotonic() + timeout,
+            deadline=deadline,
             start_block=start_block,
             token_ids=token_ids,
             host=host,

@@ -49,44 +49,17 @@ class _CudaLib:
     def __init__(self, path: str) -> None:
         self.path = path
         self.lib = lib = ctypes.CDLL(path)
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
         err = [ctypes.c_char_p, i32]
+        # (device, stream, ptr arrays..., nlayers, block_bytes, limit, [staging,] ids, n, mode, sync)
+        all_layers = [i32, u64, p, p, p, i32, i64, i64, p, p, i64, i32, i32, *err]
+        layout = [i32, u64, p, p, i32, i64, u64, i64, p, p, i64, i32, i32, *err]
         sigs: dict[str, list[Any]] = {
             "kvc_cuda_device_count": [ctypes.POINTER(i32), *err],
-            "kvc_cuda_host_alloc": [i64, ctypes.POINTER(ctypes.c_uint64), *err],
-            "kvc_cuda_host_free": [ctypes.c_uint64, *err],
-            "kvc_cuda_swap_all_layers": [
-                i32,
-                ctypes.c_uint64,
-                p,
-                p,
-                p,
-                i32,
-                i64,
-                i64,
-                p,
-                p,
-                i64,
-                i32,
-                i32,
-                *err,
-            ],
-            "kvc_cuda_swap_layout": [
-                i32,
-                ctypes.c_uint64,
-                p,
-                p,
-                i32,
-                i64,
-                ctypes.c_uint64,
-                i64,
-                p,
-                p,
-                i64,
-                i32,
-                i32,
-                *err,
-            ],
+            "kvc_cuda_host_alloc": [i64, ctypes.POINTER(u64), *err],
+            "kvc_cuda_host_free": [u64, *err],
+            "kvc_cuda_swap_all_layers": all_layers,
+            "kvc_cuda_swap_layout": layout,
         }
         for name, argtypes in sigs.items():
             fn = getattr(lib, name)

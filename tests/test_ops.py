@@ -78,7 +78,7 @@ def check_all_layers_round_trip(
     dev_before = [as_bytes(t).copy() for t in layers]
 
     swap_cache_all_layers(layers, [h.ptr for h in hosts], max_host, dev_ids, host_ids, 0, 0, **kw)
-    for t, h, before in zip(layers, hosts, host_before):
+    for t, h, before in zip(layers, hosts, host_before, strict=True):
         expect = before.reshape(max_host, bb).copy()
         expect[host_ids] = as_bytes(t)[dev_ids]
         np.testing.assert_array_equal(h.view(np.uint8, (max_host, bb)), expect)
@@ -86,7 +86,7 @@ def check_all_layers_round_trip(
     for t in layers:
         as_bytes(t)[...] = 0
     swap_cache_all_layers(layers, hosts, max_host, dev_ids, host_ids, 0, 1, **kw)
-    for t, before in zip(layers, dev_before):
+    for t, before in zip(layers, dev_before, strict=True):
         expect = np.zeros_like(before)
         expect[dev_ids] = before[dev_ids]
         np.testing.assert_array_equal(as_bytes(t), expect)
@@ -116,8 +116,9 @@ def test_all_layers_full_contiguous_run() -> None:
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_threads_give_identical_bytes(threads: int) -> None:
     layers = make_layers("paddle", "bfloat16", 3, 32)
-    dev_ids, host_ids = random_pairs(20, 32, 40)
-    dev_ids[5:9], host_ids[5:9] = [20, 21, 22, 23], [30, 31, 32, 33]  # a run split across threads
+    # Random pairs plus one 4-block run that the byte split cuts across threads.
+    dev_ids = [*RNG.permutation(20)[:16].tolist(), 20, 21, 22, 23]
+    host_ids = [*RNG.permutation(30)[:16].tolist(), 30, 31, 32, 33]
     bb = block_nbytes(layers[0])
     outs = []
     for n in (1, threads):
@@ -127,7 +128,7 @@ def test_threads_give_identical_bytes(threads: int) -> None:
         swap_cache_layout(layers, staging, [32, *BLOCK], dev_ids, range(20), 0, 0, num_threads=n)
         outs.append([h.view(np.uint8, (40, bb))[host_ids].copy() for h in hosts])
         outs[-1].append(staging.array.copy())
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
     check_all_layers_round_trip(layers, dev_ids, host_ids, max_host=40, num_threads=threads)
 
@@ -143,16 +144,36 @@ def test_thread_count_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_all_layers_offset_view_tensor() -> None:
-    # data_ptr() of a contiguous slice includes its offset.
+    # data_ptr() of a contiguous slice includes its offset (Paddle cannot dlpack such a view, so
+    # the reference reads the base tensor).
     base = make_layer("paddle", "bfloat16", 10)
-    layers = [base[2:], make_layer("paddle", "bfloat16", 8)]
-    check_all_layers_round_trip(layers, [0, 7], [1, 0], max_host=2)
-    np.testing.assert_array_equal(as_bytes(base)[2:], as_bytes(base[2:]))
+    view = base[2:]
+    ref = as_bytes(base)
+    saved = ref.copy()
+    bb = ref.shape[1]
+    host = HostBuffer(2 * bb, pinned=False)
+    swap_cache_all_layers([view], [host], 2, [0, 7], [1, 0], 0, 0)
+    np.testing.assert_array_equal(host.view(np.uint8, (2, bb)), saved[[9, 2]])
+    ref[...] = 0
+    swap_cache_all_layers([view], [host], 2, [0, 7], [1, 0], 0, 1)
+    expect = np.zeros_like(saved)
+    expect[[2, 9]] = saved[[2, 9]]
+    np.testing.assert_array_equal(ref, expect)
 
 
-def test_all_layers_duplicate_source_ids_allowed() -> None:
+def test_duplicate_source_ids_allowed() -> None:
+    # A source block may be copied to several destinations (mode 0 reads device block 3 twice).
     layers = make_layers("numpy", "uint8", 2, 6)
-    check_all_layers_round_trip(layers, [3, 3, 1], [0, 4, 2], max_host=5)
+    bb = block_nbytes(layers[0])
+    hosts = [HostBuffer(5 * bb, pinned=False) for _ in layers]
+    swap_cache_all_layers(layers, hosts, 5, [3, 3, 1], [0, 4, 2], 0, 0)
+    staging = HostBuffer(3 * 2 * bb, pinned=False)
+    swap_cache_layout(layers, staging, [6, *BLOCK], [5, 5], [0, 2], 0, 0)
+    for li, (t, h) in enumerate(zip(layers, hosts, strict=True)):
+        np.testing.assert_array_equal(h.view(np.uint8, (5, bb))[[0, 4, 2]], as_bytes(t)[[3, 3, 1]])
+        np.testing.assert_array_equal(
+            staging.view(np.uint8, (3, 2, bb))[[0, 2], li], as_bytes(t)[[5, 5]]
+        )
 
 
 def test_duplicate_destination_ids_rejected() -> None:
@@ -176,7 +197,7 @@ def test_empty_ids_are_a_no_op(mode: int) -> None:
     hosts = [HostBuffer(4 * block_nbytes(layers[0]), pinned=False) for _ in layers]
     swap_cache_all_layers(layers, hosts, 4, [], [], 0, mode)
     swap_cache_layout(layers, hosts[0], [4, *BLOCK], np.array([], np.int64), [], 0, mode)
-    for t, b in zip(layers, before):
+    for t, b in zip(layers, before, strict=True):
         np.testing.assert_array_equal(as_bytes(t), b)
 
 
@@ -198,7 +219,7 @@ def test_all_layers_out_of_range(
     before = [h.array.copy() for h in hosts]
     with pytest.raises(ValueError, match=pattern):
         swap_cache_all_layers(layers, [h.ptr for h in hosts], 5, dev_ids, host_ids, 0, mode)
-    for h, b in zip(hosts, before):  # validation happens before any byte moves
+    for h, b in zip(hosts, before, strict=True):  # validation happens before any byte moves
         np.testing.assert_array_equal(h.array, b)
 
 
@@ -294,7 +315,7 @@ def check_layout_round_trip(
     for t in layers:
         as_bytes(t)[...] = 0
     swap_cache_layout(layers, buf, cache_shape, dev_ids, slot_ids, 0, 1, **kw)
-    for t, before in zip(layers, dev_before):
+    for t, before in zip(layers, dev_before, strict=True):
         want = np.zeros_like(before)
         want[dev_ids] = before[dev_ids]
         np.testing.assert_array_equal(as_bytes(t), want)
@@ -372,7 +393,7 @@ def test_host_buffer_alignment_views_and_lifetime() -> None:
     del buf
     gc.collect()
     arr[:] = 7  # the memory lives as long as a view does
-    assert int(f32.view(np.uint8)[0]) == 7
+    assert int(f32.view(np.uint8)[0, 0]) == 7
     with HostBuffer(4096, pinned="auto") as b2:
         assert b2.pinned == ops.cuda_available()
     assert b2.closed
