@@ -147,6 +147,16 @@ class Backend:
             out.update({f"backend_{k}": float(v) for k, v in own.items()})
         return out
 
+    def raw_baseline(self, ptr: int, nbytes: int, object_nbytes: int) -> dict[str, float]:
+        """The backend's own raw-speed figures (see ``kvcore_raw_baseline``); {} if none."""
+        hook = self._pm.hook.kvcore_raw_baseline
+        if not hook.get_hookimpls():
+            return {}
+        out = self._lifecycle(
+            "raw_baseline", hook, ptr=ptr, nbytes=nbytes, object_nbytes=object_nbytes
+        )
+        return dict(out or {})
+
     def close(self) -> None:
         """Close the backend once; later calls are no-ops."""
         if self._closed:

@@ -158,6 +158,23 @@ def kvcore_stats() -> Mapping[str, float]:
     """
 
 
+@hookspec(firstresult=True)
+def kvcore_raw_baseline(ptr: int, nbytes: int, object_nbytes: int) -> Mapping[str, float]:
+    """Measure the underlying store's raw speed, bypassing kvcore, for ``kvcore bench``.
+
+    :param ptr: host memory holding ``nbytes`` bytes to write and read back.
+    :param nbytes: total bytes to move.
+    :param object_nbytes: the size of one object kvcore would store, for stores whose raw
+        API is per object.
+    :return: ``{"write_gbps": ..., "read_gbps": ...}`` (either may be absent), measured the way
+        an operator would without kvcore: one sequential file in the store's root for a disk
+        backend, the vendor client's own batch calls for a remote store. Optional; without it
+        ``kvcore bench`` compares against memcpy only.
+
+    .. versionadded:: 0.1
+    """
+
+
 @hookspec
 def kvcore_close() -> None:
     """Release connections, threads and files. Called once; no hook is called afterwards.

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up everything kvcore needs in ./.venv: the core (builds the C++ swap ops), the three
+# backends, and the test tools. Safe to re-run; does nothing that is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# Mooncake's wheel needs libibverbs at import time (installed when we may: as root, via apt).
+bash plugins/kv_mooncake/scripts/ensure_system_deps.sh || \
+  echo "warning: could not install Mooncake's system libraries; its tests will say why" >&2
+
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade "pip>=23" wheel "setuptools>=68"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  -e ".[test]" \
+  -e plugins/kv_file \
+  -e plugins/kv_mooncake \
+  -e plugins/kv_attentionstore

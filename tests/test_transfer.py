@@ -1,0 +1,416 @@
+"""TransferManager on CPU with Paddle tensors: exact bytes, dedup, faults, concurrency, reuse."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import paddle
+import pytest
+from memory_backend import MemoryBackend
+
+import kvcore
+from kvcore import CacheLayout, hookimpl
+from kvcore.transfer import DeviceCache, TransferManager
+
+BLOCK = 8
+
+
+def layout(dtype: str = "bfloat16", **kw) -> CacheLayout:
+    base = dict(
+        num_layers=3,
+        num_extra_layers=1,
+        num_heads=2,
+        block_size=BLOCK,
+        head_dim=32,
+        dtype=dtype,
+        num_blocks=24,
+        extra_num_blocks=20,
+    )
+    base.update(kw)
+    return CacheLayout(**base)
+
+
+def _bytes(t: paddle.Tensor) -> np.ndarray:
+    return np.from_dlpack(t.view(paddle.uint8)) if t.dtype != paddle.uint8 else np.from_dlpack(t)
+
+
+def make_cache(lay: CacheLayout, fill: bool = True, seed: int = 0) -> DeviceCache:
+    rng = np.random.default_rng(seed)
+    paddle_dtype = {
+        "bfloat16": "bfloat16",
+        "float16": "float16",
+        "uint8": "uint8",
+        "block_wise_fp8": "uint8",
+    }[lay.dtype.value]
+
+    def tensors(shape_fn, dtype) -> list[paddle.Tensor]:
+        out = []
+        for layer in range(lay.total_layers):
+            t = paddle.zeros(shape_fn(lay.layer_num_blocks(layer)), dtype=dtype)
+            if fill:
+                view = _bytes(t)
+                view[...] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+            out.append(t)
+        return out
+
+    kv = lambda n: [n, *lay.kv_block_shape]  # noqa: E731
+    k, v = tensors(kv, paddle_dtype), tensors(kv, paddle_dtype)
+    if lay.dtype.has_scales:
+        sc = lambda n: [n, *lay.scale_block_shape]  # noqa: E731
+        return DeviceCache(lay, k, v, tensors(sc, "float32"), tensors(sc, "float32"))
+    return DeviceCache(lay, k, v)
+
+
+def block_bytes(cache: DeviceCache, block_id: int) -> list[bytes]:
+    return [_bytes(t)[block_id].tobytes() for part in cache.parts for t in cache.tensors[part]]
+
+
+def keys_for(n_blocks: int, seed: int = 0) -> tuple[list[int], list[str]]:
+    tokens = np.random.default_rng(seed).integers(0, 50_000, n_blocks * BLOCK).tolist()
+    return tokens, kvcore.block_hashes(tokens, BLOCK, kvcore.KeyScope(namespace=f"t{seed}"))
+
+
+@pytest.fixture(params=["memory", "file"])
+def backend_name(request, tmp_path):
+    if request.param == "file":
+        pytest.importorskip("kv_file")
+        return "file", {"root": str(tmp_path / "store")}
+    return MemoryBackend, {}
+
+
+def manager(lay, backend_spec, cache=None, **cfg) -> TransferManager:
+    target, bcfg = backend_spec
+    be = kvcore.open_backend(target, bcfg, context={"layout": lay})
+    conf = {"layout": lay, "max_model_len": 16 * BLOCK, **cfg}
+    tm = TransferManager(conf, cache if cache is not None else make_cache(lay), be)
+    tm._test_backend = be  # closed by the test
+    return tm
+
+
+def close(tm: TransferManager) -> None:
+    tm.close()
+    tm._test_backend.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "uint8", "block_wise_fp8"])
+def test_write_then_read_into_fresh_tensors_is_exact(backend_name, dtype):
+    lay = layout(dtype)
+    src = make_cache(lay, seed=1)
+    tm = manager(lay, backend_name, src)
+    tokens, keys = keys_for(6)
+    src_ids = [5, 6, 7, 0, 19, 2]
+    w = tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": src_ids}).result()
+    assert (w.ok, w.num_blocks, w.block_ids) == (True, 6, src_ids)
+    assert w.bytes == 6 * lay.block_bytes
+    dst = make_cache(lay, fill=False)
+    tm.clear_caches()
+    tm.restore_caches(dst)
+    dst_ids = [11, 3, 4, 18, 1, 9]
+    r = tm.read({"task_id": "r", "keys": keys, "device_block_ids": dst_ids}).result()
+    assert (r.ok, r.num_blocks, r.block_ids) == (True, 6, dst_ids)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+    untouched = [b for b in range(20) if b not in dst_ids]
+    assert all(not any(x.strip(b"\0") for x in block_bytes(dst, b)) for b in untouched)
+    close(tm)
+
+
+def test_dedup_skips_exactly_the_stored_prefix(backend_name):
+    lay = layout()
+    tm = manager(lay, backend_name)
+    _, keys = keys_for(8, seed=2)
+    ids = list(range(8))
+    first = tm.write_back({"task_id": "a", "keys": keys[:3], "device_block_ids": ids[:3]}).result()
+    assert first.num_blocks == 3
+    again = tm.write_back({"task_id": "b", "keys": keys, "device_block_ids": ids}).result()
+    assert (again.skipped_blocks, again.num_blocks, again.block_ids) == (3, 5, ids[3:])
+    assert tm.backend.stats()["blocks.write"] == 3 + 5  # only the unstored suffix was sent
+    assert tm.query({"task_id": "q", "keys": keys, "device_block_ids": ids}) == 8
+    close(tm)
+
+
+def test_read_restores_only_the_leading_run(backend_name):
+    lay = layout()
+    tm = manager(lay, backend_name)
+    _, keys = keys_for(6, seed=3)
+    tm.write_back({"task_id": "a", "keys": keys[:2], "device_block_ids": [0, 1]}).result()
+    tm.write_back({"task_id": "b", "keys": keys[3:], "device_block_ids": [3, 4, 5]}).result()
+    r = tm.read({"task_id": "r", "keys": keys, "device_block_ids": [10, 11, 12, 13, 14, 15]})
+    res = r.result()
+    assert (res.num_blocks, res.block_ids) == (2, [10, 11])
+    assert tm.stats()["misses.read"] == 4
+    close(tm)
+
+
+def test_selective_write_through_waits_for_hits():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}), write_policy="selective", selective_min_hits=2)
+    _, keys = keys_for(4, seed=4)
+    task = {"task_id": "w", "keys": keys, "device_block_ids": [0, 1, 2, 3]}
+    assert tm.write_back(task).result().num_blocks == 0  # first use: not yet worth storing
+    assert tm.write_back(task).result().num_blocks == 4  # second use: stored
+    assert tm.write_back(task).result().skipped_blocks == 4
+    close(tm)
+
+
+def test_swap_round_trip_through_host_cache():
+    lay = layout("block_wise_fp8")
+    src = make_cache(lay, seed=5)
+    tm = manager(lay, (MemoryBackend, {}), src, num_host_blocks=8)
+    out = tm.swap(
+        {
+            "task_id": "s",
+            "direction": "to_host",
+            "device_block_ids": [4, 5, 9],
+            "host_block_ids": [0, 1, 7],
+        }
+    ).result()
+    assert out.ok and out.num_blocks == 3
+    want = [block_bytes(src, b) for b in (4, 5, 9)]
+    dst = make_cache(lay, fill=False)
+    tm._cache = dst  # same host cache, fresh device tensors
+    back = tm.swap(
+        {
+            "task_id": "t",
+            "direction": "to_device",
+            "device_block_ids": [1, 2, 3],
+            "host_block_ids": [0, 1, 7],
+        }
+    ).result()
+    assert back.ok
+    assert [block_bytes(dst, b) for b in (1, 2, 3)] == want
+    close(tm)
+
+
+class _Faulty(MemoryBackend):
+    mode = "raise"
+
+    def _fault(self, request):
+        if self.mode == "raise":
+            raise OSError("storage exploded")
+        if self.mode == "sleep":
+            time.sleep(3)
+        return 0
+
+    @hookimpl
+    def kvcore_query(self, request):
+        if self.mode == "query":
+            return self._fault(request)
+        return MemoryBackend.kvcore_query(self, request)
+
+    @hookimpl
+    def kvcore_read(self, request):
+        return self._fault(request)
+
+    @hookimpl
+    def kvcore_write(self, request):
+        return self._fault(request)
+
+
+@pytest.mark.parametrize("mode", ["raise", "sleep", "fail"])
+def test_faulty_backend_yields_counted_misses_within_deadline(mode, caplog):
+    lay = layout()
+    _Faulty.mode = mode
+    tm = manager(lay, (_Faulty, {}))
+    _, keys = keys_for(4, seed=6)
+    t0 = time.monotonic()
+    w = tm.write_back(
+        {"task_id": "w", "keys": keys, "device_block_ids": [0, 1, 2, 3], "timeout_s": 0.5}
+    ).result(timeout=5)
+    assert time.monotonic() - t0 < 1.5
+    assert w.num_blocks == 0 and not w.ok
+    if mode == "sleep":
+        assert w.deadline_missed
+        assert tm.stats()["deadline_missed.write"] == 1
+    if mode == "raise":
+        assert tm.backend.stats()["errors.write"] == 1
+        assert "storage exploded" in caplog.text
+    _Faulty.mode = "ok"
+    close(tm)
+
+
+def test_late_backend_never_scatters_after_the_deadline():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))
+    _, keys = keys_for(2, seed=7)
+    tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
+    dst = make_cache(lay, fill=False)
+    tm._cache = dst
+    real_read = tm.backend._read
+
+    def slow_read(**kw):
+        time.sleep(0.6)
+        return real_read(**kw)
+
+    tm.backend._read = slow_read
+    res = tm.read(
+        {"task_id": "r", "keys": keys, "device_block_ids": [5, 6], "timeout_s": 0.2}
+    ).result(timeout=5)
+    assert res.deadline_missed and res.num_blocks == 0
+    time.sleep(0.8)  # the backend finishes late
+    assert not any(x.strip(b"\0") for b in (5, 6) for x in block_bytes(dst, b))
+    close(tm)
+
+
+def test_concurrent_tasks(backend_name):
+    lay = layout()
+    tm = manager(lay, backend_name, read_workers=2, write_workers=2)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        try:
+            _, keys = keys_for(3, seed=100 + k)
+            ids = [3 * (k % 6), 3 * (k % 6) + 1, 3 * (k % 6) + 2]
+            for i in range(5):
+                w = tm.write_back(
+                    {"task_id": f"w{k}.{i}", "keys": keys, "device_block_ids": ids}
+                ).result(timeout=30)
+                assert w.ok, w
+                r = tm.read({"task_id": f"r{k}.{i}", "keys": keys, "device_block_ids": ids}).result(
+                    timeout=30
+                )
+                assert r.num_blocks == 3, r
+        except BaseException as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    close(tm)
+
+
+def _rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_staging_is_reused_not_allocated_per_task():
+    lay = layout(num_layers=8, head_dim=64)
+    tm = manager(lay, (MemoryBackend, {}))
+    _, keys = keys_for(4, seed=8)
+    task = {"task_id": "r", "keys": keys, "device_block_ids": [0, 1, 2, 3]}
+    tm.write_back({**task, "task_id": "w"}).result()
+    staging_ids = {id(b) for b in tm._read_staging.buffers}
+    for _ in range(100):  # warm up allocator pools
+        tm.read(task).result()
+    before = _rss_mib()
+    for _ in range(1000):
+        assert tm.read(task).result().num_blocks == 4
+    grown = _rss_mib() - before
+    assert grown < 8, f"resident memory grew {grown:.1f} MiB over 1000 tasks"
+    assert {id(b) for b in tm._read_staging.buffers} == staging_ids
+    close(tm)
+
+
+def test_full_queue_rejects_with_a_result():
+    lay = layout()
+    _Faulty.mode = "sleep"
+    tm = manager(lay, (_Faulty, {}), write_workers=1, queue_depth=1, submit_wait_s=0.05)
+    _, keys = keys_for(1, seed=9)
+    futs = [
+        tm.write_back({"task_id": f"w{i}", "keys": keys, "device_block_ids": [0], "timeout_s": 0.3})
+        for i in range(4)
+    ]
+    results = [f.result(timeout=5) for f in futs]
+    assert any(r.error and "queue is full" in r.error for r in results)
+    assert tm.stats()["rejected.write"] >= 1
+    _Faulty.mode = "ok"
+    close(tm)
+
+
+def test_clear_rejects_until_restore():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))
+    _, keys = keys_for(2, seed=10)
+    assert tm.clear_caches()
+    assert not tm.caches_ready
+    with pytest.raises(RuntimeError, match="restore_caches"):
+        tm.read({"task_id": "r", "keys": keys, "device_block_ids": [0, 1]})
+    tm.restore_caches(make_cache(lay))
+    assert tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result().ok
+    close(tm)
+
+
+def test_bad_input_names_the_field():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))
+    with pytest.raises(kvcore.ConfigError, match="device_block_ids"):
+        tm.read({"task_id": "r", "keys": ["a", "b"], "device_block_ids": [1]})
+    with pytest.raises(ValueError, match=r"device_block_ids\[1\] = 99"):
+        tm.read({"task_id": "r", "keys": ["a", "b"], "device_block_ids": [1, 99]})
+    with pytest.raises(kvcore.ConfigError, match="timeout_s"):
+        tm.read({"task_id": "r", "keys": ["a"], "device_block_ids": [1], "timeout_s": -1})
+    with pytest.raises(kvcore.ConfigError, match="max_model_len"):
+        TransferManager({"layout": lay}, None, None)
+    close(tm)
+
+
+class _TokenIndex(MemoryBackend):
+    capabilities = kvcore.Capabilities(addressing="token", io="host", token_index=True)
+    flushes: list[tuple[int, int, bool, int]] = []
+
+    @hookimpl
+    def kvcore_flush_token_index(self, request, resident_on_device):
+        self.flushes.append(
+            (request.start_block, request.num_blocks, resident_on_device, len(request.token_ids))
+        )
+        return request.num_blocks
+
+
+def test_flush_after_read_and_on_host_eviction():
+    lay = layout()
+    _TokenIndex.flushes = []
+    tm = manager(lay, (_TokenIndex, {}))
+    tokens, keys = keys_for(5, seed=11)
+    tm.write_back(
+        {
+            "task_id": "w",
+            "keys": keys[2:],
+            "device_block_ids": [2, 3, 4],
+            "token_ids": tokens,
+            "start_block": 2,
+        }
+    ).result()
+    r = tm.read(
+        {
+            "task_id": "r",
+            "keys": keys[2:],
+            "device_block_ids": [7, 8, 9],
+            "token_ids": tokens,
+            "start_block": 2,
+        }
+    ).result()
+    assert r.num_blocks == 3
+    assert _TokenIndex.flushes == [(2, 3, True, len(tokens))]
+    ev = tm.evicted_from_host("e", tokens, start_block=3).result()
+    assert ev.num_blocks == 2
+    assert _TokenIndex.flushes[-1] == (3, 2, False, len(tokens))
+    with pytest.raises(ValueError, match="token_ids"):
+        tm.read({"task_id": "x", "keys": keys, "device_block_ids": [0, 1, 2, 3, 4]})
+    close(tm)
+
+
+def test_prometheus_export_has_counters_and_histograms():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))
+    _, keys = keys_for(2, seed=12)
+    tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
+    text = tm.prometheus()
+    assert 'kvcore_transfer_blocks_written_total{rank="0",op="write"} 2' in text
+    assert 'kvcore_transfer_latency_seconds_count{rank="0",op="write"} 1' in text
+    assert 'kvcore_backend_calls_total{backend="MemoryBackend",op="write"} 1' in text
+    assert "kvcore_backend_backend_objects" in text
+    close(tm)
+
+
+def test_combine_ranks_is_the_minimum():
+    from kvcore.transfer import combine_ranks
+
+    assert combine_ranks([5, 3, 4]) == 3
+    assert combine_ranks([]) == 0
