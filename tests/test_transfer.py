@@ -100,7 +100,7 @@ def test_write_then_read_into_fresh_tensors_is_exact(backend_name, dtype):
     lay = layout(dtype)
     src = make_cache(lay, seed=1)
     tm = manager(lay, backend_name, src)
-    tokens, keys = keys_for(6)
+    _, keys = keys_for(6)
     src_ids = [5, 6, 7, 0, 19, 2]
     w = tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": src_ids}).result()
     assert (w.ok, w.num_blocks, w.block_ids) == (True, 6, src_ids)
