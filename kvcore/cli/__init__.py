@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="replay a multi-turn chat workload through a backend")
     backend_args(d)
-    d.add_argument("--conversations", type=int, default=6)
-    d.add_argument("--turns", type=int, default=5)
+    d.add_argument("--conversations", type=int, default=8)
+    d.add_argument("--turns", type=int, default=6)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # Paddle's CPU wheel warns about a missing compiler cache on import: noise for users
+    warnings.filterwarnings("ignore", message="No ccache found")
     if args.command == "backends":
         from kvcore.cli.backends import run
     elif args.command == "demo":

@@ -25,7 +25,7 @@ from kvcore.schemas import BackendContext, CacheLayout
 from kvcore.transfer import DeviceCache, TransferManager
 
 LAYOUT = CacheLayout(
-    num_layers=8, num_heads=4, block_size=16, head_dim=64, dtype="bfloat16", num_blocks=384
+    num_layers=12, num_heads=8, block_size=16, head_dim=128, dtype="bfloat16", num_blocks=384
 )
 MAX_MODEL_LEN = 4096
 SYSTEM_PROMPT_TOKENS = 256
@@ -101,7 +101,7 @@ class Engine:
 
 
 def conversation_tokens(seed: int, conv: int, turn: int, kind: str, n: int) -> list[int]:
-    rng = np.random.default_rng([seed, conv, turn, 0 if kind == "user" else 1])
+    rng = np.random.default_rng([seed, conv + 1, turn, 0 if kind == "user" else 1])
     return rng.integers(0, 100_000, n).tolist()
 
 
@@ -126,7 +126,7 @@ def run_workload(tm: TransferManager, engine: Engine, args: argparse.Namespace) 
     bs = LAYOUT.block_size
     for turn in range(args.turns):
         for conv in range(args.conversations):
-            rng = np.random.default_rng([args.seed, conv, turn, 2])
+            rng = np.random.default_rng([args.seed, conv + 1, turn, 2])
             user = conversation_tokens(args.seed, conv, turn, "user", int(rng.integers(60, 240)))
             prompt = histories[conv] + user
             answer = conversation_tokens(args.seed, conv, turn, "bot", int(rng.integers(40, 160)))

@@ -1,0 +1,142 @@
+"""Each CLI command in a subprocess on a temporary root; numbers parsed, not just exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_dist import make_dist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvcore_cli(*args: str, site: Path | None = None, timeout: int = 300):
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "tests")])
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_backends_json_lists_the_three_backends():
+    out = kvcore_cli("backends", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    for name, dist in [
+        ("file", "kvcore-file"),
+        ("mooncake", "kvcore-mooncake"),
+        ("attentionstore", "kvcore-attentionstore"),
+    ]:
+        assert rows[name]["distribution"] == dist
+        assert rows[name]["imports"] is True, rows[name]["error"]
+        assert rows[name]["capabilities"]["io"] in ("host", "device")
+    text = kvcore_cli("backends")
+    assert re.search(r"^file\s+kvcore-file\s+\S+\s+yes\s+key-addressed", text.stdout, re.M)
+
+
+def _table(stdout: str) -> dict[str, str]:
+    return dict(re.findall(r"^  (\S[\w /]+?)\s{2,}(.+)$", stdout, re.M))
+
+
+def test_demo_verifies_bytes_and_hits_more_on_a_second_run(tmp_path):
+    cfg = json.dumps({"root": str(tmp_path / "store")})
+    first = kvcore_cli("demo", "--config", cfg, "--conversations", "3", "--turns", "3")
+    assert first.returncode == 0, first.stderr
+    t = _table(first.stdout)
+    assert t["turns"] == "9"
+    assert t["byte mismatches"] == "0" and t["errors"] == "0"
+    hit = float(t["storage hit rate"].split()[0])
+    assert 0 < hit < 100  # shared system prompt and growing turns hit; new text misses
+    assert int(t["blocks read"]) > 0 and int(t["blocks written"].split()[0]) > 0
+    assert t["data lives in"] == str(tmp_path / "store")
+    assert "turns" in first.stderr  # the progress bar
+    second = kvcore_cli("demo", "--json", "--config", cfg, "--conversations", "3", "--turns", "3")
+    s = json.loads(second.stdout)
+    assert s["hit_rate"] == 1.0 and s["blocks_written"] == 0 and s["mismatches"] == 0
+    assert s["blocks_read"] == s["prompt_blocks"] > 0
+
+
+LYING_BACKEND = """
+import ctypes
+import kvcore
+from memory_backend import MemoryBackend
+
+class Backend(MemoryBackend):
+    @kvcore.hookimpl
+    def kvcore_read(self, request):
+        n = MemoryBackend.kvcore_read(self, request)
+        for i in range(n):
+            ctypes.memset(request.host.ptrs[i][0], 7, 16)   # corrupt what it returns
+        return n
+"""
+
+
+def test_demo_fails_on_a_byte_mismatch(tmp_path):
+    site = tmp_path / "site"
+    make_dist(site, "lying-kv", "lying_kv", LYING_BACKEND, {"lying": "Backend"})
+    out = kvcore_cli(
+        "demo", "--backend", "lying", "--conversations", "2", "--turns", "2", site=site
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert int(_table(out.stdout)["byte mismatches"]) > 0
+    assert "FAILED" in out.stdout
+
+
+def test_bench_reports_figures_and_ratios(tmp_path):
+    cfg = json.dumps({"root": str(tmp_path / "store")})
+    out = kvcore_cli("bench", "--json", "--blocks", "2", "--repeats", "1", "--config", cfg)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    f = data["figures"]
+    assert f["bytes_per_op"] == 2 * 2 * 28 * 8 * 64 * 128 * 2
+    assert f["write_gbps"] > 0 and f["read_gbps"] > 0 and f["memcpy_gbps"] > 0
+    assert data["verified"] is True
+    assert data["ratios"]["read_vs_memcpy"] > 0
+    human = kvcore_cli("bench", "--blocks", "1", "--repeats", "1", "--config", cfg)
+    assert re.search(r"read\s+\d+\.\d+ GB/s", human.stdout), human.stdout
+
+
+def test_check_passes_file_and_summarises(tmp_path):
+    cfg = json.dumps({"root": str(tmp_path / "store")})
+    out = kvcore_cli("check", "file", "--config", cfg, "-k", "round_trip or gap or hostile")
+    assert out.returncode == 0, out.stdout[-3000:]
+    m = re.search(r"kvcore check file: (\d+) passed, (\d+) failed, (\d+) skipped", out.stdout)
+    assert m and int(m.group(1)) >= 10 and m.group(2) == "0"
+
+
+BROKEN = """
+import kvcore
+from memory_backend import MemoryBackend
+
+class Backend(MemoryBackend):
+    @kvcore.hookimpl
+    def kvcore_query(self, request):
+        return request.num_blocks     # claims everything is there
+"""
+
+
+def test_check_fails_a_broken_backend(tmp_path):
+    site = tmp_path / "site"
+    make_dist(site, "broken-kv", "broken_kv", BROKEN, {"broken": "Backend"})
+    out = kvcore_cli("check", "broken", site=site)
+    assert out.returncode == 1
+    m = re.search(r"kvcore check broken: (\d+) passed, (\d+) failed", out.stdout)
+    assert m and int(m.group(2)) > 0
+    assert "FAILED TestInstalledBackend::test_gap_ends_the_run" in out.stdout
+
+
+@pytest.mark.parametrize("bad", ['{"root": ', '["not", "an", "object"]', "/no/such/file.json"])
+def test_bad_config_argument_is_explained(bad):
+    out = kvcore_cli("demo", "--config", bad)
+    assert out.returncode != 0
+    assert "--config" in out.stderr
