@@ -1,0 +1,20 @@
+"""kvcore backend for AttentionStore (entry point ``attentionstore``).
+
+Importing this package never imports the vendor SDK: it is loaded when the backend opens, so
+``kvcore`` can list this backend, and open every other one, on machines without the SDK.
+"""
+
+from kv_attentionstore.backend import AttentionStoreBackend
+from kv_attentionstore.config import AttentionStoreConfig, SdkSettings, resolve_settings
+from kv_attentionstore.readiness import SdkNotReadyError, SdkStartError
+from kv_attentionstore.sdk_loader import SdkMissingError
+
+__all__ = [
+    "AttentionStoreBackend",
+    "AttentionStoreConfig",
+    "SdkMissingError",
+    "SdkNotReadyError",
+    "SdkSettings",
+    "SdkStartError",
+    "resolve_settings",
+]

@@ -1,0 +1,65 @@
+"""Put the reference SDK on the path and give each test a clean store and a fast backend."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REFERENCE_SDK = Path(__file__).parent / "reference_sdk"
+sys.path.insert(0, str(REFERENCE_SDK))
+
+from attentionstore_sdk import reference_control as control  # noqa: E402
+
+import kvcore  # noqa: E402
+from kvcore.testing import Harness, small_layout  # noqa: E402
+
+#: readiness settings that keep a not-ready simulation to fractions of a second
+FAST = {"readiness_timeout_s": 2.0, "readiness_poll_s": 0.01}
+
+
+@pytest.fixture(autouse=True)
+def _clean_sdk(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in list(os.environ):
+        if name.startswith("AS_"):  # an operator's variables must not leak into tests
+            monkeypatch.delenv(name)
+    control.reset()
+    yield
+    control.reset()
+
+
+@pytest.fixture
+def fast_config() -> dict[str, Any]:
+    return dict(FAST)
+
+
+@pytest.fixture
+def open_as() -> Iterator[Callable[..., Harness]]:
+    """Open the backend (strict) on a small layout; returns a conformance-kit harness."""
+    opened: list[Harness] = []
+
+    def _open(config: dict[str, Any] | None = None, **context: Any) -> Harness:
+        layout = context.pop("layout", None) or small_layout()
+        backend = kvcore.open_backend(
+            "attentionstore",
+            {**FAST, **(config or {})},
+            context={"layout": layout, **context},
+            strict=True,
+        )
+        h = Harness(backend, layout)
+        opened.append(h)
+        return h
+
+    yield _open
+    for h in opened:
+        h.backend.close()
+        h.release()
+
+
+@pytest.fixture
+def harness(open_as: Callable[..., Harness]) -> Harness:
+    return open_as()

@@ -1,0 +1,1 @@
+# REFERENCE IMPLEMENTATION of the documented attentionstore_sdk surface (not the vendor SDK).
