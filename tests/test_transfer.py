@@ -414,3 +414,35 @@ def test_combine_ranks_is_the_minimum():
 
     assert combine_ranks([5, 3, 4]) == 3
     assert combine_ranks([]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "block_wise_fp8"])
+def test_device_io_backend_round_trip_and_flush(dtype):
+    from memory_backend import DeviceMemoryBackend
+
+    lay = layout(dtype)
+    src = make_cache(lay, seed=13)
+    tm = manager(lay, (DeviceMemoryBackend, {}), src)
+    tokens, keys = keys_for(4, seed=13)
+    src_ids = [1, 7, 3, 9]
+    w = tm.write_back(
+        {"task_id": "w", "keys": keys, "device_block_ids": src_ids, "token_ids": tokens}
+    ).result()
+    assert (w.num_blocks, w.block_ids, w.bytes) == (4, src_ids, 4 * lay.block_bytes)
+    assert tm._staging_regions() == []  # device-I/O backends need no staging
+    dst = make_cache(lay, fill=False)
+    tm.restore_caches(dst)
+    r = tm.read(
+        {
+            "task_id": "r",
+            "keys": keys[1:],
+            "device_block_ids": [2, 4, 6],
+            "token_ids": tokens,
+            "start_block": 1,
+        }
+    ).result()
+    assert (r.num_blocks, r.block_ids) == (3, [2, 4, 6])
+    for s, d in zip(src_ids[1:], [2, 4, 6], strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+    assert tm.backend.plugin.flushes == [(1, 3, True)]
+    close(tm)

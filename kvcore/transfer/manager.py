@@ -255,6 +255,10 @@ class TransferManager:
             self._accepting = True
         self.metrics.add("lifecycle", caches_restored=1)
 
+    def _staging_regions(self) -> list[Any]:
+        pools = (self._read_staging, self._write_staging)
+        return [r for pool in pools if pool is not None for r in pool.regions()]
+
     @property
     def caches_ready(self) -> bool:
         return self._accepting and self._cache is not None
