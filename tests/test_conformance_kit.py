@@ -101,3 +101,26 @@ class TestBroken(BackendConformance):
     assert outcomes.get("failed", 0) > 0, result.stdout.str()
     for name in must_fail:
         assert name in failed, f"{name} did not fail for {flaw}: {sorted(failed)}"
+
+
+def test_the_backend_authors_guide_example_passes_the_kit(pytester: pytest.Pytester) -> None:
+    """The code in docs/writing-a-backend.md is what a stranger copies: it must work."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "writing-a-backend.md").read_text()
+    example = doc.split("```python\n# my_kv/__init__.py\n", 1)[1].split("```", 1)[0]
+    pytester.makepyfile(my_kv=example)
+    pytester.makepyfile(
+        test_doc_example="""
+from my_kv import MyBackend
+from kvcore.testing import BackendConformance
+
+
+class TestDocExample(BackendConformance):
+    backend = MyBackend
+"""
+    )
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0, result.stdout.str()
+    assert outcomes.get("passed", 0) >= 25
