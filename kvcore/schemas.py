@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from enum import Enum
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,6 +27,28 @@ __all__ = [
     "TaskResult",
     "WriteTask",
 ]
+
+
+def parse_config_arg(value: str | None) -> dict[str, Any]:
+    """A config given on a command line: inline JSON object, or a path to a JSON file.
+
+    Raises ValueError with a message that says which of the two went wrong.
+    """
+    if not value:
+        return {}
+    text = value.strip()
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a JSON object nor a file")
+        text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    return data
 
 
 class StrictModel(BaseModel):

@@ -3,33 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
+
+from kvcore.schemas import parse_config_arg
 
 __all__ = ["load_config_arg", "main"]
 
 
 def load_config_arg(value: str | None) -> dict[str, Any]:
     """``--config`` takes inline JSON (``'{"root": "/data"}'``) or a path to a JSON file."""
-    if not value:
-        return {}
-    text = value.strip()
-    if not text.startswith("{"):
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise SystemExit(f"kvcore: --config {value!r} is neither a JSON object nor a file")
-        text = path.read_text()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"kvcore: --config is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise SystemExit("kvcore: --config must be a JSON object")
-    return data
+        return parse_config_arg(value)
+    except ValueError as exc:
+        raise SystemExit(f"kvcore: --config: {exc}") from None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvcore.schemas import parse_config_arg
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,22 +32,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def load_config_arg(value: str | None) -> dict[str, Any]:
-    """Parse a ``--config``-style argument: inline JSON object, or a path to a JSON file."""
-    if not value:
-        return {}
-    text = value.strip()
-    if not text.startswith("{"):
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise pytest.UsageError(f"--kvcore-config: {value!r} is neither JSON nor a file")
-        text = path.read_text()
+    """Parse ``--kvcore-config``: inline JSON object, or a path to a JSON file."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise pytest.UsageError(f"--kvcore-config: invalid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise pytest.UsageError("--kvcore-config: expected a JSON object")
-    return data
+        return parse_config_arg(value)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--kvcore-config: {exc}") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -140,32 +140,26 @@ class TransferManager:
 
     def read(self, task: ReadTask | Mapping[str, Any]) -> TaskFuture:
         """Restore the stored leading run of ``task.keys`` into ``task.device_block_ids``."""
-        task = _validate(ReadTask, task, "read task")
-        cache = self._require_cache()
-        cache.check_ids(task.device_block_ids, "device_block_ids")
-        self._check_request(task)
-        self._count_hits(task.keys)
-        return self._submit(
-            "read",
-            task.task_id,
-            task.timeout_s,
-            self._read_pool,
-            lambda fut, prog: self._do_read(task, cache, fut, prog),
+        return self._submit_blocks(
+            "read", _validate(ReadTask, task, "read task"), self._read_pool, self._do_read
         )
 
     def write_back(self, task: WriteTask | Mapping[str, Any]) -> TaskFuture:
         """Store the blocks of ``task`` the backend lacks (per the write policy)."""
-        task = _validate(WriteTask, task, "write task")
+        return self._submit_blocks(
+            "write", _validate(WriteTask, task, "write task"), self._write_pool, self._do_write
+        )
+
+    def _submit_blocks(
+        self, op: str, task: ReadTask, pool: WorkerPool, body: Callable[..., TaskResult]
+    ) -> TaskFuture:
+        """Check a read or write task against the cache and backend, then queue it."""
         cache = self._require_cache()
         cache.check_ids(task.device_block_ids, "device_block_ids")
         self._check_request(task)
         self._count_hits(task.keys)
         return self._submit(
-            "write",
-            task.task_id,
-            task.timeout_s,
-            self._write_pool,
-            lambda fut, prog: self._do_write(task, cache, fut, prog),
+            op, task.task_id, task.timeout_s, pool, lambda fut, prog: body(task, cache, fut, prog)
         )
 
     def flush(self, task: FlushTask | Mapping[str, Any]) -> TaskFuture:
