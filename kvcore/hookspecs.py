@@ -24,7 +24,9 @@ Semantics shared by the data hooks:
   cache can only use a contiguous run from the first block, so a success after a failure
   does not count.
 - Every request has a deadline (``request.deadline``, a ``time.monotonic()`` instant). Return
-  what finished by then; never block past it on I/O you can abandon.
+  what finished by then; never block past it on I/O you can abandon. Copies into or out of
+  the caller's buffers that are already in flight must finish before the hook returns: the
+  caller reuses the buffers as soon as it gets the answer.
 - Failures are results, not exceptions, wherever the backend can tell: return the count that
   succeeded. An exception that escapes is caught by kvcore, logged once, counted, and turned
   into the miss result (0) - except in strict mode, used by tests, where it propagates.

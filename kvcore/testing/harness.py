@@ -24,7 +24,10 @@ __all__ = ["Harness", "Sequence_", "payload_for"]
 
 def payload_for(key: str, part: str, nbytes: int, version: int = 0) -> np.ndarray:
     """Deterministic pseudo-random bytes for one object (differ per key, part and version)."""
-    seed = int.from_bytes(hashlib.sha256(f"{key}|{part}|{version}".encode()).digest()[:8], "little")
+    seed = int.from_bytes(
+        hashlib.sha256(f"{key}|{part}|{version}".encode("utf-8", "surrogatepass")).digest()[:8],
+        "little",
+    )
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 

@@ -1,0 +1,97 @@
+"""Settings of the file backend; every field can be overridden with ``KVCORE_FILE_<FIELD>``."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+
+import kvcore
+
+__all__ = ["FileConfig", "default_root", "parse_size", "safe_namespace"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+
+def default_root() -> str:
+    """``$XDG_CACHE_HOME/kvcore``, else ``~/.cache/kvcore``: works with no settings at all."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "kvcore")
+
+
+def parse_size(value: object) -> object:
+    """Accept ``64GiB``/``500MB``-style strings (handy in env vars); leave other values to pydantic."""
+    if not isinstance(value, str):
+        return value
+    m = _SIZE_RE.match(value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size: use bytes or a number with B/KiB/MiB/GiB/TiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def safe_namespace(value: str, field: str = "namespace") -> str:
+    """A namespace becomes one directory name, so it must not be able to leave the root."""
+    if not _NAMESPACE_RE.match(value):
+        raise ValueError(
+            f"{field} {value!r} must be 1-128 characters from [A-Za-z0-9._-], not starting with "
+            "'.' or '-' (it names a directory under the root)"
+        )
+    return value
+
+
+class FileConfig(kvcore.BackendConfig):
+    env_prefix = "KVCORE_FILE_"
+
+    root: str = Field(default_factory=default_root, description="directory holding the store")
+    namespace: str = Field(
+        default="", description="subdirectory of root; empty: the engine context's namespace"
+    )
+    capacity_bytes: Annotated[int, BeforeValidator(parse_size)] = Field(
+        default=16 * 2**30, gt=0, description="bytes kept on disk, headers included"
+    )
+    fsync: Literal["none", "data", "data_and_dir"] = Field(
+        default="none",
+        description="none: rely on checksums (a torn file is a miss); data: fdatasync each "
+        "object before it counts; data_and_dir: also fsync the directories after the renames",
+    )
+    high_watermark: float = Field(
+        default=0.95, gt=0, le=1, description="evict when a write would pass this fraction"
+    )
+    low_watermark: float = Field(default=0.85, gt=0, le=1, description="evict down to this")
+    io_threads: int = Field(
+        default_factory=lambda: min(8, max(2, 2 * (os.cpu_count() or 1))), ge=1, le=256
+    )
+    rescan_interval_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds between scans that pick up other processes' writes and "
+        "evictions (0: never)",
+    )
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, value: str) -> str:
+        if not value or "\x00" in value:
+            raise ValueError("root must be a non-empty path without NUL")
+        return str(Path(value).expanduser())
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return value and safe_namespace(value)
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> FileConfig:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark {self.low_watermark} must be <= high_watermark "
+                f"{self.high_watermark}"
+            )
+        return self

@@ -1,0 +1,137 @@
+"""Where objects live: ``<root>/<namespace>/<2 hex>/<30 hex>.kv``, named by a hash of the name.
+
+No part of an object's name reaches the file system: ``../``, ``/``, NUL or 10 KB names all
+become 32 hex digits. The full name is kept in the file's header and compared on every read,
+so a hash collision can only ever be a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+__all__ = ["FANOUT", "StoreDir", "name_digest"]
+
+FANOUT = 256
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+#: A temp file this old is abandoned whoever wrote it (another host, a reused pid).
+STALE_TMP_S = 3600.0
+_HOST = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
+
+
+def name_digest(name: bytes) -> int:
+    return xxhash.xxh3_128_intdigest(name)
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """One object file seen by a scan."""
+
+    digest: int
+    size: int
+    mtime_ns: int
+
+
+class StoreDir:
+    """The directory tree of one namespace. Directories are 0700, files 0600."""
+
+    def __init__(self, root: str, namespace: str) -> None:
+        self.root = os.path.abspath(root)
+        self.path = os.path.join(self.root, namespace)
+        self._subdirs = [os.path.join(self.path, f"{i:02x}") for i in range(FANOUT)]
+        self._seq = 0
+
+    def create(self) -> None:
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        for d in (self.path, *self._subdirs):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o700)
+
+    def subdir(self, digest: int) -> str:
+        return self._subdirs[digest >> 120]
+
+    def object_path(self, digest: int) -> str:
+        return f"{self._subdirs[digest >> 120]}/{digest:032x}{SUFFIX}"
+
+    def temp_path(self, digest: int) -> str:
+        """A fresh temp name beside the object: same directory, so the rename is atomic."""
+        self._seq += 1  # racy under threads, but the thread id below keeps names unique
+        return (
+            f"{self._subdirs[digest >> 120]}/{digest:032x}.{_HOST}.{os.getpid()}."
+            f"{threading.get_native_id()}.{self._seq}{TMP_SUFFIX}"
+        )
+
+    def scan(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[Found]:
+        """Every object file (stat'ed unless its digest is in ``skip``, then size -1)."""
+        for d in self._subdirs:
+            try:
+                it = os.scandir(d)
+            except FileNotFoundError:
+                continue
+            with it:
+                for entry in it:
+                    name = entry.name
+                    if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
+                        continue
+                    try:
+                        digest = int(name[:32], 16)
+                    except ValueError:
+                        continue
+                    if digest in skip:
+                        yield Found(digest, -1, 0)
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # evicted by another process meanwhile
+                    yield Found(digest, st.st_size, st.st_mtime_ns)
+
+    def remove_stale_temps(self) -> int:
+        """Delete temp files left by dead writers on this host, or abandoned long ago."""
+        removed = 0
+        now = time.time()
+        for d in self._subdirs:
+            try:
+                names = [n for n in os.listdir(d) if n.endswith(TMP_SUFFIX)]
+            except FileNotFoundError:
+                continue
+            for n in names:
+                path = os.path.join(d, n)
+                if _temp_is_stale(n, path, now):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                        removed += 1
+        return removed
+
+
+def _temp_is_stale(name: str, path: str, now: float) -> bool:
+    parts = name.split(".")
+    try:
+        mtime = os.stat(path).st_mtime
+    except FileNotFoundError:
+        return False
+    if now - mtime > STALE_TMP_S:
+        return True
+    if len(parts) != 6 or parts[1] != _HOST:
+        return False  # another host's writer may still be alive
+    try:
+        pid = int(parts[2])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

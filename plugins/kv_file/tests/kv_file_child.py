@@ -1,0 +1,52 @@
+"""A child process for the crash and sharing tests (run as a script, never imported by pytest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kv_file_testutil import open_store, read_verified, write
+
+
+def crash(root: str, tag: str, blocks: int) -> None:
+    """Write ``blocks`` blocks in batches of 8 until killed (the parent SIGKILLs us)."""
+    store = open_store(root)
+    print("ready", flush=True)
+    for start in range(0, blocks, 8):
+        write(store, [f"{tag}-{i}" for i in range(start, start + 8)])
+    store.close()
+
+
+def share(root: str, worker: int, workers: int, capacity: int) -> None:
+    """Hammer the same keys as the other workers; then read what each of them wrote."""
+    cfg = {"capacity_bytes": capacity} if capacity else {}
+    store = open_store(root, **cfg)
+    shared = [f"shared-{i}" for i in range(16)]
+    own = [f"own-{worker}-{i}" for i in range(8)]
+    stats = {"shared_read": 0, "others_read": 0}
+    for _ in range(6):
+        assert write(store, shared) in range(17)
+        stats["shared_read"] += read_verified(store, shared)  # asserts no torn/mixed bytes
+        assert write(store, own) in range(9)
+    open(os.path.join(root, f"done-{worker}"), "w").close()
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(root, f"done-{w}")) for w in range(workers)):
+        assert time.monotonic() < deadline, "the other workers never finished"
+        time.sleep(0.01)
+    for w in range(workers):
+        if w != worker:
+            stats["others_read"] += read_verified(store, [f"own-{w}-{i}" for i in range(8)])
+    store.close()
+    print(json.dumps(stats), flush=True)
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    if mode == "crash":
+        crash(args[0], args[1], int(args[2]))
+    else:
+        share(args[0], int(args[1]), int(args[2]), int(args[3]))

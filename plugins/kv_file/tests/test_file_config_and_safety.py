@@ -1,0 +1,119 @@
+"""Configuration, defaults, hostile names and file permissions."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from kv_file import FileConfig
+from kv_file_testutil import object_files, open_store, read_verified, write
+
+import kvcore
+from kvcore import ConfigError
+
+HOSTILE = ["../../../../etc/passwd", "/abs/path", "a\x00b", "x" * 10_000, "..", "名前/\n", "\udc80"]
+
+
+def test_hostile_names_stay_inside_the_root(tmp_path) -> None:
+    root = tmp_path / "s"
+    store = open_store(str(root))
+    keys = [f"{h}{i}" for i, h in enumerate(HOSTILE)]
+    assert write(store, keys) == len(keys)
+    assert read_verified(store, keys) == len(keys)
+    store.close()
+    outside = [p for p in tmp_path.rglob("*") if root not in p.parents and p != root]
+    assert outside == []
+    for path in object_files(str(root)):
+        name = os.path.basename(path)
+        assert len(name) == 35 and all(c in "0123456789abcdef" for c in name[:32]), name
+
+
+def test_permissions_are_private(tmp_path) -> None:
+    old = os.umask(0)  # even a permissive umask must not widen them
+    try:
+        store = open_store(str(tmp_path / "s"))
+        assert write(store, ["p"]) == 1
+        store.close()
+    finally:
+        os.umask(old)
+    ns = tmp_path / "s" / "default"
+    assert stat.S_IMODE(ns.stat().st_mode) == 0o700
+    for d in ns.iterdir():
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    files = object_files(str(ns))
+    assert files
+    for f in files:
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_default_config_needs_no_settings(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for k in list(os.environ):
+        if k.startswith("KVCORE_FILE_"):
+            monkeypatch.delenv(k)
+    backend = kvcore.open_backend("file", context={"rank": 1, "world_size": 2})
+    assert backend.plugin._dir.path == str(tmp_path / "xdg" / "kvcore" / "default")
+    backend.close()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert FileConfig.load().root == str(tmp_path / "home" / ".cache" / "kvcore")
+
+
+def test_environment_overrides(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVCORE_FILE_ROOT", str(tmp_path / "env"))
+    monkeypatch.setenv("KVCORE_FILE_CAPACITY_BYTES", "2GiB")
+    monkeypatch.setenv("KVCORE_FILE_FSYNC", "data")
+    monkeypatch.setenv("KVCORE_FILE_NAMESPACE", "model-a")
+    cfg = FileConfig.load({"root": "/ignored"})
+    assert (cfg.root, cfg.capacity_bytes, cfg.fsync) == (str(tmp_path / "env"), 2 * 2**30, "data")
+    assert cfg.namespace == "model-a"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("namespace", "../up"),
+        ("namespace", "a/b"),
+        ("namespace", ".hidden"),
+        ("capacity_bytes", 0),
+        ("capacity_bytes", "lots"),
+        ("fsync", "sometimes"),
+        ("io_threads", 0),
+        ("low_watermark", 1.5),
+        ("root", ""),
+    ],
+)
+def test_bad_settings_name_the_field(tmp_path, field: str, value: object) -> None:
+    cfg = {"root": str(tmp_path), field: value}
+    with pytest.raises(ConfigError, match=field):
+        kvcore.open_backend("file", cfg)
+
+
+def test_watermarks_must_be_ordered(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="low_watermark"):
+        kvcore.open_backend(
+            "file", {"root": str(tmp_path), "low_watermark": 0.9, "high_watermark": 0.5}
+        )
+
+
+def test_hostile_context_namespace_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="context namespace"):
+        kvcore.open_backend("file", {"root": str(tmp_path)}, context={"namespace": "../x"})
+
+
+def test_namespaces_do_not_see_each_other(tmp_path) -> None:
+    a = open_store(str(tmp_path), namespace="a")
+    b = open_store(str(tmp_path), namespace="b")
+    assert write(a, ["k"]) == 1
+    assert b.query(b.request("q", ["k"])) == 0
+    a.close()
+    b.close()
+
+
+def test_flush_token_index_is_a_no_op(tmp_path) -> None:
+    store = open_store(str(tmp_path))
+    assert write(store, ["k"]) == 1
+    assert store.flush_token_index(store.request("f", ["k"]), True) == 0
+    assert store.query(store.request("q", ["k"])) == 1
+    store.close()
