@@ -9,6 +9,7 @@ Batches fan out over a small thread pool (the calling thread works too): each ob
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import os
@@ -183,6 +184,31 @@ class FileBackend:
                 evictions=float(index.evictions),
             )
         return out
+
+    @kvcore.hookimpl
+    def kvcore_raw_baseline(self, ptr: int, nbytes: int) -> dict[str, float]:
+        """What the disk gives without kvcore: one sequential file in this root, same sync."""
+        view = memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+        path = os.path.join(self._dir.path, f".raw-baseline-{os.getpid()}.tmp")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            t0 = time.perf_counter()
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, view[done:], done)
+            if self._sync:
+                os.fdatasync(fd)
+            t1 = time.perf_counter()
+            done = 0
+            while done < nbytes:
+                done += os.preadv(fd, [view[done:]], done)
+            t2 = time.perf_counter()
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        gib = nbytes / 2**30
+        return {"write_gbps": gib / (t1 - t0), "read_gbps": gib / (t2 - t1)}
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:
