@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fsync", default=None, help="kv_file fsync policy (default: its default)")
+    ap.add_argument(
+        "--pipeline-blocks", type=int, default=16, help="TransferConfig.pipeline_blocks"
+    )
     ap.add_argument("--root", default=None, help="directory for the store (default: a temp dir)")
     args = ap.parse_args()
     n = args.blocks

@@ -126,9 +126,11 @@ class StagingBuffer:
         self.part_bytes = tuple(layout.part_bytes(p) for p in layout.parts)
         self.regions = [HostBuffer(slots * n) for n in self.part_bytes]
 
-    def host_buffers(self, n: int) -> HostBuffers:
-        """Buffers for slots ``0 .. n-1`` (blocks are staged from slot 0)."""
-        bases = [r.ptr for r in self.regions]
+    def host_buffers(self, n: int, first_slot: int = 0) -> HostBuffers:
+        """Buffers for slots ``first_slot .. first_slot + n - 1``."""
+        if first_slot < 0 or first_slot + n > self.slots:
+            raise ValueError(f"slots {first_slot}..{first_slot + n - 1} exceed {self.slots}")
+        bases = [r.ptr + first_slot * s for r, s in zip(self.regions, self.part_bytes, strict=True)]
         return HostBuffers(
             ptrs=tuple(
                 tuple(b + i * s for b, s in zip(bases, self.part_bytes, strict=True))

@@ -37,6 +37,12 @@ class TransferConfig(StrictModel):
     staging_buffers: int | None = Field(
         default=None, ge=1, description="staging buffers per direction (default: workers + 1)"
     )
+    pipeline_blocks: int = Field(
+        default=16,
+        ge=1,
+        description="blocks per span: storage I/O of one span overlaps the "
+        "device copy of the previous one",
+    )
     default_timeout_s: float = Field(default=10.0, gt=0)
     flush_after_read: bool = Field(
         default=True, description="token-index backends: mark restored blocks device-resident"

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -105,6 +106,10 @@ class TransferManager:
         self._swap_pool = WorkerPool("swap", cfg.swap_workers, cfg.queue_depth)
         self._read_pool = WorkerPool("read", cfg.read_workers, cfg.queue_depth)
         self._write_pool = WorkerPool("write", cfg.write_workers, cfg.queue_depth)
+        # runs backend calls beside the workers, so storage I/O overlaps gathers and scatters
+        self._io_pool = ThreadPoolExecutor(
+            cfg.read_workers + cfg.write_workers, thread_name_prefix="kvcore-io"
+        )
         self._read_staging: StagingPool | None = None
         self._write_staging: StagingPool | None = None
         if self.backend is not None and self.backend.capabilities.io == "host":
@@ -276,6 +281,7 @@ class TransferManager:
             pool.drain(timeout_s)
             pool.shutdown()
         self._watchdog.stop()
+        self._io_pool.shutdown(wait=True)
         for staging in (self._read_staging, self._write_staging):
             if staging is not None:
                 if self.backend is not None:
@@ -447,32 +453,47 @@ class TransferManager:
         prog: _Progress,
         timings: dict[str, float],
     ) -> None:
+        """Read span i+1 from the backend while span i is scattered into the device cache."""
         assert self._read_staging is not None
-        for off, size in _chunks(stored, self.config.staging_blocks):
-            staging = self._read_staging.acquire(fut.deadline - time.monotonic())
-            if staging is None:
-                return
-            try:
-                t0 = time.monotonic()
-                keys = task.keys[off : off + size]
-                got = self._require_backend().read(
-                    self._request(
-                        task, keys, task.start_block + off, fut.deadline, staging.host_buffers(size)
-                    )
-                )
+        staging = self._read_staging.acquire(fut.deadline - time.monotonic())
+        if staging is None:
+            return
+        backend = self._require_backend()
+        spans = _chunks(stored, self.config.pipeline_blocks)
+
+        def fetch(off: int, size: int) -> tuple[int, float]:
+            t0 = time.monotonic()
+            request = self._request(
+                task,
+                task.keys[off : off + size],
+                task.start_block + off,
+                fut.deadline,
+                staging.host_buffers(size, first_slot=off),
+            )
+            return backend.read(request), time.monotonic() - t0
+
+        pending: Future | None = None
+        try:
+            pending = self._io_pool.submit(fetch, *spans[0]) if spans else None
+            for k, (off, size) in enumerate(spans):
+                assert pending is not None
+                got, backend_s = pending.result()
+                pending = None
+                if got == size and k + 1 < len(spans):
+                    pending = self._io_pool.submit(fetch, *spans[k + 1])
                 t1 = time.monotonic()
                 ids = task.device_block_ids[off : off + got]
                 with fut.unanswered() as live:
                     if not live:  # the caller was answered: never touch its blocks now
                         return
-                    self._stage(cache, staging, ids, _MODE_TO_DEVICE)
+                    self._stage(cache, staging, ids, _MODE_TO_DEVICE, first_slot=off)
                     prog.block_ids.extend(ids)
                     prog.bytes += got * self.layout.block_bytes
-                _add(timings, backend=t1 - t0, scatter=time.monotonic() - t1)
-            finally:
-                self._read_staging.release(staging)
-            if got < size:
-                return
+                _add(timings, backend=backend_s, scatter=time.monotonic() - t1)
+                if got < size:
+                    return
+        finally:
+            self._release_after(self._read_staging, staging, pending)
 
     def _read_device(
         self,
@@ -547,36 +568,58 @@ class TransferManager:
         prog: _Progress,
         timings: dict[str, float],
     ) -> None:
+        """Gather span i+1 into staging while the backend writes span i."""
         assert self._write_staging is not None
-        for off, size in _chunks(todo, self.config.staging_blocks):
-            lo = first + off
-            staging = self._write_staging.acquire(fut.deadline - time.monotonic())
-            if staging is None:
+        staging = self._write_staging.acquire(fut.deadline - time.monotonic())
+        if staging is None:
+            return
+        backend = self._require_backend()
+        spans = [(first + off, size) for off, size in _chunks(todo, self.config.pipeline_blocks)]
+
+        def gather(lo: int, size: int) -> bool:
+            t0 = time.monotonic()
+            with fut.unanswered() as live:
+                if live:  # once answered, the engine may be reusing these blocks already
+                    ids = task.device_block_ids[lo : lo + size]
+                    self._stage(cache, staging, ids, _MODE_TO_HOST, first_slot=lo - first)
+            _add(timings, gather=time.monotonic() - t0)
+            return live
+
+        def store(lo: int, size: int) -> tuple[int, float]:
+            t0 = time.monotonic()
+            request = self._request(
+                task,
+                task.keys[lo : lo + size],
+                task.start_block + lo,
+                fut.deadline,
+                staging.host_buffers(size, first_slot=lo - first),
+            )
+            return backend.write(request), time.monotonic() - t0
+
+        pending: Future | None = None
+        try:
+            if not spans or not gather(*spans[0]):
                 return
-            try:
-                ids = task.device_block_ids[lo : lo + size]
-                t0 = time.monotonic()
-                with fut.unanswered() as live:
-                    if not live:  # the engine may be reusing these blocks already
-                        return
-                    self._stage(cache, staging, ids, _MODE_TO_HOST)
-                t1 = time.monotonic()
-                got = self._require_backend().write(
-                    self._request(
-                        task,
-                        task.keys[lo : lo + size],
-                        task.start_block + lo,
-                        fut.deadline,
-                        staging.host_buffers(size),
-                    )
-                )
-                _add(timings, gather=t1 - t0, backend=time.monotonic() - t1)
-                prog.block_ids.extend(ids[:got])
+            for k, (lo, size) in enumerate(spans):
+                pending = self._io_pool.submit(store, lo, size)
+                more = k + 1 < len(spans) and gather(*spans[k + 1])
+                got, backend_s = pending.result()
+                pending = None
+                _add(timings, backend=backend_s)
+                prog.block_ids.extend(task.device_block_ids[lo : lo + got])
                 prog.bytes += got * self.layout.block_bytes
-            finally:
-                self._write_staging.release(staging)
-            if got < size:
-                return
+                if got < size or not more:
+                    return
+        finally:
+            self._release_after(self._write_staging, staging, pending)
+
+    @staticmethod
+    def _release_after(pool: StagingPool, staging: StagingBuffer, pending: Future | None) -> None:
+        """Return ``staging`` to its pool once no backend call still uses it."""
+        if pending is None or pending.done():
+            pool.release(staging)
+        else:  # a call overran: the buffer is returned only when it finally ends
+            pending.add_done_callback(lambda _: pool.release(staging))
 
     def _write_device(
         self,
@@ -615,12 +658,17 @@ class TransferManager:
     # -- helpers -----------------------------------------------------------------------------
 
     def _stage(
-        self, cache: DeviceCache, staging: StagingBuffer, ids: Sequence[int], mode: int
+        self,
+        cache: DeviceCache,
+        staging: StagingBuffer,
+        ids: Sequence[int],
+        mode: int,
+        first_slot: int = 0,
     ) -> None:
-        """Gather device blocks into staging slots 0.. (mode 0) or scatter them back (1)."""
+        """Gather device blocks into consecutive staging slots (mode 0) or scatter back (1)."""
         if not ids:
             return
-        slots = list(range(len(ids)))
+        slots = list(range(first_slot, first_slot + len(ids)))
         for part, region in zip(self.layout.parts, staging.regions, strict=True):
             ops.swap_cache_layout(
                 cache.tensors[part],
@@ -653,6 +701,12 @@ class TransferManager:
 
     def _check_request(self, task: ReadTask) -> None:
         backend = self._require_backend()
+        if len(task.keys) > self.config.staging_blocks:
+            raise ValueError(
+                f"keys: {len(task.keys)} blocks exceed the longest sequence the manager was "
+                f"sized for (max_model_len {self.config.max_model_len} = "
+                f"{self.config.staging_blocks} blocks)"
+            )
         if backend.capabilities.addressing == "token":
             need = (task.start_block + len(task.keys)) * self.layout.block_size
             if task.token_ids is None or len(task.token_ids) < need:
