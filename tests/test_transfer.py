@@ -446,3 +446,61 @@ def test_device_io_backend_round_trip_and_flush(dtype):
         assert block_bytes(src, s) == block_bytes(dst, d)
     assert tm.backend.plugin.flushes == [(1, 3, True)]
     close(tm)
+
+
+def test_pipelined_spans_keep_leading_run_semantics(backend_name):
+    lay = layout()
+    src = make_cache(lay, seed=14)
+    tm = manager(lay, backend_name, src, pipeline_blocks=2)
+    _, keys = keys_for(7, seed=14)
+    ids = [0, 1, 2, 3, 4, 5, 6]
+    w = tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": ids}).result()
+    assert (w.num_blocks, w.block_ids) == (7, ids)
+    dst = make_cache(lay, fill=False)
+    tm.restore_caches(dst)
+    out = [10, 11, 12, 13, 14, 15, 16]
+    r = tm.read({"task_id": "r", "keys": keys, "device_block_ids": out}).result()
+    assert (r.num_blocks, r.block_ids) == (7, out)
+    for s, d in zip(ids, out, strict=True):
+        assert block_bytes(src, s) == block_bytes(dst, d)
+    close(tm)
+
+
+class _RefusesAfter(MemoryBackend):
+    limit = 5  # objects stored in total before the store is "full"
+
+    @hookimpl
+    def kvcore_write(self, request):
+        room = max(0, self.limit - len(self._objects)) // len(request.parts)
+        n = min(room, request.num_blocks)
+        if n == 0:
+            return 0
+        from dataclasses import replace
+
+        part = replace(
+            request,
+            block_keys=request.block_keys[:n],
+            object_names=request.object_names[:n],
+            host=kvcore.HostBuffers(request.host.ptrs[:n], request.host.nbytes),
+        )
+        return MemoryBackend.kvcore_write(self, part)
+
+
+def test_pipelined_write_stops_at_the_first_short_span():
+    lay = layout()
+    _RefusesAfter.limit = 2 * 3  # three blocks of (k, v)
+    tm = manager(lay, (_RefusesAfter, {}), pipeline_blocks=2)
+    _, keys = keys_for(6, seed=15)
+    w = tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": list(range(6))}).result()
+    assert (w.ok, w.num_blocks, w.block_ids) == (False, 3, [0, 1, 2])
+    assert tm.query({"task_id": "q", "keys": keys, "device_block_ids": list(range(6))}) == 3
+    close(tm)
+
+
+def test_tasks_longer_than_the_staging_are_refused_by_name():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))  # max_model_len = 16 blocks
+    _, keys = keys_for(17, seed=16)
+    with pytest.raises(ValueError, match="keys: 17 blocks exceed"):
+        tm.read({"task_id": "r", "keys": keys, "device_block_ids": list(range(17))})
+    close(tm)
