@@ -504,3 +504,27 @@ def test_tasks_longer_than_the_staging_are_refused_by_name():
     with pytest.raises(ValueError, match="keys: 17 blocks exceed"):
         tm.read({"task_id": "r", "keys": keys, "device_block_ids": list(range(17))})
     close(tm)
+
+
+def test_clear_answers_running_tasks_so_nothing_lands_in_freed_tensors():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))
+    _, keys = keys_for(2, seed=17)
+    tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
+    old = make_cache(lay, fill=False)
+    tm.restore_caches(old)
+    real_read = tm.backend._read
+
+    def slow_read(**kw):
+        time.sleep(0.8)
+        return real_read(**kw)
+
+    tm.backend._read = slow_read
+    fut = tm.read({"task_id": "r", "keys": keys, "device_block_ids": [5, 6], "timeout_s": 30})
+    time.sleep(0.1)
+    assert tm.clear_caches(timeout_s=0.1) is False  # the read is still running
+    res = fut.result(timeout=1)
+    assert res.num_blocks == 0 and res.error == "caches cleared while the task ran"
+    time.sleep(1.0)  # the backend returns; the worker must not scatter into `old`
+    assert not any(x.strip(b"\0") for b in (5, 6) for x in block_bytes(old, b))
+    close(tm)

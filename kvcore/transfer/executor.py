@@ -37,7 +37,7 @@ class TaskFuture(Future):
     caller has been answered no further block is scattered into device memory.
     """
 
-    def __init__(self, deadline: float, on_expire: Callable[[], Any]) -> None:
+    def __init__(self, deadline: float, on_expire: Callable[[str | None], Any]) -> None:
         super().__init__()
         self.deadline = deadline
         self._on_expire = on_expire
@@ -63,10 +63,11 @@ class TaskFuture(Future):
             self.set_exception(exc)
             return True
 
-    def expire(self) -> None:
+    def expire(self, reason: str | None = None) -> None:
+        """Answer now with the fallback (``reason`` None: the deadline passed)."""
         with self._lock:
             if not self.done():
-                self.set_result(self._on_expire())
+                self.set_result(self._on_expire(reason))
 
 
 class DeadlineWatchdog:

@@ -99,6 +99,7 @@ class TransferManager:
         self._host: HostCache | None = None
         self._state = threading.Condition()
         self._accepting = True
+        self._live: set[TaskFuture] = set()
         self._hits: OrderedDict[str, int] = OrderedDict()
         self._hits_lock = threading.Lock()
 
@@ -236,6 +237,10 @@ class TransferManager:
             for pool in (self._swap_pool, self._read_pool, self._write_pool)
         )
         with self._state:
+            live = list(self._live)
+        for fut in live:  # answer what still runs: no late scatter into freed tensors
+            fut.expire("caches cleared while the task ran")
+        with self._state:
             self._cache = None
             if self._host is not None:
                 self._host.close()
@@ -313,8 +318,9 @@ class TransferManager:
         deadline = self._deadline(timeout_s)
         progress = _Progress()
 
-        def on_expire() -> TaskResult:
-            self.metrics.add(op, deadline_missed=1)
+        def on_expire(reason: str | None) -> TaskResult:
+            if reason is None:
+                self.metrics.add(op, deadline_missed=1)
             return TaskResult(
                 task_id=task_id,
                 op=op,
@@ -323,8 +329,8 @@ class TransferManager:
                 block_ids=list(progress.block_ids),
                 skipped_blocks=progress.skipped,
                 bytes=progress.bytes,
-                deadline_missed=True,
-                error=f"deadline of {deadline - t_submit:.3f}s passed",
+                deadline_missed=reason is None,
+                error=reason or f"deadline of {deadline - t_submit:.3f}s passed",
                 timings_s={"total": time.monotonic() - t_submit},
             )
 
@@ -366,16 +372,24 @@ class TransferManager:
         with self._state:
             if not self._accepting:
                 return self._rejected(op, task_id, "caches are cleared (restore_caches first)")
+            self._live.add(fut)  # clear_caches answers whatever is still live
+        fut.add_done_callback(self._forget)
         try:
             pool.submit(run, min(self.config.submit_wait_s, max(0.0, deadline - t_submit)))
         except QueueFullError as exc:
-            return self._rejected(op, task_id, str(exc))
+            self.metrics.add(op, rejected=1)
+            fut.expire(str(exc))
+            return fut
         self._watchdog.watch(fut)
         return fut
 
+    def _forget(self, fut: Future) -> None:
+        with self._state:
+            self._live.discard(fut)
+
     def _rejected(self, op: str, task_id: str, why: str) -> TaskFuture:
         self.metrics.add(op, rejected=1)
-        fut = TaskFuture(time.monotonic(), lambda: None)
+        fut = TaskFuture(time.monotonic(), lambda _reason: None)
         fut.answer(TaskResult(task_id=task_id, op=op, ok=False, error=why))
         return fut
 
