@@ -4,8 +4,14 @@ Subclass :class:`BackendConformance` in a plugin's tests, or run the suite again
 installed backend with ``pytest --kvcore-backend NAME [--kvcore-config JSON_OR_PATH]``.
 """
 
-from kvcore.testing.harness import Harness, blocks_equal, payload_for
-from kvcore.testing.suite import BackendConformance, requires, small_layout
+import pytest
+
+# The kit's asserts must explain failures in the tests of whoever runs it, also when kvcore
+# is installed editable (pytest only rewrites plugin modules it can list from the dist).
+pytest.register_assert_rewrite("kvcore.testing.harness", "kvcore.testing.suite")
+
+from kvcore.testing.harness import Harness, blocks_equal, payload_for  # noqa: E402
+from kvcore.testing.suite import BackendConformance, requires, small_layout  # noqa: E402
 
 __all__ = [
     "BackendConformance",

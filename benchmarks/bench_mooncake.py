@@ -1,0 +1,224 @@
+"""kv_mooncake through kvcore against raw MooncakeDistributedStore calls, in one run.
+
+Starts a mooncake_master on 127.0.0.1 (inside a loopback-only network namespace when run as
+root), opens the ``mooncake`` backend through ``kvcore.open_backend`` and registers its host
+staging buffers as an engine would. Each repetition writes and reads the same bytes twice
+with the same client: once through the backend (``Backend.request`` + ``write``/``read``,
+which adds the existence check, key mapping and leading-run accounting) and once with raw
+``batch_put_from`` / ``batch_get_into`` on fresh keys. The order alternates between
+repetitions; figures are medians and ratios are medians of per-repetition ratios; ``--json`` prints one JSON object
+``{"figures", "ratios", "goals", "machine"}``.
+
+Typical shape: 28 layers x 8 heads x 64 tokens x 128 dims bfloat16, so 3.5 MiB per K or V
+object and 16 blocks (112 MiB) per call. The data lands in the client's own segment, so this
+measures Mooncake's local path plus kvcore's overhead, not a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from functools import partial
+
+from kv_mooncake.testing import MooncakeCluster, isolate_loopback
+
+NETNS = isolate_loopback()  # before any Python thread exists
+
+import numpy as np  # noqa: E402
+from kv_mooncake.store_keys import store_key  # noqa: E402
+
+import kvcore  # noqa: E402
+from kvcore.keys import KeyScope, block_hashes  # noqa: E402
+
+
+def timed(fn: Callable[[], object]) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def staging(n: int, sizes: tuple[int, ...], fill: bool) -> list[np.ndarray]:
+    rng = np.random.default_rng(1)
+    arrays = [np.empty((n, s), dtype=np.uint8) for s in sizes]
+    for a in arrays:
+        a[...] = rng.integers(0, 256, a.shape, dtype=np.uint8) if fill else 0
+    return arrays
+
+
+def host_buffers(arrays: list[np.ndarray]) -> kvcore.HostBuffers:
+    sizes = tuple(a.shape[1] for a in arrays)
+    n = arrays[0].shape[0]
+    ptrs = tuple(tuple(a.ctypes.data + i * a.shape[1] for a in arrays) for i in range(n))
+    return kvcore.HostBuffers(ptrs=ptrs, nbytes=sizes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--blocks", type=int, default=16, help="blocks per call")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--query-iters", type=int, default=200)
+    ap.add_argument("--segment-mib", type=int, default=1024)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    layout = kvcore.CacheLayout(
+        num_layers=args.layers,
+        num_heads=args.heads,
+        block_size=args.block_size,
+        head_dim=args.head_dim,
+    )
+    n = args.blocks
+    sizes = tuple(layout.part_bytes(p) for p in layout.parts)
+    total = n * sum(sizes)
+    if 3 * total > args.segment_mib << 20:
+        ap.error(f"--segment-mib must hold 3 calls' worth ({3 * total >> 20} MiB)")
+
+    with MooncakeCluster(storage_bytes=0) as cluster:
+        config = cluster.config(global_segment_size=args.segment_mib << 20)
+        backend = kvcore.open_backend("mooncake", config, context={"layout": layout})
+        try:
+            figures, ratios = run(backend, layout, n, sizes, total, args)
+        finally:
+            backend.close()
+
+    result = {
+        "figures": figures,
+        "ratios": ratios,
+        "goals": {"write_vs_raw": ">= 0.9", "read_vs_raw": ">= 0.9"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "network_namespace": "private loopback" if NETNS is None else f"shared: {NETNS}",
+            "object_mib": sizes[0] / (1 << 20),
+            "call_mib": total / (1 << 20),
+            "reps": args.reps,
+        },
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for section in ("figures", "ratios", "goals"):
+            for name, value in result[section].items():
+                print(f"{section[:-1]:7s} {name:32s} {value}")
+
+
+def run(
+    backend: kvcore.Backend,
+    layout: kvcore.CacheLayout,
+    n: int,
+    sizes: tuple[int, ...],
+    total: int,
+    args: argparse.Namespace,
+) -> tuple[dict[str, float], dict[str, float]]:
+    store = backend.plugin.store
+    src, dst = staging(n, sizes, fill=True), staging(n, sizes, fill=False)
+    for a in (*src, *dst):
+        backend.register_buffer(a.ctypes.data, a.nbytes)
+    src_host, dst_host = host_buffers(src), host_buffers(dst)
+    src_ptrs, flat_sizes = src_host.flat()
+    dst_ptrs, _ = dst_host.flat()
+
+    times: dict[str, list[float]] = {k: [] for k in ("kv_w", "raw_w", "kv_r", "raw_r")}
+    warmup = 2
+    for rep in range(warmup + args.reps):
+        tokens = np.random.default_rng().integers(0, 150_000, n * layout.block_size).tolist()
+        scope = KeyScope(namespace=f"bench-{uuid.uuid4().hex}")
+        keys = block_hashes(tokens, layout.block_size, scope)
+        raw_keys = [f"bench-raw/{uuid.uuid4().hex}/{i}" for i in range(n * len(sizes))]
+
+        kv_w = partial(kv_write, backend, keys, src_host)
+        kv_r = partial(kv_read, backend, keys, dst_host)
+        raw_write = partial(store.batch_put_from, raw_keys, src_ptrs, flat_sizes)
+        raw_read = partial(store.batch_get_into, raw_keys, dst_ptrs, flat_sizes)
+
+        order = [("kv", kv_w, kv_r), ("raw", raw_write, raw_read)]
+        if rep % 2:
+            order.reverse()
+        for name, write, read in order:
+            done, t_write = timed(write)
+            check(name, "write", done, n, flat_sizes)
+            done, t_read = timed(read)
+            check(name, "read", done, n, flat_sizes)
+            for a, b in zip(src, dst, strict=True):
+                if not np.array_equal(a, b):
+                    raise SystemExit(f"{name} read returned different bytes")
+                b[...] = 0
+            if rep >= warmup:
+                times[f"{name}_w"].append(t_write)
+                times[f"{name}_r"].append(t_read)
+        if rep == warmup:
+            query = time_queries(backend, store, keys, args.query_iters)
+        names = [store_key(m) for names in backend.request("x", keys).object_names for m in names]
+        store.batch_remove(names + raw_keys, True)
+
+    gbps = {k: total / statistics.median(v) / 1e9 for k, v in times.items()}
+    figures = {
+        "kvcore_write_gbps": gbps["kv_w"],
+        "raw_write_gbps": gbps["raw_w"],
+        "kvcore_read_gbps": gbps["kv_r"],
+        "raw_read_gbps": gbps["raw_r"],
+        **query,
+    }
+    # Paired: each repetition runs both sides back to back, so the median of per-repetition
+    # ratios cancels the slow drift of a shared machine better than a ratio of medians.
+    ratios = {
+        "write_vs_raw": paired_ratio(times["raw_w"], times["kv_w"]),
+        "read_vs_raw": paired_ratio(times["raw_r"], times["kv_r"]),
+        "query_vs_raw": query["raw_query_us"] / query["kvcore_query_us"],
+    }
+    return figures, ratios
+
+
+def kv_write(backend: kvcore.Backend, keys: list[str], host: kvcore.HostBuffers) -> int:
+    """One engine-side call: build the request (names, deadline), then write."""
+    return backend.write(backend.request("bench-w", keys, host=host))
+
+
+def kv_read(backend: kvcore.Backend, keys: list[str], host: kvcore.HostBuffers) -> int:
+    return backend.read(backend.request("bench-r", keys, host=host))
+
+
+def paired_ratio(raw_s: list[float], kv_s: list[float]) -> float:
+    """Median over repetitions of kvcore's speed relative to raw (raw time / kvcore time)."""
+    return statistics.median(r / k for r, k in zip(raw_s, kv_s, strict=True))
+
+
+def check(name: str, op: str, done: object, n: int, sizes: list[int]) -> None:
+    if name == "kv":
+        ok = done == n
+    elif op == "write":
+        ok = all(r == 0 for r in done)  # type: ignore[union-attr]
+    else:
+        ok = list(done) == sizes  # type: ignore[call-overload]
+    if not ok:
+        raise SystemExit(f"{name} {op} failed: {done!r}")
+
+
+def time_queries(
+    backend: kvcore.Backend, store: object, keys: list[str], iters: int
+) -> dict[str, float]:
+    names = [store_key(m) for names in backend.request("q", keys).object_names for m in names]
+    kv, raw = [], []
+    for _ in range(iters):
+        _, t = timed(lambda: backend.query(backend.request("bench-q", keys)))
+        kv.append(t)
+        _, t = timed(lambda: store.batch_is_exist(names))  # type: ignore[attr-defined]
+        raw.append(t)
+    return {
+        "kvcore_query_us": statistics.median(kv) * 1e6,
+        "raw_query_us": statistics.median(raw) * 1e6,
+    }
+
+
+if __name__ == "__main__":
+    main()

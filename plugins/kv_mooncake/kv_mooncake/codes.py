@@ -1,0 +1,70 @@
+"""Mooncake's integer return codes, turned into the miss reasons this backend counts.
+
+The Python binding returns plain ints (its ErrorCode enum is not exposed): ``0`` for a
+successful put, a byte count for a successful get, ``1``/``0`` for exists, negatives for
+errors. Every failure becomes a counted miss; none is raised.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+__all__ = [
+    "ALREADY_EXISTS",
+    "NOT_FOUND",
+    "NO_SPACE",
+    "REPLICA_NOT_READY",
+    "RPC_FAILED",
+    "RPC_TIMEOUT",
+    "Counters",
+    "reason",
+]
+
+NO_SPACE = -200
+INVALID_PARAMS = -600
+REPLICA_NOT_READY = -703
+NOT_FOUND = -704
+ALREADY_EXISTS = -705
+HAS_LEASE = -706
+LEASE_EXPIRED = -707
+TRANSFER_FAILED = -800
+RPC_FAILED = -900
+RPC_TIMEOUT = -901
+
+_REASONS = {
+    NO_SPACE: "no_space",
+    INVALID_PARAMS: "invalid_params",
+    REPLICA_NOT_READY: "replica_not_ready",
+    NOT_FOUND: "not_found",
+    HAS_LEASE: "has_lease",
+    LEASE_EXPIRED: "lease_expired",
+    TRANSFER_FAILED: "transfer_failed",
+    RPC_FAILED: "rpc_failed",
+    RPC_TIMEOUT: "rpc_timeout",
+}
+
+#: Codes that mean the master could not be reached (as opposed to a per-key answer).
+MASTER_DOWN = frozenset({RPC_FAILED, RPC_TIMEOUT})
+
+
+def reason(code: int) -> str:
+    """Name of the miss reason for a negative Mooncake code (``other`` when unknown)."""
+    return _REASONS.get(code, "other")
+
+
+class Counters:
+    """Thread-safe named counters, reported through ``kvcore_stats``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counts[name] += n
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()}

@@ -1,0 +1,159 @@
+"""Faults against a real master: unreachable at start, killed, hung, and out of space."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kv_mooncake import MasterUnreachableError
+from kv_mooncake.testing import MooncakeCluster, free_port
+
+import kvcore
+from kvcore.testing import Harness, blocks_equal, small_layout
+
+#: slack for a loaded 2-core machine on top of a call's deadline
+SLACK_S = 1.0
+
+
+def open_harness(config: dict[str, Any], layout: kvcore.CacheLayout | None = None) -> Harness:
+    layout = layout or small_layout()
+    backend = kvcore.open_backend("mooncake", config, context={"layout": layout}, strict=True)
+    return Harness(backend, layout)
+
+
+def timed(call: Callable[[], int]) -> tuple[int, float]:
+    t0 = time.monotonic()
+    result = call()
+    return result, time.monotonic() - t0
+
+
+def test_unreachable_master_fails_fast_with_the_address() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(MasterUnreachableError, match="unreachable") as info:
+        kvcore.open_backend(
+            "mooncake", {"master_server_address": address, "master_metrics_port": free_port()}
+        )
+    assert time.monotonic() - t0 < 3.0  # not Mooncake's 90-second setup retry
+    assert address in str(info.value)
+
+
+def test_killed_master_gives_misses_in_time_then_recovers(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    h = open_harness(cluster.config())
+    try:
+        before = h.new_sequence(3)
+        assert h.write(before) == 3
+        cluster.master.kill()
+
+        for call in (
+            lambda: h.query(before, timeout_s=2.0),
+            lambda: h.read(before, timeout_s=2.0)[0],
+            lambda: h.write(h.new_sequence(2), timeout_s=2.0),
+        ):
+            done, took = timed(call)
+            assert done == 0
+            assert took < 2.0 + SLACK_S, f"a call took {took:.1f}s with the master dead"
+        stats = h.backend.stats()
+        # the first call sees -900 at once; while Mooncake reconnects, later checks may block
+        # until the deadline instead: either way a counted miss
+        reasons = ("rpc_failed", "rpc_timeout", "deadline", "master_unresponsive")
+        assert sum(stats.get(f"backend_miss_{r}", 0) for r in reasons) >= 3
+        assert stats["backend_miss_rpc_failed"] >= 1
+
+        cluster.master.start()  # same ports; Mooncake's clients reconnect by themselves
+        after = h.new_sequence(3)
+        deadline = time.monotonic() + 30
+        while h.write(after, timeout_s=2.0) != 3:
+            assert time.monotonic() < deadline, "no recovery 30 s after the master restarted"
+            time.sleep(0.5)
+        done, got = h.read(after)
+        assert done == 3 and blocks_equal(got, h.payload(after, 0, 3)) == []
+    finally:
+        h.backend.close()
+
+
+def test_hung_master_cannot_hold_a_call_past_its_deadline(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    cluster = mooncake_cluster_factory(storage_bytes=16 << 20)
+    h = open_harness(cluster.config())
+    try:
+        seq = h.new_sequence(2)
+        assert h.write(seq) == 2
+        cluster.master.pause()
+        for call in (
+            lambda: h.query(seq, timeout_s=0.5),
+            lambda: h.read(seq, timeout_s=0.5)[0],
+            lambda: h.write(h.new_sequence(1), timeout_s=0.5),
+        ):
+            done, took = timed(call)
+            assert done == 0
+            assert took < 0.5 + SLACK_S, f"a call took {took:.1f}s with the master hung"
+        stats = h.backend.stats()
+        assert stats["backend_miss_deadline"] >= 3
+        cluster.master.resume()
+        deadline = time.monotonic() + 15
+        while h.query(seq, timeout_s=1.0) != 2:
+            assert time.monotonic() < deadline, "queries did not recover after the master resumed"
+            time.sleep(0.2)
+    finally:
+        cluster.master.resume()
+        h.backend.close()
+
+
+def test_capacity_exhausted_gives_a_clean_partial_write(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    cluster = mooncake_cluster_factory(storage_bytes=16 << 20)  # Mooncake's smallest segment
+    layout = kvcore.CacheLayout(num_layers=4, num_heads=8, block_size=64, head_dim=128)
+    assert layout.block_bytes == 1 << 20  # 24 blocks cannot fit in 16 MiB
+    h = open_harness(cluster.config(), layout)
+    try:
+        seq = h.new_sequence(24)
+        written = h.write(seq)
+        assert 0 < written < 24
+        assert h.query(seq) == written
+        done, got = h.read(seq)
+        assert done == written
+        assert blocks_equal(got[:done], h.payload(seq, 0, done)) == []
+        assert h.backend.stats()["backend_miss_no_space"] >= 1
+    finally:
+        h.backend.close()
+
+
+class SlowStore:
+    """Delegates to the real client; each read takes a while (to cross a deadline)."""
+
+    def __init__(self, store: Any, delay_s: float) -> None:
+        self._store = store
+        self._delay_s = delay_s
+
+    def batch_get_into(self, *args: Any) -> Any:
+        time.sleep(self._delay_s)
+        return self._store.batch_get_into(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_reads_stop_between_chunks_at_the_deadline(mooncake_config: dict[str, Any]) -> None:
+    layout = small_layout()
+    h = open_harness({**mooncake_config, "max_batch_bytes": layout.block_bytes * 2}, layout)
+    try:
+        seq = h.new_sequence(10)
+        assert h.write(seq) == 10
+        plugin = h.backend.plugin
+        plugin._store = SlowStore(plugin._store, delay_s=0.4)
+        done, took = timed(lambda: h.read(seq, timeout_s=0.6)[0])
+        # 5 chunks of 2 blocks; the deadline passes during the second chunk
+        assert done == 4
+        assert took < 0.6 + 0.4 + SLACK_S
+        assert h.backend.stats()["backend_miss_deadline"] == 1
+        plugin._store = plugin._store._store
+    finally:
+        h.backend.close()

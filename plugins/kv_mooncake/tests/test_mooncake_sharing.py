@@ -1,0 +1,105 @@
+"""Data crossing processes through one master, and zero-copy through registered buffers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kv_mooncake.testing import MooncakeCluster
+
+import kvcore
+from kvcore.testing import Harness, blocks_equal, small_layout
+from kvcore.testing.harness import Sequence_
+
+PEER = Path(__file__).with_name("mooncake_peer_writer.py")
+
+
+def test_a_second_process_reads_what_the_first_wrote(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    # No storage node: the only memory in the cluster is the writer's own segment, so every
+    # byte the reader gets crossed from the other process.
+    cluster = mooncake_cluster_factory(storage_bytes=0)
+    writer_config = cluster.config(global_segment_size=64 << 20)
+    writer = subprocess.Popen(
+        [sys.executable, str(PEER), json.dumps(writer_config), "6"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    layout = small_layout()
+    backend = kvcore.open_backend("mooncake", cluster.config(), context={"layout": layout})
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        line = writer.stdout.readline()
+        assert line, f"the writer exited with {writer.wait(10)}"
+        report = json.loads(line)
+        assert report["written"] == 6
+        seq = Sequence_(report["token_ids"], report["keys"])
+        h = Harness(backend, layout)
+        assert h.query(seq) == 6
+        done, got = h.read(seq)
+        assert done == 6
+        assert blocks_equal(got, h.payload(seq, 0, 6)) == []
+
+        writer.stdin.write("exit\n")
+        writer.stdin.flush()
+        assert writer.wait(30) == 0
+        # the objects lived in the writer's segment: gone with it (persistent=False)
+        assert h.query(seq) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        backend.close()
+
+
+def test_registered_staging_buffers_are_used_without_temporary_registration(
+    mooncake_config: dict[str, Any],
+) -> None:
+    layout = small_layout("block_wise_fp8")
+    backend = kvcore.open_backend("mooncake", mooncake_config, context={"layout": layout})
+    try:
+        sizes = tuple(layout.part_bytes(p) for p in layout.parts)
+        n = 8
+        staging = [np.zeros((n, s), dtype=np.uint8) for s in sizes]
+        for array in staging:
+            backend.register_buffer(array.ctypes.data, array.nbytes)
+        stats = backend.stats()
+        assert stats["backend_registered_regions"] == len(layout.parts)
+
+        h = Harness(backend, layout)
+        seq = h.new_sequence(n)
+        payload = h.payload(seq, 0, n)
+        for i, block in enumerate(payload):
+            for j, data in enumerate(block):
+                staging[j][i] = np.frombuffer(data, dtype=np.uint8)
+        host = kvcore.HostBuffers(
+            ptrs=tuple(
+                tuple(staging[j].ctypes.data + i * sizes[j] for j in range(len(sizes)))
+                for i in range(n)
+            ),
+            nbytes=sizes,
+        )
+        assert backend.write(backend.request("w", seq.keys, host=host)) == n
+        for array in staging:
+            array[:] = 0
+        assert backend.read(backend.request("r", seq.keys, host=host)) == n
+        got = [[staging[j][i].tobytes() for j in range(len(sizes))] for i in range(n)]
+        assert blocks_equal(got, payload) == []
+
+        stats = backend.stats()
+        assert stats.get("backend_unregistered_spans", 0) == 0
+        # an overlapping registration is refused and counted, not raised
+        backend.register_buffer(staging[0].ctypes.data + 8, 8)
+        assert backend.stats()["backend_register_failed"] == 1
+        for array in staging:
+            backend.unregister_buffer(array.ctypes.data)
+        assert backend.stats()["backend_registered_regions"] == 0
+    finally:
+        backend.close()

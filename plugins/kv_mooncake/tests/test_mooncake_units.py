@@ -1,0 +1,185 @@
+"""Pieces that need no master: key encoding, region bookkeeping, chunking, code mapping."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kv_mooncake import MooncakeBackend, MooncakeConfig
+from kv_mooncake.backend import _chunks
+from kv_mooncake.codes import Counters, reason
+from kv_mooncake.regions import RegionTable, merge_spans
+from kv_mooncake.store_keys import MAX_PLAIN_KEY, store_key
+
+from kvcore import BlockRequest, leading_run
+from kvcore.keys import object_name
+
+
+def test_plain_names_pass_unchanged() -> None:
+    name = object_name("ab" * 32, "k_scale", namespace="default", rank=1, world_size=4)
+    assert store_key(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "a\x00b",
+        "../../etc/passwd",
+        "/abs",
+        ".",
+        "..",
+        "a//b",
+        "名前",
+        "x\n",
+        "x" * 10_000,
+        "#sha256:00",
+        "\udc80",
+    ],
+)
+def test_unsafe_names_are_hashed(name: str) -> None:
+    key = store_key(name)
+    assert key.startswith("#sha256:") and len(key) == 8 + 64
+    assert key == store_key(name)  # stable
+
+
+def test_hashing_keeps_names_apart() -> None:
+    names = ["x" * (MAX_PLAIN_KEY + 1), "x" * (MAX_PLAIN_KEY + 2), "a\x00b", "a\x00c"]
+    assert len({store_key(n) for n in names}) == len(names)
+    assert store_key("x" * MAX_PLAIN_KEY) == "x" * MAX_PLAIN_KEY
+
+
+class FakeMooncake:
+    """Registration calls as Mooncake answers them: overlapping registrations are refused."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.calls: list[str] = []
+
+    def register(self, ptr: int, n: int) -> int:
+        self.calls.append(f"reg {ptr} {n}")
+        if any(ptr < p + m and p < ptr + n for p, m in self.live.items()):
+            return -600
+        self.live[ptr] = n
+        return 0
+
+    def unregister(self, ptr: int) -> int:
+        self.calls.append(f"unreg {ptr}")
+        return 0 if self.live.pop(ptr, None) is not None else -600
+
+
+@pytest.fixture
+def table() -> tuple[RegionTable, FakeMooncake]:
+    fake = FakeMooncake()
+    return RegionTable(fake.register, fake.unregister), fake
+
+
+def test_merge_spans() -> None:
+    assert merge_spans([(10, 20), (0, 5), (5, 8), (15, 30), (40, 41)]) == [
+        (0, 8),
+        (10, 30),
+        (40, 41),
+    ]
+
+
+def test_spans_inside_a_registered_region_need_no_registration(table) -> None:
+    t, fake = table
+    assert t.add(1000, 1000) == 0
+    pinned, unregistered = t.pin([(1000, 1100), (1500, 2000)])
+    assert (pinned, unregistered) == ([], 0)
+    assert fake.calls == ["reg 1000 1000"]
+    assert t.remove(1000) == 0 and fake.live == {}
+    assert t.remove(1000) == -600
+
+
+def test_temporary_registration_is_shared_and_released(table) -> None:
+    t, fake = table
+    first, _ = t.pin([(0, 100), (100, 200)])  # touching spans: one registration
+    second, _ = t.pin([(50, 150)])  # inside the first: reused, not registered again
+    assert fake.live == {0: 200} and len(first) == 1 and second == first
+    t.unpin(first)
+    assert fake.live == {0: 200}  # still used by the second call
+    t.unpin(second)
+    assert fake.live == {} and t.count == 0
+
+
+def test_overlap_with_a_known_region_stays_unregistered(table) -> None:
+    t, fake = table
+    assert t.add(100, 100) == 0
+    pinned, unregistered = t.pin([(150, 250)])
+    assert pinned == [] and unregistered == 1
+    assert t.add(150, 10) == -600  # refused without asking Mooncake
+    assert fake.calls == ["reg 100 100"]
+
+
+def test_chunks_split_by_bytes() -> None:
+    assert _chunks([10] * 5, 25) == [(0, 3), (3, 5)]
+    assert _chunks([100, 1, 1], 50) == [(0, 1), (1, 3)]
+    assert _chunks([], 10) == []
+
+
+def test_codes_map_to_reasons() -> None:
+    assert [reason(c) for c in (-200, -704, -706, -900, -901, -12345)] == [
+        "no_space",
+        "not_found",
+        "has_lease",
+        "rpc_failed",
+        "rpc_timeout",
+        "other",
+    ]
+    counters = Counters()
+    counters.add("miss_no_space", 2)
+    counters.add("bytes_read", 0)  # zero adds leave no key behind
+    assert counters.snapshot() == {"miss_no_space": 2.0}
+
+
+class InFlightStore:
+    """Object "b" answers -703 (another writer's put in flight) a few times, then data."""
+
+    def __init__(self, not_ready_times: int) -> None:
+        self.not_ready_times = not_ready_times
+        self.calls: list[list[str]] = []
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.calls.append(list(keys))
+        busy = "b" in keys and self.not_ready_times > 0
+        self.not_ready_times -= busy
+        return [-703 if busy and k == "b" else s for k, s in zip(keys, sizes, strict=True)]
+
+
+def bare_backend(store: object, **config: object) -> MooncakeBackend:
+    backend = MooncakeBackend.__new__(MooncakeBackend)  # no client: the store is a fake
+    backend.config = MooncakeConfig.load({"master_server_address": "h:1", **config})
+    backend._store = store
+    backend._counters = Counters()
+    backend._regions = RegionTable(lambda p, n: 0, lambda p: 0)
+    return backend
+
+
+def a_request(n_keys: int, timeout_s: float) -> BlockRequest:
+    return BlockRequest(
+        task_id="t",
+        block_keys=tuple(f"b{i}" for i in range(n_keys)),
+        object_names=tuple((f"b{i}",) for i in range(n_keys)),
+        parts=("k",),
+        deadline=time.monotonic() + timeout_s,
+    )
+
+
+def test_read_waits_for_a_put_in_flight() -> None:
+    store = InFlightStore(not_ready_times=3)
+    backend = bare_backend(store)
+    ok = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 5.0))
+    assert ok == [True, True, True]
+    assert store.calls[1:] == [["b", "c"]] * 3  # retries start at the object not ready
+    assert backend._counters.snapshot()["waits_replica_not_ready"] == 3
+
+
+def test_waiting_for_a_put_in_flight_stops_at_the_deadline() -> None:
+    store = InFlightStore(not_ready_times=10**6)
+    backend = bare_backend(store)
+    t0 = time.monotonic()
+    ok = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 0.2))
+    assert time.monotonic() - t0 < 0.5
+    assert ok == [True, False, True] and leading_run(ok) == 1
+    assert backend._counters.snapshot()["miss_replica_not_ready"] == 1
