@@ -13,7 +13,8 @@ bash plugins/kv_mooncake/scripts/ensure_system_deps.sh || \
   echo "warning: could not install Mooncake's system libraries; its tests will say why" >&2
 
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade "pip>=23" wheel "setuptools>=77"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+# (setuptools' advice about editable installs is noise here: the venv is ours)
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install --quiet --disable-pip-version-check \
   -e ".[test]" \
   -e plugins/kv_file \
   -e plugins/kv_mooncake \
