@@ -21,6 +21,7 @@ import atexit
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -154,6 +155,33 @@ class MooncakeBackend:
         stats = self._counters.snapshot()
         stats["registered_regions"] = float(self._regions.count)
         return stats
+
+    @kvcore.hookimpl
+    def kvcore_raw_baseline(self, ptr: int, nbytes: int, object_nbytes: int) -> dict[str, float]:
+        """The raw client on the same bytes: one batch_put_from and one batch_get_into."""
+        n = max(1, nbytes // object_nbytes)
+        tag = uuid.uuid4().hex
+        keys = [f"kvcore-raw-baseline-{tag}-{i}" for i in range(n)]
+        ptrs = [ptr + i * object_nbytes for i in range(n)]
+        sizes = [object_nbytes] * n
+        pinned, _ = self._regions.pin([(ptr, ptr + n * object_nbytes)])
+        try:
+            t0 = time.perf_counter()
+            put = self._store.batch_put_from(keys, ptrs, sizes)
+            t1 = time.perf_counter()
+            got = self._store.batch_get_into(keys, ptrs, sizes)
+            t2 = time.perf_counter()
+        finally:
+            self._regions.unpin(pinned)
+            for key in keys:  # leave nothing behind in the cluster
+                self._store.remove(key, True)
+        gib = n * object_nbytes / 2**30
+        out: dict[str, float] = {}
+        if all(c == 0 for c in put):
+            out["write_gbps"] = gib / (t1 - t0)
+        if all(c == object_nbytes for c in got):
+            out["read_gbps"] = gib / (t2 - t1)
+        return out
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:

@@ -1,0 +1,46 @@
+"""The operator's tools against a live master: kvcore bench (with the raw-client baseline)
+and kvcore check, each in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_bench_reports_kvcore_and_raw_client_figures(mooncake_cluster):
+    cfg = json.dumps(mooncake_cluster.config())
+    out = _cli(
+        "bench",
+        "--backend",
+        "mooncake",
+        "--config",
+        cfg,
+        "--blocks",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    f, r = data["figures"], data["ratios"]
+    assert data["verified"] is True
+    assert f["write_gbps"] > 0 and f["read_gbps"] > 0
+    assert f["raw_write_gbps"] > 0 and f["raw_read_gbps"] > 0  # the raw client's own calls
+    assert r["read_vs_raw"] == round(f["read_gbps"] / f["raw_read_gbps"], 3)
+
+
+def test_check_passes_against_the_live_master(mooncake_cluster):
+    cfg = json.dumps(mooncake_cluster.config())
+    out = _cli("check", "mooncake", "--config", cfg, "-k", "round_trip or gap")
+    assert out.returncode == 0, out.stdout[-3000:]
+    m = re.search(r"kvcore check mooncake: (\d+) passed, (\d+) failed", out.stdout)
+    assert m and int(m.group(1)) >= 5 and m.group(2) == "0"
