@@ -17,6 +17,7 @@ import json
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument(
         "--pipeline-blocks", type=int, default=16, help="TransferConfig.pipeline_blocks"
     )
+    ap.add_argument("--verbose", action="store_true", help="per-repetition stage timings on stderr")
     ap.add_argument("--root", default=None, help="directory for the store (default: a temp dir)")
     args = ap.parse_args()
     n = args.blocks
@@ -108,6 +110,12 @@ def main() -> None:
             r = tm.read({"task_id": "r", "keys": keys, "device_block_ids": dst_ids}).result()
             assert r.num_blocks == n, r
             times["tm_read"].append(r.timings_s["total"])
+            if args.verbose:
+                print(
+                    "read timings",
+                    {k: round(v, 4) for k, v in r.timings_s.items()},
+                    file=sys.stderr,
+                )
             # the swap op alone, same blocks
             for part, region in zip(layout.parts, staging, strict=True):
                 t0 = time.perf_counter()

@@ -125,6 +125,8 @@ class StagingBuffer:
         self.slots = slots
         self.part_bytes = tuple(layout.part_bytes(p) for p in layout.parts)
         self.regions = [HostBuffer(slots * n) for n in self.part_bytes]
+        for r in self.regions:  # fault the pages in now, not during the first request
+            r.array.fill(0)
 
     def host_buffers(self, n: int, first_slot: int = 0) -> HostBuffers:
         """Buffers for slots ``first_slot .. first_slot + n - 1``."""
