@@ -44,3 +44,24 @@ def test_check_passes_against_the_live_master(mooncake_cluster):
     assert out.returncode == 0, out.stdout[-3000:]
     m = re.search(r"kvcore check mooncake: (\d+) passed, (\d+) failed", out.stdout)
     assert m and int(m.group(1)) >= 5 and m.group(2) == "0"
+
+
+def test_demo_runs_on_mooncake_with_every_byte_verified(mooncake_cluster):
+    cfg = json.dumps(mooncake_cluster.config())
+    out = _cli(
+        "demo",
+        "--backend",
+        "mooncake",
+        "--config",
+        cfg,
+        "--conversations",
+        "2",
+        "--turns",
+        "2",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    s = json.loads(out.stdout)
+    assert s["mismatches"] == 0 and s["errors"] == 0
+    assert s["blocks_read"] > 0 and s["blocks_written"] > 0
+    assert "mooncake" in s["data_location"]
