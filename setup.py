@@ -16,6 +16,7 @@ BASE_DEPS = [
     "pydantic>=2.6,<3",
     "numpy>=1.24",
     "importlib-metadata>=6",
+    "typing-extensions>=4.6",
 ]
 
 

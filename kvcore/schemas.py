@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing_extensions import Self
 
 __all__ = [
     "BackendConfig",
@@ -20,6 +21,7 @@ __all__ = [
     "CacheDType",
     "CacheLayout",
     "Capabilities",
+    "EnvConfig",
     "FlushTask",
     "ReadTask",
     "StrictModel",
@@ -189,17 +191,15 @@ class BackendContext(StrictModel):
         return self
 
 
-class BackendConfig(StrictModel):
-    """Base of every backend's own config model.
+class EnvConfig(StrictModel):
+    """A config whose fields operators can override with environment variables.
 
     Subclasses set ``env_prefix`` (e.g. ``"KVCORE_FILE_"``); :meth:`load` then applies
-    environment overrides: ``KVCORE_FILE_ROOT=/data`` sets ``root``. Values in the environment
-    override the given config (an operator's knob beats a baked-in file); JSON is accepted for
-    non-string fields.
+    ``KVCORE_FILE_ROOT=/data`` as ``root``. Values in the environment override the given config
+    (an operator's knob beats a baked-in file); JSON is accepted for non-string fields.
     """
 
     env_prefix: ClassVar[str] = ""
-    default_timeout_s: float = Field(default=5.0, gt=0, description="deadline when a task has none")
 
     @classmethod
     def env_overrides(cls, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -223,7 +223,7 @@ class BackendConfig(StrictModel):
     @classmethod
     def load(
         cls, config: BaseModel | dict[str, Any] | None = None, environ: dict[str, str] | None = None
-    ) -> BackendConfig:
+    ) -> Self:
         """Validate ``config`` (a dict, a model or None) with environment overrides applied."""
         if isinstance(config, BaseModel):
             data = config.model_dump(exclude_unset=True)
@@ -231,6 +231,12 @@ class BackendConfig(StrictModel):
             data = dict(config or {})
         data.update(cls.env_overrides(environ))
         return cls.model_validate(data)
+
+
+class BackendConfig(EnvConfig):
+    """Base of every backend's own config model (see :class:`EnvConfig` for ``env_prefix``)."""
+
+    default_timeout_s: float = Field(default=5.0, gt=0, description="deadline when a task has none")
 
 
 class _TaskBase(StrictModel):

@@ -528,3 +528,14 @@ def test_clear_answers_running_tasks_so_nothing_lands_in_freed_tensors():
     time.sleep(1.0)  # the backend returns; the worker must not scatter into `old`
     assert not any(x.strip(b"\0") for b in (5, 6) for x in block_bytes(old, b))
     close(tm)
+
+
+def test_transfer_config_takes_environment_overrides(monkeypatch):
+    monkeypatch.setenv("KVCORE_TRANSFER_WRITE_WORKERS", "3")
+    monkeypatch.setenv("KVCORE_TRANSFER_WRITE_POLICY", "selective")
+    tm = manager(layout(), (MemoryBackend, {}), write_workers=1)
+    assert (tm.config.write_workers, tm.config.write_policy) == (3, "selective")
+    close(tm)
+    monkeypatch.setenv("KVCORE_TRANSFER_QUEUE_DEPTH", "none")
+    with pytest.raises(kvcore.ConfigError, match="queue_depth"):
+        manager(layout(), (MemoryBackend, {}))

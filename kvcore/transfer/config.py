@@ -7,13 +7,19 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvcore.schemas import CacheLayout, StrictModel
+from kvcore.schemas import CacheLayout, EnvConfig
 
 __all__ = ["TransferConfig"]
 
 
-class TransferConfig(StrictModel):
-    """How the manager sizes its buffers, threads and queues, and when it writes back."""
+class TransferConfig(EnvConfig):
+    """How the manager sizes its buffers, threads and queues, and when it writes back.
+
+    Every field can be overridden with ``KVCORE_TRANSFER_<FIELD>`` (e.g.
+    ``KVCORE_TRANSFER_WRITE_WORKERS=4``); the environment wins over the given config.
+    """
+
+    env_prefix = "KVCORE_TRANSFER_"
 
     layout: CacheLayout
     max_model_len: int = Field(gt=0, description="longest sequence in tokens: sizes staging")

@@ -80,7 +80,10 @@ class TransferManager:
         backend: Backend | str | None = None,
         backend_config: BaseModel | Mapping[str, Any] | None = None,
     ) -> None:
-        self.config = _validate(TransferConfig, config, "transfer config")
+        try:
+            self.config = TransferConfig.load(config)
+        except ValidationError as exc:
+            raise ConfigError.from_validation("transfer config", exc) from None
         cfg = self.config
         self.layout = cfg.layout
         self._owns_backend = isinstance(backend, str)
