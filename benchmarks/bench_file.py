@@ -20,7 +20,6 @@ machine} on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import platform
@@ -32,6 +31,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
+from benchutil import add_layout_args, emit
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers
@@ -219,11 +219,7 @@ class Bench:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--blocks", type=int, default=64)
+    add_layout_args(ap, blocks=64)
     ap.add_argument("--query-keys", type=int, default=10_000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None, help="scratch directory (default: the temp dir)")
@@ -280,13 +276,7 @@ def main() -> None:
             "cold_read_method": "fsync + posix_fadvise(DONTNEED) per file",
         },
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for k, v in report["figures"].items():
-            print(f"{k:32s} {v}")
-        for k, v in report["ratios"].items():
-            print(f"{k:32s} {v}  (goal {goals[k]})")
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ measures Mooncake's local path plus kvcore's overhead, not a network.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ from kv_mooncake.testing import MooncakeCluster, isolate_loopback
 NETNS = isolate_loopback()  # before any Python thread exists
 
 import numpy as np  # noqa: E402
+from benchutil import add_layout_args, emit  # noqa: E402
 from kv_mooncake.store_keys import store_key  # noqa: E402
 
 import kvcore  # noqa: E402
@@ -60,11 +60,7 @@ def host_buffers(arrays: list[np.ndarray]) -> kvcore.HostBuffers:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--blocks", type=int, default=16, help="blocks per call")
+    add_layout_args(ap, blocks=16)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--query-iters", type=int, default=200)
     ap.add_argument("--segment-mib", type=int, default=1024)
@@ -104,12 +100,7 @@ def main() -> None:
             "reps": args.reps,
         },
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for section in ("figures", "ratios", "goals"):
-            for name, value in result[section].items():
-                print(f"{section[:-1]:7s} {name:32s} {value}")
+    emit(result, args.json)
 
 
 def run(

@@ -8,12 +8,12 @@ ops move bytes), 64 blocks per call picked at random (no mergeable runs), defaul
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
+from benchutil import add_layout_args, emit
 
 from kvcore import _swap
 from kvcore.ops import HostBuffer, swap_cache_all_layers, swap_cache_layout
@@ -31,11 +31,7 @@ def median_gbps(fn: Callable[[], None], nbytes: int, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--blocks", type=int, default=64, help="blocks moved per call")
+    add_layout_args(ap, blocks=64, blocks_help="blocks moved per call")
     ap.add_argument("--cache-blocks", type=int, default=128, help="blocks per cache tensor")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="0: library default")
@@ -104,13 +100,7 @@ def main() -> None:
         },
         "goals": {k.removesuffix("_gbps") + "_vs_copyto": ">= 1.0" for k in ops},
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for k, v in report["figures"].items():
-            print(f"{k:36s} {v}")
-        for k, v in report["ratios"].items():
-            print(f"{k:36s} {v}  (goal {report['goals'][k]})")
+    emit(report, args.json)
 
 
 if __name__ == "__main__":
