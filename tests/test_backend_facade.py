@@ -1,0 +1,86 @@
+"""The opened-backend facade: failures become counted misses, logged once; strict re-raises."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from memory_backend import MemoryBackend
+
+import kvcore
+from kvcore import hookimpl
+from kvcore.backend import BackendContractError
+
+
+class _Misbehaving(MemoryBackend):
+    behaviour = "raise"
+
+    @hookimpl
+    def kvcore_query(self, request):
+        if self.behaviour == "raise":
+            raise ConnectionError("store unreachable")
+        if self.behaviour == "too_many":
+            return request.num_blocks + 1
+        if self.behaviour == "not_int":
+            return "3"
+        if self.behaviour == "slow":
+            time.sleep(0.2)
+        return MemoryBackend.kvcore_query(self, request)
+
+
+LAYOUT = kvcore.CacheLayout(num_layers=2, num_heads=1, block_size=4, head_dim=8)
+
+
+def _open(behaviour: str, strict: bool = False) -> kvcore.Backend:
+    _Misbehaving.behaviour = behaviour
+    return kvcore.open_backend(_Misbehaving, context={"layout": LAYOUT}, strict=strict)
+
+
+def test_exception_is_a_counted_miss_logged_once(caplog):
+    be = _open("raise")
+    req = be.request("task-7", ["a", "b"])
+    with caplog.at_level(logging.DEBUG, logger="kvcore.backend"):
+        assert be.query(req) == 0
+        assert be.query(req) == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "task-7" in warnings[0].getMessage() and "ConnectionError" in warnings[0].getMessage()
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 1
+    stats = be.stats()
+    assert stats["errors.query"] == 2 and stats["calls.query"] == 2
+
+
+@pytest.mark.parametrize("behaviour", ["too_many", "not_int"])
+def test_contract_violations_are_misses_or_errors_in_strict_mode(behaviour):
+    be = _open(behaviour)
+    req = be.request("t", ["a", "b"])
+    assert be.query(req) == 0
+    assert be.stats()["invalid_results.query"] == 1
+    with pytest.raises(BackendContractError, match="expected an int in"):
+        _open(behaviour, strict=True).query(req)
+
+
+def test_strict_mode_reraises():
+    with pytest.raises(ConnectionError):
+        _open("raise", strict=True).query(kvcore.open_backend(MemoryBackend).request("t", ["a"]))
+
+
+def test_late_answers_are_counted_as_deadline_misses():
+    be = _open("slow")
+    assert be.query(be.request("t", ["a"], timeout_s=0.01)) == 0
+    assert be.stats()["deadline_missed.query"] == 1
+
+
+def test_missing_buffers_are_the_callers_error():
+    be = _open("ok")
+    with pytest.raises(ValueError, match="needs `host` buffers"):
+        be.read(be.request("t", ["a"]))
+
+
+def test_flush_is_zero_without_a_token_index_and_close_is_final():
+    be = _open("ok")
+    assert be.flush_token_index(be.request("t", ["a"]), True) == 0
+    be.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        be.query(be.request("t", ["a"]))
