@@ -190,12 +190,13 @@ def where_data_lives(backend: Any) -> str:
     root = getattr(backend.config, "root", None)
     if root is not None:
         return str(root)
+    # the settings that say where the data is: whatever was set, secrets left out
     shown = {
         k: v
-        for k, v in backend.config.model_dump(mode="json").items()
+        for k, v in backend.config.model_dump(mode="json", exclude_defaults=True).items()
         if "password" not in k and "secret" not in k
     }
-    return f"backend {backend.name!r} with {json.dumps(shown)}"
+    return f"backend {backend.name!r} ({json.dumps(shown)})"
 
 
 def summary(totals: Totals, backend: Any, elapsed: float) -> dict[str, Any]:

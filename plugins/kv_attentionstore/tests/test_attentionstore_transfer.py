@@ -92,3 +92,39 @@ def test_manager_round_trip_suffix_write_and_flushes():
     assert (flush.start_block_idx, flush.reside_in_gpu) == (4, False)
     assert flush.token_ids == tuple(tokens[: 5 * LAYOUT.block_size])
     tm.close()
+
+
+def test_kvcore_demo_on_attentionstore_verifies_every_byte():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sdk = Path(__file__).parent / "reference_sdk"
+    env = {**os.environ, "PYTHONPATH": str(sdk)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcore",
+            "demo",
+            "--backend",
+            "attentionstore",
+            "--config",
+            json.dumps(FAST),
+            "--conversations",
+            "2",
+            "--turns",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    s = json.loads(out.stdout)
+    assert s["mismatches"] == 0 and s["errors"] == 0
+    assert s["blocks_read"] > 0 and s["blocks_written"] > 0
