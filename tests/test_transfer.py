@@ -539,3 +539,18 @@ def test_transfer_config_takes_environment_overrides(monkeypatch):
     monkeypatch.setenv("KVCORE_TRANSFER_QUEUE_DEPTH", "none")
     with pytest.raises(kvcore.ConfigError, match="queue_depth"):
         manager(layout(), (MemoryBackend, {}))
+
+
+def test_selective_policy_counts_uses_in_a_bounded_table():
+    from kvcore.transfer.policy import WritePolicy
+
+    p = WritePolicy("selective", min_hits=2, table_size=3)
+    p.used(["a", "b", "c"])
+    assert p.eligible_end(["a", "b", "c"], 0) == 0
+    p.used(["a", "b"])
+    assert p.eligible_end(["a", "b", "c"], 0) == 2  # c was used once: the run stops there
+    p.used(["d", "e"])  # pushes the least recently used keys (c, then a) out of the table
+    p.used(["a"])
+    assert p.eligible_end(["a"], 0) == 0  # a starts again from one use
+    assert p.eligible_end(["b", "x"], 1) == 1  # from a stored prefix on, x is not eligible
+    assert WritePolicy("write_through", 2, 3).eligible_end(["x", "y"], 1) == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -35,6 +34,7 @@ from kvcore.schemas import (
 from kvcore.transfer.buffers import DeviceCache, HostCache, StagingBuffer, StagingPool
 from kvcore.transfer.config import TransferConfig
 from kvcore.transfer.executor import DeadlineWatchdog, QueueFullError, TaskFuture, WorkerPool
+from kvcore.transfer.policy import WritePolicy
 
 __all__ = ["TransferManager", "combine_ranks"]
 
@@ -103,8 +103,7 @@ class TransferManager:
         self._state = threading.Condition()
         self._accepting = True
         self._live: set[TaskFuture] = set()
-        self._hits: OrderedDict[str, int] = OrderedDict()
-        self._hits_lock = threading.Lock()
+        self._policy = WritePolicy(cfg.write_policy, cfg.selective_min_hits, cfg.hit_table_size)
 
         self._watchdog = DeadlineWatchdog()
         self._swap_pool = WorkerPool("swap", cfg.swap_workers, cfg.queue_depth)
@@ -166,7 +165,7 @@ class TransferManager:
         cache = self._require_cache()
         cache.check_ids(task.device_block_ids, "device_block_ids")
         self._check_request(task)
-        self._count_hits(task.keys)
+        self._policy.used(task.keys)
         return self._submit(
             op, task.task_id, task.timeout_s, pool, lambda fut, prog: body(task, cache, fut, prog)
         )
@@ -549,7 +548,7 @@ class TransferManager:
         stored = backend.query(self._request(task, task.keys, task.start_block, fut.deadline))
         timings["query"] = time.monotonic() - t0
         prog.skipped = stored
-        todo = self._eligible(task.keys, stored) - stored
+        todo = self._policy.eligible_end(task.keys, stored) - stored
         if todo > 0:
             if backend.capabilities.io == "device":
                 self._write_device(task, cache, stored, todo, fut, prog, timings)
@@ -733,27 +732,6 @@ class TransferManager:
                     f"path from the root ({need} tokens for blocks up to "
                     f"{task.start_block + len(task.keys)}), got {have}"
                 )
-
-    def _count_hits(self, keys: Sequence[str]) -> None:
-        if self.config.write_policy != "selective":
-            return
-        with self._hits_lock:
-            for k in keys:
-                self._hits[k] = self._hits.get(k, 0) + 1
-                self._hits.move_to_end(k)
-            while len(self._hits) > self.config.hit_table_size:
-                self._hits.popitem(last=False)
-
-    def _eligible(self, keys: Sequence[str], stored: int) -> int:
-        """End of the leading run of blocks the write policy lets us store."""
-        if self.config.write_policy == "write_through":
-            return len(keys)
-        need = self.config.selective_min_hits
-        with self._hits_lock:
-            end = stored
-            while end < len(keys) and self._hits.get(keys[end], 0) >= need:
-                end += 1
-        return end
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (
