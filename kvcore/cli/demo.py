@@ -106,12 +106,17 @@ def conversation_tokens(seed: int, conv: int, turn: int, kind: str, n: int) -> l
 
 
 def progress(done: int, total: int, totals: Totals, started: float) -> None:
+    """A bar redrawn in place on a terminal; in a log, one line per tenth of the run."""
+    tty = sys.stderr.isatty()
+    if not tty and done != total and done % max(total // 10, 1):
+        return
     width = 30
     filled = width * done // max(total, 1)
     hit = 100 * totals.blocks_read / max(totals.prompt_blocks, 1)
     sys.stderr.write(
-        f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} turns, "
-        f"hit rate {hit:5.1f} %, {time.monotonic() - started:5.1f} s "
+        f"{chr(13) if tty else ''}  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+        f"turns, hit rate {hit:5.1f} %, {time.monotonic() - started:5.1f} s"
+        + (" " if tty else "\n")
     )
     sys.stderr.flush()
 
@@ -176,7 +181,8 @@ def run_workload(tm: TransferManager, engine: Engine, args: argparse.Namespace) 
             totals.prompt_blocks += n_prompt
             histories[conv] = full
             progress(totals.turns, total_turns, totals, started)
-    sys.stderr.write("\n")
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
     return totals
 
 
