@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,12 +29,27 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config_arg(args.config)
     tally = _Tally()
-    argv = ["-q", "--no-header", "-p", "no:cacheprovider", "--kvcore-backend", args.name]
-    if config:
-        argv += ["--kvcore-config", json.dumps(config)]
-    if args.keyword:
-        argv += ["-k", args.keyword]
-    code = pytest.main(argv, plugins=[tally])
+    with tempfile.TemporaryDirectory(prefix="kvcore-check-") as home:
+        # an empty ini of our own: the current directory's pytest settings must not apply
+        ini = Path(home) / "pytest.ini"
+        ini.write_text("[pytest]\n")
+        argv = [
+            "-q",
+            "--no-header",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ini),
+            "--rootdir",
+            home,
+            "--kvcore-backend",
+            args.name,
+        ]
+        if config:
+            argv += ["--kvcore-config", json.dumps(config)]
+        if args.keyword:
+            argv += ["-k", args.keyword]
+        code = pytest.main(argv, plugins=[tally])
     o = tally.outcomes
     print()
     print(
