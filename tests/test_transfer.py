@@ -554,3 +554,51 @@ def test_selective_policy_counts_uses_in_a_bounded_table():
     assert p.eligible_end(["a"], 0) == 0  # a starts again from one use
     assert p.eligible_end(["b", "x"], 1) == 1  # from a stored prefix on, x is not eligible
     assert WritePolicy("write_through", 2, 3).eligible_end(["x", "y"], 1) == 2
+
+
+def test_ranks_name_their_own_objects_and_combine_by_minimum(tmp_path):
+    pytest.importorskip("kv_file")
+    from kvcore.transfer import combine_ranks
+
+    lay = layout()
+    root = {"root": str(tmp_path / "shared")}
+    managers = []
+    for rank in (0, 1):
+        tm = TransferManager(
+            {"layout": lay, "max_model_len": 16 * BLOCK, "rank": rank, "world_size": 2},
+            make_cache(lay, seed=20 + rank),
+            "file",
+            backend_config=root,
+        )
+        managers.append(tm)
+    _, keys = keys_for(4, seed=20)
+    ids = [0, 1, 2, 3]
+    # rank 0 stores all four blocks, rank 1 only the first two: one root, separate objects
+    assert (
+        managers[0]
+        .write_back({"task_id": "w0", "keys": keys, "device_block_ids": ids})
+        .result()
+        .num_blocks
+        == 4
+    )
+    assert (
+        managers[1]
+        .write_back({"task_id": "w1", "keys": keys[:2], "device_block_ids": ids[:2]})
+        .result()
+        .num_blocks
+        == 2
+    )
+    q = {"task_id": "q", "keys": keys, "device_block_ids": ids}
+    runs = [tm.query(q) for tm in managers]
+    assert runs == [4, 2]
+    assert combine_ranks(runs) == 2
+    # a cache written with another TP degree is never read
+    other = TransferManager(
+        {"layout": lay, "max_model_len": 16 * BLOCK, "rank": 0, "world_size": 1},
+        make_cache(lay),
+        "file",
+        backend_config=root,
+    )
+    assert other.query(q) == 0
+    for tm in (*managers, other):
+        tm.close()
