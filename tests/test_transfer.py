@@ -602,3 +602,15 @@ def test_ranks_name_their_own_objects_and_combine_by_minimum(tmp_path):
     assert other.query(q) == 0
     for tm in (*managers, other):
         tm.close()
+
+
+def test_an_opened_backend_must_match_the_managers_rank_and_layout():
+    lay = layout()
+    be = kvcore.open_backend(MemoryBackend, context={"layout": lay, "rank": 1, "world_size": 2})
+    with pytest.raises(kvcore.ConfigError, match="rank: 0 differs"):
+        TransferManager({"layout": lay, "max_model_len": 64}, make_cache(lay), be)
+    other = kvcore.open_backend(MemoryBackend, context={"layout": layout("float16")})
+    with pytest.raises(kvcore.ConfigError, match="layout"):
+        TransferManager({"layout": lay, "max_model_len": 64}, make_cache(lay), other)
+    be.close()
+    other.close()

@@ -96,6 +96,8 @@ class TransferManager:
                 namespace=cfg.namespace,
             )
             backend = open_backend(backend, backend_config, context=context, strict=cfg.strict)
+        elif backend is not None:
+            _check_same_engine(cfg, backend)
         self.backend: Backend | None = backend
         self.metrics = Metrics("kvcore_transfer", {"rank": str(cfg.rank)})
         self._cache: DeviceCache | None = None
@@ -754,6 +756,21 @@ class TransferManager:
         if self._host is None:
             raise RuntimeError("no host cache: set num_host_blocks in the transfer config")
         return self._host
+
+
+def _check_same_engine(cfg: TransferConfig, backend: Backend) -> None:
+    """An already-opened backend must have been opened for this manager's layout and rank:
+    its context names the stored objects, so a mismatch would silently miss (or mix ranks)."""
+    ctx = backend.context
+    for field in ("rank", "world_size", "namespace", "layout"):
+        mine, theirs = getattr(cfg, field), getattr(ctx, field)
+        if field == "layout" and theirs is None:
+            continue
+        if mine != theirs:
+            raise ConfigError(
+                f"invalid transfer config:\n  {field}: {mine!r} differs from the backend's "
+                f"context ({theirs!r}); open the backend with the same {field}, or pass its name"
+            )
 
 
 def _chunks(total: int, size: int) -> list[tuple[int, int]]:
