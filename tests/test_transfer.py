@@ -614,3 +614,27 @@ def test_an_opened_backend_must_match_the_managers_rank_and_layout():
         TransferManager({"layout": lay, "max_model_len": 64}, make_cache(lay), other)
     be.close()
     other.close()
+
+
+def test_close_never_hangs_on_a_stuck_backend_and_frees_nothing_in_use():
+    lay = layout()
+    tm = manager(lay, (MemoryBackend, {}))
+    _, keys = keys_for(2, seed=21)
+    tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
+    real_read = tm.backend._read
+    release = threading.Event()
+
+    def stuck_read(**kw):
+        release.wait(10)
+        return real_read(**kw)  # writes into the staging buffer after close() returned
+
+    tm.backend._read = stuck_read
+    fut = tm.read({"task_id": "r", "keys": keys, "device_block_ids": [5, 6], "timeout_s": 30})
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    tm.close(timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+    assert fut.result(timeout=1).error == "the transfer manager closed while the task ran"
+    release.set()  # the stuck call now writes into its staging buffer: still allocated
+    time.sleep(0.3)
+    tm._test_backend.close()

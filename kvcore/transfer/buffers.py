@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcore.ops import HostBuffer
@@ -173,6 +173,21 @@ class StagingPool:
     def regions(self) -> list[HostBuffer]:
         return [r for b in self.buffers for r in b.regions]
 
-    def close(self) -> None:
-        for b in self.buffers:
-            b.close()
+    def close(self, before_free: Callable[[HostBuffer], None] = lambda _r: None) -> int:
+        """Free the buffers not in use; return how many are still leased.
+
+        A leased buffer belongs to a backend call that overran and never returned: freeing it
+        would let that call write into freed memory. It is left to the garbage collector,
+        which frees it once the call (which references it) finally ends.
+        """
+        freed = 0
+        while True:
+            try:
+                buf = self._free.get_nowait()
+            except queue.Empty:
+                break
+            for region in buf.regions:
+                before_free(region)
+            buf.close()
+            freed += 1
+        return len(self.buffers) - freed

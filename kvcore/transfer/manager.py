@@ -283,24 +283,44 @@ class TransferManager:
         return self.metrics.snapshot()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Finish queued tasks (up to ``timeout_s``), stop the threads, free the buffers."""
+        """Finish queued tasks (up to ``timeout_s``), stop the threads, free the buffers.
+
+        Never hangs on a stuck backend: tasks still running at ``timeout_s`` are answered,
+        and the staging buffers they use are left to be freed when their calls end.
+        """
         with self._state:
             self._accepting = False
-        for pool in (self._swap_pool, self._read_pool, self._write_pool):
-            pool.drain(timeout_s)
-            pool.shutdown()
+        deadline = time.monotonic() + timeout_s
+        pools = (self._swap_pool, self._read_pool, self._write_pool)
+        drained = all([p.drain(max(0.0, deadline - time.monotonic())) for p in pools])
+        if not drained:
+            with self._state:
+                live = list(self._live)
+            for fut in live:
+                fut.expire("the transfer manager closed while the task ran")
+        for p in pools:
+            p.shutdown(timeout_s=5.0 if drained else 0.1)
         self._watchdog.stop()
-        self._io_pool.shutdown(wait=True)
-        for staging in (self._read_staging, self._write_staging):
-            if staging is not None:
-                if self.backend is not None:
-                    for region in staging.regions():
-                        self.backend.unregister_buffer(region.ptr)
-                staging.close()
+        self._io_pool.shutdown(wait=drained, cancel_futures=not drained)
+        unregister = (
+            (lambda region: self.backend.unregister_buffer(region.ptr))
+            if self.backend is not None
+            else (lambda _region: None)
+        )
+        leaked = sum(
+            s.close(unregister) for s in (self._read_staging, self._write_staging) if s is not None
+        )
+        if leaked:
+            log.warning("kvcore: %d staging buffers still in use by stuck backend calls", leaked)
         if self._host is not None:
             self._host.close()
         if self._owns_backend and self.backend is not None:
-            self.backend.close()
+            if drained:
+                self.backend.close()
+            else:  # a stuck call still runs inside it; closing under it could crash the client
+                log.warning(
+                    "kvcore: backend %r left open: calls are still running", self.backend.name
+                )
 
     def __enter__(self) -> TransferManager:
         return self
