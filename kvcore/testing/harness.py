@@ -44,6 +44,8 @@ class Harness:
     backend: Backend
     layout: CacheLayout
     timeout_s: float = 10.0
+    #: the per-part layer arrays and block ids of the last device-I/O request built
+    last_device: tuple[dict[str, list[np.ndarray]], list[int]] | None = None
     _keep: list[object] = field(default_factory=list)
 
     @property

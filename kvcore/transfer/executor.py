@@ -3,8 +3,8 @@
 A task's future resolves when its worker finishes *or* when its deadline passes, whichever
 comes first: a backend that hangs can stall its worker thread but never the engine waiting
 on the future. Work that must not happen after the caller was answered (scattering blocks
-into device memory the engine may have reused) runs under :meth:`TaskFuture.settle`, which
-is atomic with the deadline expiry.
+into device memory the engine may have reused) runs inside :meth:`TaskFuture.unanswered`,
+which excludes the deadline expiry.
 """
 
 from __future__ import annotations
@@ -163,10 +163,6 @@ class WorkerPool:
         """Wait until every submitted task has finished; False on timeout."""
         with self._idle:
             return self._idle.wait_for(lambda: self._inflight == 0, timeout_s)
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         for _ in self._threads:

@@ -44,9 +44,6 @@ _REASONS = {
     RPC_TIMEOUT: "rpc_timeout",
 }
 
-#: Codes that mean the master could not be reached (as opposed to a per-key answer).
-MASTER_DOWN = frozenset({RPC_FAILED, RPC_TIMEOUT})
-
 
 def reason(code: int) -> str:
     """Name of the miss reason for a negative Mooncake code (``other`` when unknown)."""
