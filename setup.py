@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "csrc"))
+import cuda_build as _cuda_build
 
 BASE_DEPS = [
     "pluggy>=1.5",
@@ -35,8 +37,7 @@ def _nvcc() -> str | None:
     choice = os.environ.get("KVCORE_CUDA", "").strip().lower()
     if not _cuda_requested() and choice != "auto":
         return None
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=str(Path(cuda_home) / "bin"))
+    nvcc = _cuda_build.find_nvcc()
     if nvcc is None and _cuda_requested():
         sys.exit("KVCORE_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
     return nvcc
@@ -52,23 +53,9 @@ class BuildExtWithCuda(build_ext):
             return
         out = Path(self.get_ext_fullpath("kvcore._swap")).parent / "_swap_cuda.so"
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            nvcc,
-            "-O3",
-            "-std=c++17",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC,-pthread",
-            "-gencode=arch=compute_80,code=sm_80",
-            "-gencode=arch=compute_90,code=sm_90",
-            "-Icsrc",
-            "csrc/swap_ops_cuda.cu",
-            "csrc/swap_ops.cc",
-            "-o",
-            str(out),
-        ]
+        cmd = _cuda_build.nvcc_command(nvcc, out)
         self.announce(" ".join(cmd), level=2)
-        subprocess.check_call(cmd, cwd=Path(__file__).resolve().parent)
+        subprocess.check_call(cmd, cwd=_cuda_build.CSRC)
 
 
 swap_ext = Extension(

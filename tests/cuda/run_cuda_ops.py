@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -27,13 +25,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "csrc"))
+import cuda_build  # noqa: E402  (csrc/ is not a package: load it by path)
+
 I32, I64, U64, P = ctypes.c_int, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 ERR = [ctypes.c_char_p, I32]
 
 
 def find_nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    return shutil.which("nvcc") or shutil.which("nvcc", path=str(Path(home) / "bin"))
+    return cuda_build.find_nvcc()
 
 
 def build(out_dir: str | Path, nvcc: str | None = None) -> Path:
@@ -42,22 +42,8 @@ def build(out_dir: str | Path, nvcc: str | None = None) -> Path:
     if nvcc is None:
         raise FileNotFoundError("nvcc not found")
     out = Path(out_dir) / "_swap_cuda.so"
-    cmd = [
-        nvcc,
-        "-O3",
-        "-std=c++17",
-        "-shared",
-        "-Xcompiler",
-        "-fPIC,-pthread",
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90,code=sm_90",
-        "-Icsrc",
-        "csrc/swap_ops_cuda.cu",
-        "csrc/swap_ops.cc",
-        "-o",
-        str(out),
-    ]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+    cmd = cuda_build.nvcc_command(nvcc, out)
+    subprocess.run(cmd, cwd=cuda_build.CSRC, check=True, capture_output=True, text=True)
     return out
 
 
