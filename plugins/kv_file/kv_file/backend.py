@@ -1,7 +1,8 @@
 """The ``file`` backend: kvcore's embedded default store, one file per object under a root.
 
 Batches fan out over a small thread pool (the calling thread works too): each object is one
-``open``/``preadv``/``close`` straight into the caller's buffer on reads, and one
+``open``/``preadv``/``close`` straight into the caller's buffer on reads (``O_DIRECT`` when
+the page cache does not hold it, see :class:`~kv_file.objio.DirectReads`), and one
 ``writev`` of header and buffer to a temp file plus a ``rename`` on writes. ``preadv``,
 ``writev`` and xxhash release the GIL, so threads overlap the copies and checksums.
 """
@@ -23,7 +24,7 @@ import kvcore
 from kv_file.config import FileConfig, safe_namespace
 from kv_file.index import Index
 from kv_file.objfile import encode_name, header_size
-from kv_file.objio import ReadOutcome, read_object, write_object
+from kv_file.objio import DirectReads, ReadOutcome, read_object, write_object
 from kv_file.paths import StoreDir, name_digest
 from kvcore import BlockRequest, leading_run
 
@@ -63,6 +64,7 @@ class FileBackend:
         self._index = Index(config.capacity_bytes, config.high_watermark, config.low_watermark)
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+        self._direct = DirectReads(config.direct_reads)
         self._count(temps_removed=self._dir.remove_stale_temps())
         self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan())
         self._delete(self._index.reserve(0)[1])  # the capacity may have been lowered
@@ -111,12 +113,12 @@ class FileBackend:
             if digest is None:
                 digest = name_digest(raw)
             outcome = read_object(
-                self._dir.object_path(digest), raw, host.memoryview(i, j), touch=True
+                self._dir.object_path(digest), raw, host.memoryview(i, j), direct=self._direct
             )
             if outcome is ReadOutcome.OK:
                 if not index.learn(name, digest):  # written by another process: adopt it
                     index.add(digest, header_size(len(raw)) + host.nbytes[j], name, reserved=False)
-                index.touch(digest)
+                index.touch(digest, time.time_ns())
             elif outcome in (ReadOutcome.MISSING, ReadOutcome.CORRUPT):
                 index.drop(digest)
             return _READ_COUNTERS[outcome]
@@ -183,6 +185,7 @@ class FileBackend:
                 capacity_bytes=float(index.capacity),
                 evictions=float(index.evictions),
             )
+        out["direct_reads"] = float(self._direct.count)
         return out
 
     @kvcore.hookimpl
@@ -216,6 +219,22 @@ class FileBackend:
         if self._rescanner is not None:
             self._rescanner.join()
         self._pool.shutdown(wait=True)
+        self.save_recency()
+
+    # -- recency ---------------------------------------------------------------------------
+
+    def save_recency(self) -> int:
+        """Write the times of recent read hits to the files' mtimes, which a restart orders by.
+
+        Done in batches (every rescan interval and at close) rather than per read: a ``utime``
+        per object cost ~6% of warm read throughput. A crash loses at most one interval of
+        recency, which only makes eviction after the restart slightly less exact.
+        """
+        touched = self._index.take_touched()
+        for digest, when in touched.items():
+            with contextlib.suppress(OSError):  # evicted meanwhile, or a read-only file system
+                os.utime(self._dir.object_path(digest), ns=(when, when))
+        return len(touched)
 
     # -- cross-process visibility ----------------------------------------------------------
 
@@ -240,6 +259,7 @@ class FileBackend:
     def _rescan_loop(self) -> None:
         while not self._stop.wait(self.config.rescan_interval_s):
             try:
+                self.save_recency()
                 self.rescan()
             except Exception as exc:  # keep scanning later; a failed scan only delays adoption
                 log.warning("kv_file rescan of %s failed: %r", self._dir.path, exc)

@@ -68,11 +68,17 @@ class FileConfig(kvcore.BackendConfig):
     io_threads: int = Field(
         default_factory=lambda: min(8, max(2, 2 * (os.cpu_count() or 1))), ge=1, le=256
     )
+    direct_reads: bool = Field(
+        default=True,
+        description="read objects the page cache does not hold with O_DIRECT (page-aligned "
+        "buffers only); false: always read through the page cache",
+    )
     rescan_interval_s: float = Field(
         default=30.0,
         ge=0,
         description="seconds between scans that pick up other processes' writes and "
-        "evictions (0: never)",
+        "evictions, and between saves of read recency to file mtimes (0: never; recency is "
+        "then saved at close)",
     )
 
     @field_validator("root")

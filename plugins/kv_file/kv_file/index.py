@@ -1,7 +1,9 @@
 """The in-memory index: which objects are on disk, their sizes, LRU order and the byte budget.
 
-Rebuilt from a directory scan at open (file sizes and modification times: a read hit touches
-the file, so recency survives a restart). Names are learned as they are used: after the first
+Rebuilt from a directory scan at open (file sizes and modification times). A read hit moves
+an object to the recent end here and records when; the backend writes those times to the files'
+mtimes later in one batch (:meth:`Index.take_touched`), so recency survives a restart without a
+metadata write on every read. Names are learned as they are used: after the first
 lookup a query is one dict probe per name, with no hashing and no system call.
 """
 
@@ -35,6 +37,7 @@ class Index:
         self.by_name: dict[str, int] = {}
         self.used = 0  # bytes of indexed files plus reservations for writes in flight
         self.evictions = 0
+        self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit
         self._stamps = itertools.count(1)
 
     def stamp(self) -> int:
@@ -53,10 +56,17 @@ class Index:
                 self.by_name[name] = digest
             return True
 
-    def touch(self, digest: int) -> None:
+    def touch(self, digest: int, now_ns: int) -> None:
         with self.lock:
             if digest in self.lru:
                 self.lru.move_to_end(digest)
+                self.touched[digest] = now_ns
+
+    def take_touched(self) -> dict[int, int]:
+        """The read hits not yet written to disk (still indexed), and forget them."""
+        with self.lock:
+            touched, self.touched = self.touched, {}
+            return {d: t for d, t in touched.items() if d in self.lru}
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -120,6 +130,7 @@ class Index:
 
     def _forget(self, digest: int) -> Entry:
         entry = self.lru.pop(digest)
+        self.touched.pop(digest, None)
         self.used -= entry.size
         if entry.name is not None:
             self.by_name.pop(entry.name, None)

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
+import errno
+import fcntl
+import logging
+import mmap
 import os
+import sys
+import threading
 
-from kv_file.objfile import HEADER, MAX_NAME_BYTES, Header, checksum, header_size, pack_header
+from kv_file.objfile import (
+    HEADER,
+    MAX_NAME_BYTES,
+    PAGE,
+    Header,
+    checksum,
+    header_size,
+    pack_header,
+)
 
-__all__ = ["ReadOutcome", "read_object", "write_object"]
+__all__ = ["DirectReads", "ReadOutcome", "read_object", "write_object"]
+
+log = logging.getLogger("kvcore.file")
 
 _O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 _O_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -22,12 +39,84 @@ class ReadOutcome(enum.Enum):
     CORRUPT = "corrupt"  # failed verification: the file was removed
 
 
-def read_object(path: str, name: bytes, view: memoryview, *, touch: bool) -> ReadOutcome:
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_uint64) for f in ("nr_cache", "nr_dirty", "nr_writeback",
+                                              "nr_evicted", "nr_recently_evicted")]  # fmt: skip
+
+
+class _CacheStatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+#: ``cachestat(2)`` (Linux 6.5): how many of a file's pages the page cache holds, with no I/O.
+_NR_CACHESTAT = 451
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class DirectReads:
+    """Reads of objects the page cache does not hold go around it, with ``O_DIRECT``.
+
+    Why: a buffered read of a cold 3.5 MiB file is one synchronous readahead of small folios,
+    which the block layer splits into ~1 MiB requests; measured on a virtio disk that reached
+    0.6x of one sequential file's cold rate, at any thread count. Direct reads of the same
+    files from a few threads reach 1.0x. Warm objects still come from the page cache.
+
+    Whether a file is cached is asked with ``cachestat(2)``, which does no I/O; probing with
+    ``preadv2(RWF_NOWAIT)`` instead would start the very readahead this avoids. Direct I/O needs
+    page-aligned buffers of page-multiple length; other buffers, kernels without
+    ``cachestat`` and file systems that refuse ``O_DIRECT`` (found on first use) read buffered.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and hasattr(os, "O_DIRECT") and sys.platform == "linux"
+        self.count = 0  # reads that went around the page cache
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def usable(self, hsize: int, view: memoryview) -> bool:
+        return (
+            self.enabled
+            and len(view) % PAGE == 0
+            and hsize % PAGE == 0
+            and _address(view) % PAGE == 0
+        )
+
+    def head_buffer(self, hsize: int) -> memoryview:
+        """A page-aligned buffer of ``hsize`` bytes, one per thread (reused)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < hsize:
+            buf = mmap.mmap(-1, max(hsize, PAGE))
+            self._local.buf = buf
+        return memoryview(buf)[:hsize]
+
+    def cached(self, fd: int, size: int) -> bool:
+        """Whether the page cache holds every page of the file (True when it cannot tell)."""
+        local = self._local
+        if not hasattr(local, "stat"):
+            local.stat, local.range = _CacheStat(), _CacheStatRange(0, 0)
+        if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(local.range), ctypes.byref(local.stat), 0):
+            self.disable(OSError(ctypes.get_errno(), "cachestat"))
+            return True
+        return local.stat.nr_cache * PAGE >= size
+
+    def counted(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def disable(self, why: OSError) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.info("kv_file: direct reads off (%s); reading through the page cache", why)
+
+
+def read_object(
+    path: str, name: bytes, view: memoryview, *, direct: DirectReads | None = None
+) -> ReadOutcome:
     """Fill ``view`` with the object stored at ``path`` under ``name``, verified.
 
-    One ``preadv`` puts the header in a small buffer and the payload directly in ``view``;
-    the checksum is then computed over ``view`` itself. ``touch`` refreshes the file's
-    mtime, which is the recency a restart rebuilds LRU order from.
+    One vectored read puts the header in a small buffer and the payload directly in ``view``
+    (from the page cache, or with ``O_DIRECT`` when ``direct`` allows and the page cache does
+    not hold it); the checksum is then computed over ``view`` itself.
     """
     try:
         fd = os.open(path, _O_READ)
@@ -36,13 +125,18 @@ def read_object(path: str, name: bytes, view: memoryview, *, touch: bool) -> Rea
     try:
         st = os.fstat(fd)
         hsize = header_size(len(name))
-        if st.st_size != hsize + len(view):
+        total = hsize + len(view)
+        if st.st_size != total:
             return _classify(fd, path, st, name, len(view))
-        head = bytearray(hsize)
-        got = os.preadv(fd, [head, view], 0)
+        if direct is not None and direct.usable(hsize, view):
+            head = direct.head_buffer(hsize)
+            got = _read_cached_or_direct(fd, head, view, total, direct)
+        else:
+            head = memoryview(bytearray(hsize))
+            got = os.preadv(fd, [head, view], 0)
         header = Header.parse(head)
         if (
-            got != st.st_size
+            got != total
             or header is None
             or header.name_len != len(name)
             or header.length != len(view)
@@ -51,12 +145,36 @@ def read_object(path: str, name: bytes, view: memoryview, *, touch: bool) -> Rea
             return _classify(fd, path, st, name, len(view))
         if checksum(name, view) != header.digest:
             return _remove_corrupt(fd, path, st)
-        if touch:
-            with contextlib.suppress(OSError):  # recency is a hint; a read-only fs still reads
-                os.utime(fd)
         return ReadOutcome.OK
     finally:
         os.close(fd)
+
+
+def _read_cached_or_direct(
+    fd: int, head: memoryview, view: memoryview, total: int, direct: DirectReads
+) -> int:
+    if direct.cached(fd, total):
+        return os.preadv(fd, [head, view], 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:  # O_DIRECT refused (some FUSE and network file systems)
+        direct.disable(exc)
+        return os.preadv(fd, [head, view], 0)
+    try:
+        got = os.preadv(fd, [head, view], 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        direct.disable(exc)  # accepted at open, refused on read (alignment rules of the fs)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        return os.preadv(fd, [head, view], 0)
+    direct.counted()
+    return got
+
+
+def _address(view: memoryview) -> int:
+    """The start address of a writable buffer (no copy)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def write_object(path: str, temp: str, name: bytes, view: memoryview, *, sync: bool) -> int:
