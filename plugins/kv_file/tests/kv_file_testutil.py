@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 from typing import Any
 
@@ -41,18 +43,25 @@ def write(backend: kvcore.Backend, keys: list[str], version: int = 0, timeout_s:
     return backend.write(req)
 
 
+def aligned_zeros(rows: int, cols: int, offset: int = 0) -> np.ndarray:
+    """Zeroed rows starting ``offset`` bytes past a page boundary, like an engine's staging
+    buffer (``offset`` 0: page-aligned, so the store may read it with ``O_DIRECT``)."""
+    mm = mmap.mmap(-1, rows * cols + offset + 1)
+    return np.frombuffer(mm, np.uint8, count=rows * cols, offset=offset).reshape(rows, cols)
+
+
 def read(
-    backend: kvcore.Backend, keys: list[str], timeout_s: float = 30
+    backend: kvcore.Backend, keys: list[str], timeout_s: float = 30, offset: int = 0
 ) -> tuple[int, list[np.ndarray]]:
     lay = backend.context.layout
-    arrays = [np.zeros((max(len(keys), 1), lay.part_bytes(p)), np.uint8) for p in lay.parts]
+    arrays = [aligned_zeros(max(len(keys), 1), lay.part_bytes(p), offset) for p in lay.parts]
     req = backend.request("t-read", keys, host=host_for(arrays, len(keys)), timeout_s=timeout_s)
     return backend.read(req), arrays
 
 
-def read_verified(backend: kvcore.Backend, keys: list[str], versions=(0,)) -> int:
+def read_verified(backend: kvcore.Backend, keys: list[str], versions=(0,), offset: int = 0) -> int:
     """Blocks read, after asserting each read block holds one version's exact bytes."""
-    done, got = read(backend, keys)
+    done, got = read(backend, keys, offset=offset)
     for i in range(done):
         for j, a in enumerate(got):
             ok = any(np.array_equal(a[i], payload(backend, [keys[i]], v)[j][0]) for v in versions)
@@ -66,3 +75,57 @@ def object_files(root: str) -> list[str]:
 
 def disk_bytes(root: str) -> int:
     return sum(os.path.getsize(p) for p in object_files(root))
+
+
+def drop_cached_pages(paths: list[str], start: int = 0, length: int = 0) -> None:
+    """Evict the files' pages (``start``/``length``: a range) so the next read goes to disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache, from cachestat(2) (no I/O)."""
+    stat, rng = (ctypes.c_uint64 * 5)(), (ctypes.c_uint64 * 2)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syscall(451, fd, rng, stat, 0) != 0:
+            raise OSError(ctypes.get_errno(), "cachestat")
+    finally:
+        os.close(fd)
+    return stat[0]
+
+
+def cache_first_page(path: str) -> None:
+    """Bring only the first page of ``path`` into the cache (no readahead)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.pread(fd, mmap.PAGESIZE, 0)
+    finally:
+        os.close(fd)
+
+
+def direct_reads_work(directory: str) -> bool:
+    """Whether files in ``directory`` can be read with O_DIRECT and asked about with cachestat."""
+    path = os.path.join(directory, ".direct-probe")
+    with open(path, "wb") as f:
+        f.write(b"\0" * mmap.PAGESIZE)
+    buf = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [buf], 0)
+            stat, rng = (ctypes.c_uint64 * 5)(), (ctypes.c_uint64 * 2)()
+            libc = ctypes.CDLL(None, use_errno=True)
+            return libc.syscall(451, fd, rng, stat, 0) == 0
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        os.unlink(path)

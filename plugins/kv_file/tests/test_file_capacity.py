@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from kv_file.objfile import header_size
 from kv_file_testutil import LAYOUT, disk_bytes, object_files, open_store, read_verified, write
@@ -41,6 +42,52 @@ def test_a_read_refreshes_recency(tmp_path) -> None:
     assert write(store, ["e"]) == 1  # evicts down to 3 blocks: b and c go
     q = lambda k: store.query(store.request("q", [k]))  # noqa: E731
     assert (q("a"), q("b"), q("c"), q("d"), q("e")) == (1, 0, 0, 1, 1)
+    store.close()
+
+
+def test_a_read_in_an_earlier_run_keeps_its_recency(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    cfg = {"capacity_bytes": 4 * BLOCK, "high_watermark": 1.0, "low_watermark": 0.74}
+    store = open_store(root, **cfg)
+    assert write(store, ["a", "b", "c", "d"]) == 4
+    for age, key in enumerate("dcba"):  # distinct past mtimes: a oldest (same-tick writes tie)
+        for path in _paths_of(store, key):
+            os.utime(path, ns=(0, time.time_ns() - (age + 1) * 10**9))
+    mtimes = {p: os.stat(p).st_mtime_ns for p in object_files(root)}
+    assert read_verified(store, ["a"]) == 1
+    assert {p: os.stat(p).st_mtime_ns for p in object_files(root)} == mtimes, (
+        "recency is saved in batches, not by a metadata write per read"
+    )
+    store.close()  # saves it
+    reopened = open_store(root, **cfg)
+    assert write(reopened, ["e"]) == 1  # evicts down to 3 blocks: b and c go
+    q = lambda k: reopened.query(reopened.request("q", [k]))  # noqa: E731
+    assert (q("a"), q("b"), q("c"), q("d"), q("e")) == (1, 0, 0, 1, 1)
+    reopened.close()
+
+
+def _paths_of(store, key: str) -> list[str]:
+    from kv_file.objfile import encode_name
+    from kv_file.paths import name_digest
+
+    names = store.request("q", [key]).object_names[0]
+    return [store.plugin._dir.object_path(name_digest(encode_name(n))) for n in names]
+
+
+def test_recency_is_saved_by_the_background_scan(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    store = open_store(root, rescan_interval_s=0.05)
+    assert write(store, ["a", "b"]) == 2
+    before = {p: os.stat(p).st_mtime_ns for p in object_files(root)}
+    assert read_verified(store, ["a"]) == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        changed = [p for p in object_files(root) if os.stat(p).st_mtime_ns != before[p]]
+        if len(changed) == 2:  # both parts of "a"
+            break
+        time.sleep(0.02)
+    assert len(changed) == 2
+    assert all(os.stat(p).st_mtime_ns > max(before.values()) for p in changed)
     store.close()
 
 

@@ -1,0 +1,107 @@
+"""Objects the page cache does not hold are read with O_DIRECT, byte-exact and verified;
+everything else (cached objects, unaligned buffers, direct reads off) reads through the cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from kv_file.objfile import PAGE
+from kv_file_testutil import (
+    cache_first_page,
+    cached_pages,
+    direct_reads_work,
+    drop_cached_pages,
+    object_files,
+    open_store,
+    read,
+    read_verified,
+    write,
+)
+
+KEYS = [f"d{i}" for i in range(6)]
+PARTS = 2
+
+
+@pytest.fixture
+def root(tmp_path) -> str:
+    if not direct_reads_work(str(tmp_path)):
+        pytest.skip(f"{tmp_path}'s file system or kernel lacks O_DIRECT or cachestat(2)")
+    return str(tmp_path / "s")
+
+
+def _direct(store) -> int:
+    return int(store.stats()["backend_direct_reads"])
+
+
+def test_cold_objects_are_read_direct_and_verified(root) -> None:
+    store = open_store(root)
+    assert write(store, KEYS) == len(KEYS)
+    assert read_verified(store, KEYS) == len(KEYS)
+    assert _direct(store) == 0, "objects just written are cached: no direct reads"
+    drop_cached_pages(object_files(root))
+    assert read_verified(store, KEYS) == len(KEYS)
+    assert _direct(store) == len(KEYS) * PARTS
+    store.close()
+
+
+def test_a_partly_cached_object_is_read_whole(root) -> None:
+    store = open_store(root)
+    assert write(store, KEYS) == len(KEYS)
+    files = object_files(root)
+    drop_cached_pages(files)
+    for path in files:
+        cache_first_page(path)
+        assert 0 < cached_pages(path) < os.path.getsize(path) // PAGE
+    assert read_verified(store, KEYS) == len(KEYS)
+    assert _direct(store) == len(KEYS) * PARTS
+    store.close()
+
+
+def test_unaligned_buffers_read_through_the_cache(root) -> None:
+    store = open_store(root)
+    assert write(store, KEYS) == len(KEYS)
+    drop_cached_pages(object_files(root))
+    assert read_verified(store, KEYS, offset=16) == len(KEYS)
+    assert _direct(store) == 0
+    store.close()
+
+
+def test_direct_reads_can_be_turned_off(root) -> None:
+    store = open_store(root, direct_reads=False)
+    assert write(store, KEYS) == len(KEYS)
+    drop_cached_pages(object_files(root))
+    assert read_verified(store, KEYS) == len(KEYS)
+    assert _direct(store) == 0
+    store.close()
+
+
+def test_env_override_turns_direct_reads_off(root, monkeypatch) -> None:
+    monkeypatch.setenv("KVCORE_FILE_DIRECT_READS", "false")
+    store = open_store(root)
+    assert store.plugin.config.direct_reads is False
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["payload_bit", "truncate"])
+def test_a_damaged_cold_object_is_a_removed_miss(root, damage: str) -> None:
+    store = open_store(root)
+    assert write(store, KEYS[:3]) == 3
+    before = set(object_files(root))
+    assert write(store, KEYS[3:4]) == 1
+    (path,) = sorted(set(object_files(root)) - before)[:1]
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if damage == "payload_bit":
+            f.seek(size - 100)
+            byte = f.read(1)[0]
+            f.seek(size - 100)
+            f.write(bytes([byte ^ 1]))
+        else:
+            f.truncate(size - PAGE)
+    drop_cached_pages(object_files(root))
+    done, _ = read(store, KEYS[:4])
+    assert done == 3
+    assert not os.path.exists(path)
+    assert store.stats()["backend_corrupt_removed"] == 1
+    store.close()
