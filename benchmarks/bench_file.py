@@ -7,13 +7,15 @@ interleaved with the store's repetitions so both see the same machine state:
 
 - write: the same bytes written in order to ONE file with ``os.write``, synced per the same
   policy (fsync=none: nothing; fsync=data: one ``fdatasync`` at the end);
-- warm read: ``readinto`` of the same bytes from one file already in the page cache;
+- warm read: ``readinto`` of the same bytes from one file already in the page cache (the
+  store reads page-cache hits buffered, misses with ``O_DIRECT``);
 - cold read: the same after dropping that file's cached pages (``posix_fadvise
   DONTNEED`` after a sync: per file, needs no privilege and spares other users' cache);
 - query: ``Backend.query`` of 10,000 blocks x 2 parts, all present (goal <= 5 ms), warm (names
   seen before) and cold (first query after open: names must be hashed).
 
-Reports medians of ``--reps``; ``--json`` prints one JSON object {figures, ratios, goals,
+Raw and store repetitions alternate (which goes first flips each time). Reports medians of
+``--reps``; ``--json`` prints one JSON object {figures, ratios, goals,
 machine} on stdout.
 """
 
@@ -107,7 +109,7 @@ class Bench:
     # -- write ---------------------------------------------------------------------------
 
     def raw_write(self, path: str, sync: bool) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             for mv in self.regions(self.src_ptr):
                 os.write(fd, mv)
@@ -130,6 +132,8 @@ class Bench:
             keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
             req = backend.request("bench-write", keys, host=self.host(self.src_ptr), timeout_s=600)
             order = [("raw", None), ("file", req)] if r % 2 == 0 else [("file", req), ("raw", None)]
+            if os.path.exists(raw_path):
+                os.unlink(raw_path)  # a fresh file, as the store writes fresh files
             for what, request in order:
                 t0 = time.perf_counter()
                 if what == "raw":
@@ -150,6 +154,8 @@ class Bench:
                     raise RuntimeError("short read from the raw file")
 
     def reads(self, raw_path: str, backend: kvcore.Backend, keys: list[str]) -> dict[str, float]:
+        """Median seconds of raw and store reads, warm and cold, alternating which goes first
+        in each repetition so both see the same machine state."""
         req = backend.request("bench-read", keys, host=self.host(self.dst_ptr), timeout_s=600)
 
         def store_read() -> None:
@@ -160,17 +166,32 @@ class Bench:
         src = np.frombuffer(self._src_mm, dtype=np.uint8)
         assert np.array_equal(self.dst, src), "store read back other bytes than it wrote"
         self.raw_read(raw_path)
-        reps = self.args.reps
-        out = {
-            "raw_read_warm_s": median_s(lambda: self.raw_read(raw_path), reps),
-            "file_read_warm_s": median_s(store_read, reps),
-        }
         files = store_files(backend.plugin._dir.path)
-        out["raw_read_cold_s"] = median_s(
-            lambda: self.raw_read(raw_path), reps, lambda: drop_cached_pages([raw_path])
-        )
-        out["file_read_cold_s"] = median_s(store_read, reps, lambda: drop_cached_pages(files))
-        return out
+        runs = {  # name -> (timed call, untimed preparation)
+            "raw_read_warm_s": (lambda: self.raw_read(raw_path), lambda: None),
+            "file_read_warm_s": (store_read, lambda: None),
+            "raw_read_cold_s": (
+                lambda: self.raw_read(raw_path),
+                lambda: drop_cached_pages([raw_path]),
+            ),
+            "file_read_cold_s": (store_read, lambda: drop_cached_pages(files)),
+        }
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        # Warm first: the store's files are cached as its writes left them. Cold reads go
+        # around the page cache (O_DIRECT) and leave the files uncached, so they come last.
+        for pair in (
+            ("raw_read_warm_s", "file_read_warm_s"),
+            ("raw_read_cold_s", "file_read_cold_s"),
+        ):
+            for r in range(self.args.reps):
+                for name in pair if r % 2 == 0 else pair[::-1]:
+                    fn, prepare = runs[name]
+                    prepare()
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+        assert np.array_equal(self.dst, src), "store read back other bytes than it wrote"
+        return {k: statistics.median(v) for k, v in times.items()}
 
     # -- query ---------------------------------------------------------------------------
 
