@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import kvcore
 from kv_file.config import FileConfig, safe_namespace
 from kv_file.index import Index
+from kv_file.names import load_names, save_names
 from kv_file.objfile import encode_name, header_size
 from kv_file.objio import DirectReads, ReadOutcome, read_object, write_object
 from kv_file.paths import StoreDir, name_digest
@@ -36,6 +37,8 @@ log = logging.getLogger("kvcore.file")
 _INLINE_BYTES = 1 << 20
 #: Queries check their deadline every this many blocks.
 _QUERY_DEADLINE_STRIDE = 1024
+#: Blocks whose names a query hashes at once when the index has not learned them yet.
+_QUERY_HASH_CHUNK = 512
 
 _READ_COUNTERS = {
     ReadOutcome.OK: "read_hits",
@@ -67,6 +70,8 @@ class FileBackend:
         self._direct = DirectReads(config.direct_reads)
         self._count(temps_removed=self._dir.remove_stale_temps())
         self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan())
+        self._index.name_all(load_names(self._dir.names_path))
+        self._names_saved = len(self._index.by_name)
         self._delete(self._index.reserve(0)[1])  # the capacity may have been lowered
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv_file-io")
         self._stop = threading.Event()
@@ -92,10 +97,35 @@ class FileBackend:
         by_name = self._index.by_name  # probed without the lock: a dict probe is atomic
         for i, names in enumerate(request.object_names):
             for name in names:
-                if name not in by_name and not self._locate(name):
-                    return i
+                if name not in by_name:
+                    return self._query_unlearned(request, i)
             if i % _QUERY_DEADLINE_STRIDE == _QUERY_DEADLINE_STRIDE - 1 and request.expired():
                 return i + 1
+        return request.num_blocks
+
+    def _query_unlearned(self, request: BlockRequest, start: int) -> int:
+        """The rest of a query from block ``start``, whose names the index has not all learned.
+
+        Names are hashed a chunk at a time and learned under one lock; the first digest the
+        index lacks is looked for on disk (another process may have written it since the last
+        scan) before it ends the run.
+        """
+        parts = len(request.parts)
+        index = self._index
+        i = start
+        while i < request.num_blocks:
+            chunk = [n for block in request.object_names[i : i + _QUERY_HASH_CHUNK] for n in block]
+            digests = [name_digest(encode_name(n)) for n in chunk]
+            known = index.learn_many(chunk, digests)
+            if known < len(chunk):
+                name, digest = chunk[known], digests[known]
+                if not self._adopt(self._dir.object_path(digest), digest, name):
+                    return i + known // parts
+                i += known // parts  # adopted: go on from its block
+            else:
+                i += len(chunk) // parts
+            if request.expired():
+                return i
         return request.num_blocks
 
     @kvcore.hookimpl
@@ -220,8 +250,20 @@ class FileBackend:
             self._rescanner.join()
         self._pool.shutdown(wait=True)
         self.save_recency()
+        self.save_names()
 
-    # -- recency ---------------------------------------------------------------------------
+    # -- what a restart rebuilds from ------------------------------------------------------
+
+    def save_names(self) -> None:
+        """Snapshot the learned names (see :mod:`kv_file.names`) when their number changed."""
+        named = self._index.named()
+        if len(named) == self._names_saved:
+            return
+        try:
+            save_names(self._dir.names_path, self._dir.names_temp_path(), named)
+            self._names_saved = len(named)
+        except OSError as exc:  # a hint only: the next start hashes names instead
+            log.warning("kv_file could not save its name snapshot: %s", exc)
 
     def save_recency(self) -> int:
         """Write the times of recent read hits to the files' mtimes, which a restart orders by.
@@ -260,16 +302,10 @@ class FileBackend:
         while not self._stop.wait(self.config.rescan_interval_s):
             try:
                 self.save_recency()
+                self.save_names()
                 self.rescan()
             except Exception as exc:  # keep scanning later; a failed scan only delays adoption
                 log.warning("kv_file rescan of %s failed: %r", self._dir.path, exc)
-
-    def _locate(self, name: str) -> bool:
-        """Slow path of a query: hash the name, then look in the index and on disk."""
-        digest = name_digest(encode_name(name))
-        return self._index.learn(name, digest) or self._adopt(
-            self._dir.object_path(digest), digest, name
-        )
 
     def _adopt(self, path: str, digest: int, name: str) -> bool:
         """Index a file another process wrote (its header is verified when it is read)."""

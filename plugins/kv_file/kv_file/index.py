@@ -79,6 +79,35 @@ class Index:
                 self.lru[digest] = Entry(size, None, self.stamp())
                 self.used += size
 
+    def name_all(self, names: dict[int, str]) -> int:
+        """Give names to indexed digests that have none (from a snapshot); returns how many."""
+        named = 0
+        with self.lock:
+            for digest, entry in self.lru.items():
+                if entry.name is None:
+                    name = names.get(digest)
+                    if name is not None and name not in self.by_name:
+                        entry.name = name
+                        self.by_name[name] = digest
+                        named += 1
+        return named
+
+    def learn_many(self, names: list[str], digests: list[int]) -> int:
+        """:meth:`learn` in order under one lock; returns how many leading names are indexed."""
+        with self.lock:
+            for k, (name, digest) in enumerate(zip(names, digests, strict=True)):
+                entry = self.lru.get(digest)
+                if entry is None:
+                    return k
+                if entry.name is None:
+                    entry.name = name
+                    self.by_name[name] = digest
+        return len(names)
+
+    def named(self) -> list[tuple[int, str]]:
+        with self.lock:
+            return [(d, e.name) for d, e in self.lru.items() if e.name is not None]
+
     def add(self, digest: int, size: int, name: str | None, *, reserved: bool) -> None:
         """Index a file now on disk. ``reserved``: its bytes were counted by :meth:`reserve`."""
         with self.lock:

@@ -55,6 +55,18 @@ class StoreDir:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, 0o700)
 
+    @property
+    def names_path(self) -> str:
+        """The snapshot of learned names (see :mod:`kv_file.names`)."""
+        return os.path.join(self.path, "names.idx")
+
+    def names_temp_path(self) -> str:
+        self._seq += 1
+        return (
+            f"{self.path}/names.{_HOST}.{os.getpid()}.{threading.get_native_id()}."
+            f"{self._seq}{TMP_SUFFIX}"
+        )
+
     def subdir(self, digest: int) -> str:
         return self._subdirs[digest >> 120]
 
@@ -98,7 +110,7 @@ class StoreDir:
         """Delete temp files left by dead writers on this host, or abandoned long ago."""
         removed = 0
         now = time.time()
-        for d in self._subdirs:
+        for d in (self.path, *self._subdirs):
             try:
                 names = [n for n in os.listdir(d) if n.endswith(TMP_SUFFIX)]
             except FileNotFoundError:
