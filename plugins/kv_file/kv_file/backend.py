@@ -68,6 +68,7 @@ class FileBackend:
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._direct = DirectReads(config.direct_reads)
+        self._cpus = _usable_cpus()
         self._count(temps_removed=self._dir.remove_stale_temps())
         self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan())
         self._index.name_all(load_names(self._dir.names_path))
@@ -143,7 +144,10 @@ class FileBackend:
             if digest is None:
                 digest = name_digest(raw)
             outcome = read_object(
-                self._dir.object_path(digest), raw, host.memoryview(i, j), direct=self._direct
+                self._dir.object_path(digest),
+                raw,
+                host.memoryview(i, j),
+                direct=self._direct,
             )
             if outcome is ReadOutcome.OK:
                 if not index.learn(name, digest):  # written by another process: adopt it
@@ -153,7 +157,7 @@ class FileBackend:
                 index.drop(digest)
             return _READ_COUNTERS[outcome]
 
-        outcomes = self._run(request, read_one, host.nbytes)
+        outcomes = self._run(request, read_one, host.nbytes, self._read_workers(request))
         return leading_run([o == "read_hits" for o in outcomes], parts)
 
     @kvcore.hookimpl
@@ -181,7 +185,11 @@ class FileBackend:
                 return "write_refused"
             try:
                 write_object(
-                    path, self._dir.temp_path(digest), raw, host.memoryview(i, j), sync=self._sync
+                    path,
+                    self._dir.temp_path(digest),
+                    raw,
+                    host.memoryview(i, j),
+                    sync=self._sync,
                 )
             except OSError as exc:
                 index.release(size)
@@ -192,7 +200,9 @@ class FileBackend:
                 written_dirs.setdefault(self._dir.subdir(digest), []).append(k)
             return "write_stored"
 
-        outcomes = self._run(request, write_one, host.nbytes)
+        # Synced writes wait on the disk; unsynced ones are copies into the page cache.
+        workers = self.config.io_threads if self._sync else min(self.config.io_threads, self._cpus)
+        outcomes = self._run(request, write_one, host.nbytes, workers)
         for d, ks in written_dirs.items():  # one directory fsync per batch, not per object
             try:
                 _fsync_dir(d)
@@ -319,8 +329,26 @@ class FileBackend:
 
     # -- plumbing --------------------------------------------------------------------------
 
+    def _read_workers(self, request: BlockRequest) -> int:
+        """Threads for a read: all ``io_threads`` when it goes to the disk (each one mostly
+        waits on a direct read), one per core when the page cache holds it (each one copies,
+        and more threads than cores measured slower). The batch's first object decides."""
+        if not self._direct.enabled or request.num_blocks == 0:
+            return min(self.config.io_threads, self._cpus)
+        name = request.object_names[0][0]
+        digest = self._index.by_name.get(name)
+        if digest is None:
+            digest = name_digest(encode_name(name))
+        if self._direct.path_cached(self._dir.object_path(digest)):
+            return min(self.config.io_threads, self._cpus)
+        return self.config.io_threads
+
     def _run(
-        self, request: BlockRequest, one: Callable[[int], str], nbytes: tuple[int, ...]
+        self,
+        request: BlockRequest,
+        one: Callable[[int], str],
+        nbytes: tuple[int, ...],
+        workers: int,
     ) -> list[str]:
         """Call ``one(k)`` for every object ``k`` (flat ``[block][part]`` order) in parallel.
 
@@ -358,7 +386,7 @@ class FileBackend:
                 if outcome not in good:
                     stop[0] = min(stop[0], k - k % parts)
 
-        workers = min(self.config.io_threads, total)
+        workers = min(workers, total)
         if workers == 1 or sum(nbytes) * request.num_blocks < _INLINE_BYTES:
             worker()
         else:
@@ -401,6 +429,13 @@ def _host_buffers(request: BlockRequest) -> kvcore.HostBuffers:
                 f"({len(request.parts)})"
             )
     return host
+
+
+def _usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _fsync_dir(path: str) -> None:

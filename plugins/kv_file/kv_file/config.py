@@ -66,7 +66,11 @@ class FileConfig(kvcore.BackendConfig):
     )
     low_watermark: float = Field(default=0.85, gt=0, le=1, description="evict down to this")
     io_threads: int = Field(
-        default_factory=lambda: min(8, max(2, 2 * (os.cpu_count() or 1))), ge=1, le=256
+        default_factory=lambda: min(32, max(16, 2 * (os.cpu_count() or 1))),
+        ge=1,
+        le=256,
+        description="objects of one batch in flight at once; copies and checksums are "
+        "further limited to the usable cores, so threads beyond them only wait on the disk",
     )
     direct_reads: bool = Field(
         default=True,

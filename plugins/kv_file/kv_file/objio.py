@@ -89,6 +89,17 @@ class DirectReads:
             self._local.buf = buf
         return memoryview(buf)[:hsize]
 
+    def path_cached(self, path: str) -> bool:
+        """:meth:`cached` for a file by path (False when it is missing)."""
+        try:
+            fd = os.open(path, _O_READ)
+        except OSError:
+            return False
+        try:
+            return self.cached(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
     def cached(self, fd: int, size: int) -> bool:
         """Whether the page cache holds every page of the file (True when it cannot tell)."""
         local = self._local
@@ -110,7 +121,11 @@ class DirectReads:
 
 
 def read_object(
-    path: str, name: bytes, view: memoryview, *, direct: DirectReads | None = None
+    path: str,
+    name: bytes,
+    view: memoryview,
+    *,
+    direct: DirectReads | None = None,
 ) -> ReadOutcome:
     """Fill ``view`` with the object stored at ``path`` under ``name``, verified.
 
@@ -130,31 +145,41 @@ def read_object(
             return _classify(fd, path, st, name, len(view))
         if direct is not None and direct.usable(hsize, view):
             head = direct.head_buffer(hsize)
-            got = _read_cached_or_direct(fd, head, view, total, direct)
+            if not direct.cached(fd, total):
+                got = _read_direct(fd, head, view, direct)
+                return _verify(fd, path, st, name, head, view, got == total)
         else:
             head = memoryview(bytearray(hsize))
-            got = os.preadv(fd, [head, view], 0)
-        header = Header.parse(head)
-        if (
-            got != total
-            or header is None
-            or header.name_len != len(name)
-            or header.length != len(view)
-            or head[HEADER.size : HEADER.size + len(name)] != name
-        ):
-            return _classify(fd, path, st, name, len(view))
-        if checksum(name, view) != header.digest:
-            return _remove_corrupt(fd, path, st)
-        return ReadOutcome.OK
+        got = os.preadv(fd, [head, view], 0)
+        return _verify(fd, path, st, name, head, view, got == total)
     finally:
         os.close(fd)
 
 
-def _read_cached_or_direct(
-    fd: int, head: memoryview, view: memoryview, total: int, direct: DirectReads
-) -> int:
-    if direct.cached(fd, total):
-        return os.preadv(fd, [head, view], 0)
+def _verify(
+    fd: int,
+    path: str,
+    st: os.stat_result,
+    name: bytes,
+    head: memoryview,
+    view: memoryview,
+    complete: bool,
+) -> ReadOutcome:
+    header = Header.parse(head)
+    if (
+        not complete
+        or header is None
+        or header.name_len != len(name)
+        or header.length != len(view)
+        or head[HEADER.size : HEADER.size + len(name)] != name
+    ):
+        return _classify(fd, path, st, name, len(view))
+    if checksum(name, view) != header.digest:
+        return _remove_corrupt(fd, path, st)
+    return ReadOutcome.OK
+
+
+def _read_direct(fd: int, head: memoryview, view: memoryview, direct: DirectReads) -> int:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as exc:  # O_DIRECT refused (some FUSE and network file systems)
@@ -177,7 +202,14 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def write_object(path: str, temp: str, name: bytes, view: memoryview, *, sync: bool) -> int:
+def write_object(
+    path: str,
+    temp: str,
+    name: bytes,
+    view: memoryview,
+    *,
+    sync: bool,
+) -> int:
     """Write ``view`` under ``name`` to a temp file, sync it if asked, rename it to ``path``.
 
     Readers see the old file or the new one, never a partial one. Returns the file's size.
@@ -185,11 +217,11 @@ def write_object(path: str, temp: str, name: bytes, view: memoryview, *, sync: b
     """
     if len(name) > MAX_NAME_BYTES:
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
-    header = pack_header(name, view)
-    total = len(header) + len(view)
     fd = os.open(temp, _O_TEMP, 0o600)
     try:
         try:
+            header = pack_header(name, view)
+            total = len(header) + len(view)
             done = os.writev(fd, [header, view])
             while done < total:  # short writes: rare, but legal
                 if done < len(header):

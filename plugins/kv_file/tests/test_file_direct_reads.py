@@ -105,3 +105,14 @@ def test_a_damaged_cold_object_is_a_removed_miss(root, damage: str) -> None:
     assert not os.path.exists(path)
     assert store.stats()["backend_corrupt_removed"] == 1
     store.close()
+
+
+def test_reads_from_disk_use_every_io_thread_cached_ones_one_per_core(root) -> None:
+    store = open_store(root, io_threads=12)
+    plugin = store.plugin
+    assert write(store, KEYS) == len(KEYS)
+    req = store.request("r", KEYS)
+    assert plugin._read_workers(req) == min(12, plugin._cpus)
+    drop_cached_pages(object_files(root))
+    assert plugin._read_workers(req) == 12
+    store.close()
