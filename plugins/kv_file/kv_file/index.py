@@ -47,14 +47,7 @@ class Index:
 
     def learn(self, name: str, digest: int) -> bool:
         """Remember ``name`` for ``digest`` if the digest is indexed; True when it is."""
-        with self.lock:
-            entry = self.lru.get(digest)
-            if entry is None:
-                return False
-            if entry.name is None:
-                entry.name = name
-                self.by_name[name] = digest
-            return True
+        return self.learn_many([name], [digest]) == 1
 
     def touch(self, digest: int, now_ns: int) -> None:
         with self.lock:

@@ -17,12 +17,13 @@ nothing executable)::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import struct
 from collections.abc import Iterable
 
 import xxhash
+
+from kv_file.objio import write_then_rename
 
 __all__ = ["load_names", "save_names"]
 
@@ -41,19 +42,13 @@ def save_names(path: str, temp: str, names: Iterable[tuple[int, str]]) -> int:
         parts.append(raw)
     body = _HEAD.pack(_MAGIC, _VERSION, 0, len(parts) // 2) + b"".join(parts)
     data = body + xxhash.xxh3_128_digest(body)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.rename(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+
+    def fill(fd: int) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    write_then_rename(temp, path, fill)
     return len(parts) // 2
 
 

@@ -12,6 +12,8 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from kv_file.objfile import (
     HEADER,
@@ -23,7 +25,9 @@ from kv_file.objfile import (
     pack_header,
 )
 
-__all__ = ["DirectReads", "ReadOutcome", "read_object", "write_object"]
+__all__ = ["DirectReads", "ReadOutcome", "read_object", "write_object", "write_then_rename"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("kvcore.file")
 
@@ -217,19 +221,33 @@ def write_object(
     """
     if len(name) > MAX_NAME_BYTES:
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
+
+    def fill(fd: int) -> int:
+        header = pack_header(name, view)
+        total = len(header) + len(view)
+        done = os.writev(fd, [header, view])
+        while done < total:  # short writes: rare, but legal
+            if done < len(header):
+                done += os.write(fd, header[done:])
+            else:
+                done += os.write(fd, view[done - len(header) :])
+        if sync:
+            os.fdatasync(fd)
+        return total
+
+    return write_then_rename(temp, path, fill)
+
+
+def write_then_rename(temp: str, path: str, fill: Callable[[int], T]) -> T:
+    """Create ``temp`` (0600, exclusively), ``fill`` it, rename it over ``path``.
+
+    Readers see the old file or the new one, never a partial one. On any failure the temp
+    file is removed and the error raised. Returns what ``fill`` returned.
+    """
     fd = os.open(temp, _O_TEMP, 0o600)
     try:
         try:
-            header = pack_header(name, view)
-            total = len(header) + len(view)
-            done = os.writev(fd, [header, view])
-            while done < total:  # short writes: rare, but legal
-                if done < len(header):
-                    done += os.write(fd, header[done:])
-                else:
-                    done += os.write(fd, view[done - len(header) :])
-            if sync:
-                os.fdatasync(fd)
+            out = fill(fd)
         finally:
             os.close(fd)
         os.rename(temp, path)
@@ -237,7 +255,7 @@ def write_object(
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    return total
+    return out
 
 
 def _classify(fd: int, path: str, st: os.stat_result, name: bytes, want: int) -> ReadOutcome:
