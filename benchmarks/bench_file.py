@@ -242,7 +242,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_layout_args(ap, blocks=64)
     ap.add_argument("--query-keys", type=int, default=10_000)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dir", default=None, help="scratch directory (default: the temp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
