@@ -72,7 +72,7 @@ class FileBackend:
         self._count(temps_removed=self._dir.remove_stale_temps())
         self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan())
         self._index.name_all(load_names(self._dir.names_path))
-        self._names_saved = len(self._index.by_name)
+        self._names_saved = self._index.names_changed
         self._delete(self._index.reserve(0)[1])  # the capacity may have been lowered
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv_file-io")
         self._stop = threading.Event()
@@ -140,9 +140,7 @@ class FileBackend:
             i, j = divmod(k, parts)
             name = names[i][j]
             raw = encode_name(name)
-            digest = index.by_name.get(name)
-            if digest is None:
-                digest = name_digest(raw)
+            digest = self._digest(name, raw)
             outcome = read_object(
                 self._dir.object_path(digest),
                 raw,
@@ -265,13 +263,13 @@ class FileBackend:
     # -- what a restart rebuilds from ------------------------------------------------------
 
     def save_names(self) -> None:
-        """Snapshot the learned names (see :mod:`kv_file.names`) when their number changed."""
-        named = self._index.named()
-        if len(named) == self._names_saved:
+        """Snapshot the learned names (see :mod:`kv_file.names`) if they changed since."""
+        changed = self._index.names_changed
+        if changed == self._names_saved:
             return
         try:
-            save_names(self._dir.names_path, self._dir.names_temp_path(), named)
-            self._names_saved = len(named)
+            save_names(self._dir.names_path, self._dir.names_temp_path(), self._index.named())
+            self._names_saved = changed
         except OSError as exc:  # a hint only: the next start hashes names instead
             log.warning("kv_file could not save its name snapshot: %s", exc)
 
@@ -329,6 +327,11 @@ class FileBackend:
 
     # -- plumbing --------------------------------------------------------------------------
 
+    def _digest(self, name: str, raw: bytes | None = None) -> int:
+        """The file digest of ``name``: from the index when learned, else hashed."""
+        digest = self._index.by_name.get(name)
+        return digest if digest is not None else name_digest(raw or encode_name(name))
+
     def _read_workers(self, request: BlockRequest) -> int:
         """Threads for a read: all ``io_threads`` when it goes to the disk (each one mostly
         waits on a direct read), one per core when the page cache holds it (each one copies,
@@ -336,10 +339,7 @@ class FileBackend:
         if not self._direct.enabled or request.num_blocks == 0:
             return min(self.config.io_threads, self._cpus)
         name = request.object_names[0][0]
-        digest = self._index.by_name.get(name)
-        if digest is None:
-            digest = name_digest(encode_name(name))
-        if self._direct.path_cached(self._dir.object_path(digest)):
+        if self._direct.path_cached(self._dir.object_path(self._digest(name))):
             return min(self.config.io_threads, self._cpus)
         return self.config.io_threads
 

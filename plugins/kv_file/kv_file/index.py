@@ -38,6 +38,7 @@ class Index:
         self.used = 0  # bytes of indexed files plus reservations for writes in flight
         self.evictions = 0
         self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit
+        self.names_changed = 0  # bumped whenever by_name changes: when to save a snapshot
         self._stamps = itertools.count(1)
 
     def stamp(self) -> int:
@@ -57,9 +58,9 @@ class Index:
 
     def take_touched(self) -> dict[int, int]:
         """The read hits not yet written to disk (still indexed), and forget them."""
-        with self.lock:
+        with self.lock:  # evicted entries already left it (_forget)
             touched, self.touched = self.touched, {}
-            return {d: t for d, t in touched.items() if d in self.lru}
+            return touched
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class Index:
                         entry.name = name
                         self.by_name[name] = digest
                         named += 1
+            self.names_changed += named
         return named
 
     def learn_many(self, names: list[str], digests: list[int]) -> int:
@@ -95,6 +97,7 @@ class Index:
                 if entry.name is None:
                     entry.name = name
                     self.by_name[name] = digest
+                    self.names_changed += 1
         return len(names)
 
     def named(self) -> list[tuple[int, str]]:
@@ -114,6 +117,7 @@ class Index:
             self.lru[digest] = Entry(size, name, self.stamp())
             if name is not None:
                 self.by_name[name] = digest
+                self.names_changed += 1
 
     def drop(self, digest: int, older_than: int | None = None) -> Entry | None:
         """Forget a file that is gone (or corrupt). ``older_than``: only if stamped before."""
@@ -156,6 +160,7 @@ class Index:
         self.used -= entry.size
         if entry.name is not None:
             self.by_name.pop(entry.name, None)
+            self.names_changed += 1
         return entry
 
     def __len__(self) -> int:

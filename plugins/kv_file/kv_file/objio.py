@@ -125,11 +125,7 @@ class DirectReads:
 
 
 def read_object(
-    path: str,
-    name: bytes,
-    view: memoryview,
-    *,
-    direct: DirectReads | None = None,
+    path: str, name: bytes, view: memoryview, *, direct: DirectReads | None = None
 ) -> ReadOutcome:
     """Fill ``view`` with the object stored at ``path`` under ``name``, verified.
 
@@ -206,14 +202,7 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def write_object(
-    path: str,
-    temp: str,
-    name: bytes,
-    view: memoryview,
-    *,
-    sync: bool,
-) -> int:
+def write_object(path: str, temp: str, name: bytes, view: memoryview, *, sync: bool) -> int:
     """Write ``view`` under ``name`` to a temp file, sync it if asked, rename it to ``path``.
 
     Readers see the old file or the new one, never a partial one. Returns the file's size.

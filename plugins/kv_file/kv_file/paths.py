@@ -61,11 +61,7 @@ class StoreDir:
         return os.path.join(self.path, "names.idx")
 
     def names_temp_path(self) -> str:
-        self._seq += 1
-        return (
-            f"{self.path}/names.{_HOST}.{os.getpid()}.{threading.get_native_id()}."
-            f"{self._seq}{TMP_SUFFIX}"
-        )
+        return self._temp(self.path, "names")
 
     def subdir(self, digest: int) -> str:
         return self._subdirs[digest >> 120]
@@ -75,10 +71,14 @@ class StoreDir:
 
     def temp_path(self, digest: int) -> str:
         """A fresh temp name beside the object: same directory, so the rename is atomic."""
+        return self._temp(self._subdirs[digest >> 120], f"{digest:032x}")
+
+    def _temp(self, directory: str, stem: str) -> str:
+        """``<stem>.<host>.<pid>.<thread>.<seq>.tmp``: what remove_stale_temps parses."""
         self._seq += 1  # racy under threads, but the thread id below keeps names unique
         return (
-            f"{self._subdirs[digest >> 120]}/{digest:032x}.{_HOST}.{os.getpid()}."
-            f"{threading.get_native_id()}.{self._seq}{TMP_SUFFIX}"
+            f"{directory}/{stem}.{_HOST}.{os.getpid()}.{threading.get_native_id()}."
+            f"{self._seq}{TMP_SUFFIX}"
         )
 
     def scan(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[Found]:

@@ -8,7 +8,7 @@ import os
 from kv_file.names import load_names, save_names
 from kv_file.objfile import encode_name
 from kv_file.paths import name_digest
-from kv_file_testutil import open_store, read, read_verified, write
+from kv_file_testutil import object_files, open_store, read, read_verified, write
 
 KEYS = [f"n{i}" for i in range(8)]
 
@@ -73,3 +73,22 @@ def test_snapshot_round_trips_any_name(tmp_path) -> None:
         f.truncate(os.path.getsize(path) - 1)
     assert load_names(path) == {}
     assert load_names(str(tmp_path / "missing")) == {}
+
+
+def test_the_snapshot_follows_a_full_store_whose_name_count_stays_the_same(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    probe = open_store(str(tmp_path / "probe"))
+    assert write(probe, ["x"]) == 1
+    one_block = sum(os.path.getsize(p) for p in object_files(str(tmp_path / "probe")))
+    probe.close()
+    cfg = {"capacity_bytes": one_block, "high_watermark": 1.0, "low_watermark": 0.5}
+    store = open_store(root, **cfg)
+    assert write(store, ["a"]) == 1
+    store.close()
+    store = open_store(root, **cfg)
+    assert write(store, ["b"]) == 1  # evicts a: as many names as before, other ones
+    store.close()
+    reopened = open_store(root, **cfg)
+    b_names = set(reopened.request("q", ["b"]).object_names[0])
+    assert set(reopened.plugin._index.by_name) == b_names
+    reopened.close()
