@@ -11,12 +11,18 @@ import pytest
 pytest.register_assert_rewrite("kvcore.testing.harness", "kvcore.testing.suite")
 
 from kvcore.testing.harness import Harness, blocks_equal, payload_for  # noqa: E402
-from kvcore.testing.suite import BackendConformance, requires, small_layout  # noqa: E402
+from kvcore.testing.suite import (  # noqa: E402
+    BackendConformance,
+    harness_opener,
+    requires,
+    small_layout,
+)
 
 __all__ = [
     "BackendConformance",
     "Harness",
     "blocks_equal",
+    "harness_opener",
     "payload_for",
     "requires",
     "small_layout",

@@ -18,6 +18,7 @@ backend is opened in strict mode, so an exception from a hook fails the test.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ from kvcore.requests import BlockRequest, HostBuffers
 from kvcore.schemas import CacheDType, CacheLayout, Capabilities
 from kvcore.testing.harness import Harness, blocks_equal
 
-__all__ = ["BackendConformance", "requires", "small_layout"]
+__all__ = ["BackendConformance", "harness_opener", "requires", "small_layout"]
 
 _DTYPES = [d.value for d in CacheDType]
 
@@ -49,6 +50,40 @@ def small_layout(dtype: str = "bfloat16") -> CacheLayout:
         num_blocks=40,
         extra_num_blocks=36,
     )
+
+
+@contextlib.contextmanager
+def harness_opener(
+    target: str | type, config: dict | None = None, context: dict | None = None
+) -> Iterator[Callable[..., Harness]]:
+    """Open backends as harnesses, strict, and close them all when the block ends.
+
+    The opener takes config overrides (merged over ``config``), a layout (default
+    :func:`small_layout`) and context fields (merged over ``context``). For a plugin's own
+    tests beside the kit: ``with harness_opener("mine", base) as open_: h = open_({...})``.
+    """
+    opened: list[Harness] = []
+
+    def open_(
+        overrides: dict | None = None, layout: CacheLayout | None = None, **fields: Any
+    ) -> Harness:
+        lay = layout or small_layout()
+        backend = open_backend(
+            target,
+            {**(config or {}), **(overrides or {})},
+            context={**(context or {}), **fields, "layout": lay},
+            strict=True,
+        )
+        h = Harness(backend, lay)
+        opened.append(h)
+        return h
+
+    try:
+        yield open_
+    finally:
+        for h in opened:
+            h.backend.close()
+            h.release()
 
 
 def requires(**capabilities: Any) -> Callable[[Callable], Callable]:
@@ -109,20 +144,8 @@ class BackendConformance:
     def open_harness(
         self, backend_target: str | type, backend_config: dict, backend_context: dict
     ) -> Iterator[Callable[..., Harness]]:
-        opened: list[Harness] = []
-
-        def _open(layout: CacheLayout | None = None, **context: Any) -> Harness:
-            lay = layout or small_layout()
-            ctx = {**backend_context, **context, "layout": lay}
-            backend = open_backend(backend_target, backend_config, context=ctx, strict=True)
-            h = Harness(backend, lay)
-            opened.append(h)
-            return h
-
-        yield _open
-        for h in opened:
-            h.backend.close()
-            h.release()
+        with harness_opener(backend_target, backend_config, backend_context) as open_:
+            yield lambda layout=None, **context: open_(None, layout, **context)
 
     @pytest.fixture
     def harness(self, open_harness: Callable[..., Harness]) -> Harness:

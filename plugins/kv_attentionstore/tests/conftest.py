@@ -15,8 +15,7 @@ sys.path.insert(0, str(REFERENCE_SDK))
 
 from attentionstore_sdk import reference_control as control  # noqa: E402
 
-import kvcore  # noqa: E402
-from kvcore.testing import Harness, small_layout  # noqa: E402
+from kvcore.testing import Harness, harness_opener  # noqa: E402
 
 #: readiness settings that keep a not-ready simulation to fractions of a second
 FAST = {"readiness_timeout_s": 2.0, "readiness_poll_s": 0.01}
@@ -40,24 +39,8 @@ def fast_config() -> dict[str, Any]:
 @pytest.fixture
 def open_as() -> Iterator[Callable[..., Harness]]:
     """Open the backend (strict) on a small layout; returns a conformance-kit harness."""
-    opened: list[Harness] = []
-
-    def _open(config: dict[str, Any] | None = None, **context: Any) -> Harness:
-        layout = context.pop("layout", None) or small_layout()
-        backend = kvcore.open_backend(
-            "attentionstore",
-            {**FAST, **(config or {})},
-            context={"layout": layout, **context},
-            strict=True,
-        )
-        h = Harness(backend, layout)
-        opened.append(h)
-        return h
-
-    yield _open
-    for h in opened:
-        h.backend.close()
-        h.release()
+    with harness_opener("attentionstore", FAST) as open_:
+        yield open_
 
 
 @pytest.fixture
