@@ -26,11 +26,6 @@ def _cuda_requested() -> bool:
     return os.environ.get("KVCORE_CUDA", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _paddle_dep() -> str:
-    # CPU and GPU wheels both install the `paddle` module; never pull both.
-    return "paddlepaddle-gpu>=2.6" if _cuda_requested() else "paddlepaddle>=2.6"
-
-
 def _nvcc() -> str | None:
     """nvcc to build kvcore/_swap_cuda.so with, or None. KVCORE_CUDA=1 requires it, =auto uses it
     when found; anything else (the default) never calls it, so CPU installs need no CUDA."""
@@ -69,7 +64,7 @@ swap_ext = Extension(
 )
 
 setup(
-    install_requires=[*BASE_DEPS, _paddle_dep()],
+    install_requires=BASE_DEPS,
     ext_modules=[swap_ext],
     cmdclass={"build_ext": BuildExtWithCuda},
 )

@@ -18,11 +18,13 @@ from kvcore.errors import (
 )
 from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.keys import KeyScope, block_hashes, object_names
+from kvcore.metrics import Counters, OnceLogger
 from kvcore.registry import available_backends, open_backend
-from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, leading_run
+from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome, leading_run
 from kvcore.schemas import (
     BackendConfig,
     BackendContext,
+    ByteSize,
     CacheDType,
     CacheLayout,
     Capabilities,
@@ -42,16 +44,20 @@ __all__ = [
     "BackendDefinitionError",
     "BackendImportError",
     "BlockRequest",
+    "ByteSize",
     "CacheDType",
     "CacheLayout",
     "Capabilities",
     "ConfigError",
+    "Counters",
     "DeviceBuffers",
     "DuplicateBackendError",
     "FlushTask",
     "HostBuffers",
     "KVCoreError",
     "KeyScope",
+    "OnceLogger",
+    "Outcome",
     "ReadTask",
     "SwapTask",
     "TaskResult",

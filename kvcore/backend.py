@@ -16,9 +16,9 @@ from typing import Any
 import pluggy
 
 from kvcore.keys import object_names
-from kvcore.metrics import Metrics
-from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers
-from kvcore.schemas import BackendConfig, BackendContext, Capabilities
+from kvcore.metrics import Metrics, OnceLogger
+from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
+from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
 
 __all__ = ["Backend", "BackendContractError"]
 
@@ -60,8 +60,8 @@ class Backend:
         self._write = hook.kvcore_write
         self._flush = hook.kvcore_flush_token_index
         self._serial = nullcontext() if capabilities.concurrent else threading.Lock()
-        self._logged: set[tuple[str, type]] = set()
-        self._log_lock = threading.Lock()
+        self._failures = OnceLogger(log)
+        self._weight_version = context.weight_version
         self._closed = False
         self._parts = context.layout.parts if context.layout is not None else ("k", "v")
 
@@ -97,6 +97,7 @@ class Backend:
                 namespace=ctx.namespace,
                 rank=ctx.rank,
                 world_size=ctx.world_size,
+                weight_version=self._weight_version,
             ),
             parts=self._parts,
             deadline=deadline,
@@ -106,28 +107,88 @@ class Backend:
             device=device,
         )
 
-    # -- the data hooks --------------------------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        """The model-weight version in this backend's object names ("" for none)."""
+        return self._weight_version
 
-    def query(self, request: BlockRequest) -> int:
+    def set_weight_version(self, version: str) -> None:
+        """Scope every request built from now on to weights ``version``.
+
+        After an engine loads new weights, KV computed with the old ones must never be served:
+        with a new version, every later request names other objects, so the old blocks are
+        misses (remove them with :meth:`clear` or let the store evict them). Requests built
+        before the call keep the names they were built with, so a write-back of KV computed
+        with the old weights cannot land under the new version.
+        """
+        self._weight_version = check_weight_version(version)
+
+    # -- the data hooks --------------------------------------------------------------------
+    # Each returns an Outcome: the hook's count, with ``failure`` set when the count is short
+    # because something failed (not because the data is absent).
+
+    def query(self, request: BlockRequest) -> Outcome:
         """Leading blocks present; 0 on any backend failure."""
         return self._call("query", self._query, request, {"request": request})
 
-    def read(self, request: BlockRequest) -> int:
+    def read(self, request: BlockRequest) -> Outcome:
         """Leading blocks fully read into the request's buffers; 0 on any backend failure."""
         self._check_buffers(request)
         return self._call("read", self._read, request, {"request": request})
 
-    def write(self, request: BlockRequest) -> int:
+    def write(self, request: BlockRequest) -> Outcome:
         """Leading blocks durably stored; 0 on any backend failure."""
         self._check_buffers(request)
         return self._call("write", self._write, request, {"request": request})
 
-    def flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> int:
+    def flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> Outcome:
         """Blocks whose residency record changed; 0 for backends without a token index."""
         if not self.capabilities.token_index:
-            return 0
+            return Outcome(0)
         kwargs = {"request": request, "resident_on_device": resident_on_device}
         return self._call("flush", self._flush, request, kwargs)
+
+    def remove(self, request: BlockRequest) -> Outcome:
+        """Blocks of ``request`` removed on this rank (any, not a leading run); see
+        ``kvcore_remove``. 0, with a failure saying so, for backends without the hook."""
+        if not self.implements("kvcore_remove"):
+            return Outcome(0, f"backend {self.name!r} cannot remove blocks")
+        return self._call(
+            "remove", self._pm.hook.kvcore_remove, request, {"request": request}, leading=False
+        )
+
+    def clear(self) -> Outcome:
+        """Objects removed from this backend's namespace (all ranks); see ``kvcore_clear``."""
+        if not self.implements("kvcore_clear"):
+            return Outcome(0, f"backend {self.name!r} cannot clear its namespace")
+        if self._closed:
+            raise RuntimeError(f"backend {self.name!r} is closed")
+        t0 = time.monotonic()
+        try:
+            with self._serial:
+                result = self._pm.hook.kvcore_clear()
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._log_failure("clear", exc, None)
+            self.metrics.observe("clear", time.monotonic() - t0, calls=1, errors=1)
+            return Outcome(0, f"{type(exc).__name__}: {exc}")
+        if result is None:
+            result = 0
+        if not _is_count(result) or result < 0:
+            msg = f"backend {self.name!r} clear returned {result!r}; expected an int >= 0"
+            if self.strict:
+                raise BackendContractError(msg)
+            self._log_failure("clear", BackendContractError(msg), None)
+            self.metrics.observe("clear", time.monotonic() - t0, calls=1, invalid_results=1)
+            return Outcome(0, "invalid result")
+        self.metrics.observe("clear", time.monotonic() - t0, calls=1, objects_removed=result)
+        return Outcome(result, getattr(result, "failure", None))
+
+    def implements(self, hook_name: str) -> bool:
+        """Whether the backend implements the hook ``hook_name`` (e.g. ``"kvcore_remove"``)."""
+        caller = getattr(self._pm.hook, hook_name, None)
+        return caller is not None and bool(caller.get_hookimpls())
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -191,7 +252,9 @@ class Backend:
         caller: Callable[..., Any],
         request: BlockRequest,
         kwargs: dict[str, Any],
-    ) -> int:
+        *,
+        leading: bool = True,
+    ) -> Outcome:
         if self._closed:
             raise RuntimeError(f"backend {self.name!r} is closed")
         n = request.num_blocks
@@ -204,11 +267,11 @@ class Backend:
                 raise
             self._log_failure(op, exc, request)
             self.metrics.observe(op, time.monotonic() - t0, calls=1, errors=1, blocks=n)
-            return 0
+            return Outcome(0, f"{type(exc).__name__}: {exc}")
         t1 = time.monotonic()
-        if result is None and op == "flush":
+        if result is None and op in ("flush", "remove"):
             result = 0
-        if type(result) is not int or not 0 <= result <= n:
+        if not _is_count(result) or not 0 <= result <= n:
             msg = (
                 f"backend {self.name!r} {op} returned {result!r} for {n} blocks; "
                 f"expected an int in [0, {n}]"
@@ -217,12 +280,25 @@ class Backend:
                 raise BackendContractError(msg)
             self._log_failure(op, BackendContractError(msg), request)
             self.metrics.observe(op, t1 - t0, calls=1, invalid_results=1, blocks=n)
-            return 0
-        late = 1 if t1 > request.deadline + DEADLINE_GRACE_S else 0
-        self.metrics.observe(
-            op, t1 - t0, calls=1, blocks=n, blocks_done=result, deadline_missed=late
-        )
-        return result
+            return Outcome(0, f"invalid result {result!r}")
+        failure = getattr(result, "failure", None)
+        late = t1 > request.deadline + DEADLINE_GRACE_S
+        if failure is None and late and result < n:
+            failure = "deadline missed"
+        counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
+        if failure is not None and result < n and not late:
+            counts["failures_reported"] = 1
+            self._failures.warning(
+                (op, "reported"),
+                "backend %r %s reported a failure (task %r): %s; counted as a miss (further "
+                "reported failures are logged at debug level)",
+                self.name,
+                op,
+                request.task_id,
+                failure,
+            )
+        self.metrics.observe(op, t1 - t0, **counts)
+        return Outcome(int(result), failure if result < n else None)
 
     def _lifecycle(self, op: str, caller: Callable[..., Any], **kwargs: Any) -> Any:
         try:
@@ -236,24 +312,24 @@ class Backend:
 
     def _log_failure(self, op: str, exc: BaseException, request: BlockRequest | None) -> None:
         """Log the first failure of each (op, exception type) with context; later ones at debug."""
-        key = (op, type(exc))
-        with self._log_lock:
-            first = key not in self._logged
-            self._logged.add(key)
         where = ""
         if request is not None:
             where = f" (task {request.task_id!r}, {request.num_blocks} blocks from {request.start_block})"
-        if first:
-            log.warning(
-                "backend %r %s failed%s: %s: %s; counted as a miss (further %s errors of this "
-                "kind are logged at debug level)",
-                self.name,
-                op,
-                where,
-                type(exc).__name__,
-                exc,
-                type(exc).__name__,
-                exc_info=exc,
-            )
-        else:
-            log.debug("backend %r %s failed%s: %r", self.name, op, where, exc)
+        kind = type(exc).__name__
+        self._failures.warning(
+            (op, type(exc)),
+            "backend %r %s failed%s: %s: %s; counted as a miss (further %s errors of this "
+            "kind are logged at debug level)",
+            self.name,
+            op,
+            where,
+            kind,
+            exc,
+            kind,
+            exc_info=exc,
+        )
+
+
+def _is_count(value: object) -> bool:
+    """An int (an :class:`Outcome` included) and not a bool: what every count hook returns."""
+    return isinstance(value, int) and not isinstance(value, bool)

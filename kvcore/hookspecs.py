@@ -28,8 +28,11 @@ Semantics shared by the data hooks:
   the caller's buffers that are already in flight must finish before the hook returns: the
   caller reuses the buffers as soon as it gets the answer.
 - Failures are results, not exceptions, wherever the backend can tell: return the count that
-  succeeded. An exception that escapes is caught by kvcore, logged once, counted, and turned
-  into the miss result (0) - except in strict mode, used by tests, where it propagates.
+  succeeded, as :class:`kvcore.Outcome` ``(n, failure="why")`` when the shortfall is a failure
+  rather than absence (kvcore then reports a backend error to the engine, not a miss). An
+  exception that escapes is caught by kvcore, logged once, counted, and turned into the miss
+  result (0) with the failure recorded - except in strict mode, used by tests, where it
+  propagates.
 - Hooks may be called concurrently from several threads unless the backend declares
   ``Capabilities(concurrent=False)``, in which case kvcore serialises calls.
 """
@@ -49,6 +52,18 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 #: Hooks every backend must implement.
 REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
+
+#: Optional hooks; :meth:`kvcore.Backend.implements` tells whether a backend has one.
+OPTIONAL_HOOKS = (
+    "kvcore_flush_token_index",
+    "kvcore_remove",
+    "kvcore_clear",
+    "kvcore_register_buffer",
+    "kvcore_unregister_buffer",
+    "kvcore_stats",
+    "kvcore_raw_baseline",
+    "kvcore_close",
+)
 
 
 @hookspec(firstresult=True)
@@ -124,6 +139,41 @@ def kvcore_flush_token_index(request: BlockRequest, resident_on_device: bool) ->
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_remove(request: BlockRequest) -> int:
+    """Delete this rank's stored objects of the request's blocks (every part).
+
+    For engines that must drop data: a block found corrupt, a tenant's data on request, a
+    store an operator trims by hand. Optional; without it kvcore answers 0 and
+    :meth:`kvcore.Backend.implements` says so.
+
+    :param request: the blocks, named as for :func:`kvcore_query`; ``host`` and ``device``
+        are None. Token-addressed backends locate them by ``token_ids`` from ``start_block``.
+    :return: how many of the request's blocks were stored and are now gone (any blocks, not a
+        leading run; blocks that were absent do not count). Afterwards a query counts none of
+        them until they are written again, also from another process sharing the store.
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_clear() -> int:
+    """Delete every object stored under this backend's namespace, for every rank.
+
+    An operator's or an engine's reset (FastDeploy's and SGLang's ``clear``). Other namespaces
+    sharing the store are untouched. Optional; without it kvcore answers 0.
+
+    :return: how many objects were removed (0 when the store cannot count them).
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.2
     """
 
 

@@ -77,13 +77,29 @@ def block_hashes(
     return keys
 
 
-def object_name(block_key: str, part: str, *, namespace: str, rank: int, world_size: int) -> str:
+def object_name(
+    block_key: str,
+    part: str,
+    *,
+    namespace: str,
+    rank: int,
+    world_size: int,
+    weight_version: str = "",
+) -> str:
     """Name of one stored object: one block's ``part`` (k, v, k_scale, v_scale) on one rank.
 
     Rank and world size are in the name because each tensor-parallel rank holds a different
-    slice of the heads; a cache written with another TP degree must not be read back.
+    slice of the heads; a cache written with another TP degree must not be read back. A weight
+    version, when set, ends the name: KV of other weights is then another object.
     """
-    return f"{namespace}/{block_key}/{part}/r{rank}of{world_size}"
+    return object_names(
+        [block_key],
+        [part],
+        namespace=namespace,
+        rank=rank,
+        world_size=world_size,
+        weight_version=weight_version,
+    )[0][0]
 
 
 def object_names(
@@ -93,9 +109,11 @@ def object_names(
     namespace: str,
     rank: int,
     world_size: int,
+    weight_version: str = "",
 ) -> tuple[tuple[str, ...], ...]:
     """``[block][part]`` object names for a run of blocks (same names as :func:`object_name`)."""
     # built column by column: half the cost of a nested comprehension on 10,000-block runs
     heads = [f"{namespace}/{k}/" for k in block_keys]
-    columns = [[h + tail for h in heads] for tail in (f"{p}/r{rank}of{world_size}" for p in parts)]
+    scope = f"/r{rank}of{world_size}" + (f"/w{weight_version}" if weight_version else "")
+    columns = [[h + tail for h in heads] for tail in (p + scope for p in parts)]
     return tuple(zip(*columns, strict=True)) if columns else tuple(() for _ in heads)

@@ -1,13 +1,67 @@
-"""Thread-safe counters and latency histograms with a Prometheus text exporter."""
+"""Thread-safe counters, log-once, and latency histograms with a Prometheus text exporter.
+
+:class:`Counters` and :class:`OnceLogger` are what a backend needs for its ``kvcore_stats``
+hook and its failure log; :class:`Metrics` is kvcore's own per-operation accounting.
+"""
 
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Hashable, Iterable, Mapping
 
-__all__ = ["LATENCY_BUCKETS_S", "Metrics"]
+__all__ = ["LATENCY_BUCKETS_S", "Counters", "Metrics", "OnceLogger"]
+
+
+class Counters:
+    """Named, monotonically increasing counts, safe to bump from any thread.
+
+    A backend keeps one and returns :meth:`snapshot` from its ``kvcore_stats`` hook.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._counts[name] += value
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return float(self._counts.get(name, 0))
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()}
+
+
+class OnceLogger:
+    """Log the first occurrence of each kind of event at warning level, later ones at debug.
+
+    A backend that fails the same way ten thousand times a second must not flood the
+    engine's log, but its first failure of each kind must be seen with full context.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self._seen: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def warning(self, key: Hashable, msg: str, *args: object, **kwargs: object) -> bool:
+        """Log ``msg % args``; True when it went out at warning level (first time for ``key``)."""
+        with self._lock:
+            first = key not in self._seen
+            self._seen.add(key)
+        if first:
+            self.logger.warning(msg, *args, **kwargs)  # type: ignore[arg-type]
+        else:
+            kwargs.pop("exc_info", None)
+            self.logger.debug(msg, *args, **kwargs)  # type: ignore[arg-type]
+        return first
+
 
 #: Upper bounds (seconds) of the latency histogram buckets; +Inf is implicit.
 LATENCY_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)

@@ -209,21 +209,13 @@ class HostBuffer:
 # --------------------------------------------------------------------------- argument checks
 
 
-def _describe(t: Any, name: str) -> tuple[int, tuple[int, ...], int, bool]:
+def describe_tensor(t: Any, name: str) -> tuple[int, tuple[int, ...], int, bool]:
     """(address, shape, element size, on_gpu) of a contiguous tensor or array."""
     if isinstance(t, np.ndarray):
         if not t.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
         return int(t.ctypes.data), tuple(t.shape), t.itemsize, False
-    cai = getattr(t, "__cuda_array_interface__", None)
-    if cai is not None:  # CuPy, Numba
-        itemsize = np.dtype(cai["typestr"]).itemsize
-        shape = tuple(int(s) for s in cai["shape"])
-        contiguous_strides = tuple(itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        if cai.get("strides") not in (None, contiguous_strides):
-            raise ValueError(f"{name} must be C-contiguous")
-        return int(cai["data"][0]), shape, itemsize, True
-    if hasattr(t, "data_ptr"):  # Paddle, torch
+    if hasattr(t, "data_ptr"):  # Paddle, torch: ask the framework, not its array interface
         if hasattr(t, "is_contiguous") and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         place = getattr(t, "place", None)
@@ -232,6 +224,16 @@ def _describe(t: Any, name: str) -> tuple[int, tuple[int, ...], int, bool]:
         else:
             on_gpu = bool(getattr(t, "is_cuda", False))
         return int(t.data_ptr()), tuple(int(s) for s in t.shape), int(t.element_size()), on_gpu
+    # CuPy, Numba. (torch also offers this interface, but raises KeyError for dtypes it has no
+    # type string for, float8 among them: hence the data_ptr branch first.)
+    cai = getattr(t, "__cuda_array_interface__", None)
+    if cai is not None:
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        shape = tuple(int(s) for s in cai["shape"])
+        contiguous_strides = tuple(itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        if cai.get("strides") not in (None, contiguous_strides):
+            raise ValueError(f"{name} must be C-contiguous")
+        return int(cai["data"][0]), shape, itemsize, True
     raise TypeError(f"{name}: unsupported type {type(t).__name__}")
 
 
@@ -243,7 +245,7 @@ def _host_address(obj: Any, name: str) -> tuple[int, int | None]:
         if obj <= 0:
             raise ValueError(f"{name} must be a non-null address, got {obj}")
         return int(obj), None
-    ptr, shape, itemsize, on_gpu = _describe(obj, name)
+    ptr, shape, itemsize, on_gpu = describe_tensor(obj, name)
     if on_gpu:
         raise ValueError(f"{name} must be host memory, got a GPU tensor")
     return ptr, math.prod(shape) * itemsize
@@ -268,7 +270,7 @@ def _layers(
     block_shape: tuple[int, ...] | None = None
     itemsize = on_gpu = None
     for i, t in enumerate(cache_tensors):
-        ptr, shape, size, gpu = _describe(t, f"cache_tensors[{i}]")
+        ptr, shape, size, gpu = describe_tensor(t, f"cache_tensors[{i}]")
         if len(shape) < 2:
             raise ValueError(f"cache_tensors[{i}] must be [num_blocks, ...], got shape {shape}")
         if block_shape is None:
@@ -437,7 +439,7 @@ def swap_cache_layout(
     if isinstance(staging_ptr, (int, np.integer, HostBuffer, np.ndarray)) or not on_gpu:
         staging, size = _host_address(staging_ptr, "staging_ptr")
     else:  # a device staging tensor is fine on the GPU path
-        staging, shape, esize, _ = _describe(staging_ptr, "staging_ptr")
+        staging, shape, esize, _ = describe_tensor(staging_ptr, "staging_ptr")
         size = math.prod(shape) * esize
     nslots = -1 if size is None else size // slot_bytes
     if staging_nslots is not None:

@@ -14,7 +14,34 @@ from dataclasses import dataclass
 
 from kvcore.schemas import CacheLayout
 
-__all__ = ["BlockRequest", "DeviceBuffers", "HostBuffers", "leading_run"]
+__all__ = ["BlockRequest", "DeviceBuffers", "HostBuffers", "Outcome", "leading_run"]
+
+
+class Outcome(int):
+    """A block count that may also say why it fell short: a failure, not an absence.
+
+    Hooks return plain ints; a backend that knows its short count is a failure (a full disk, a
+    refused connection, a checksum mismatch) rather than data that is simply not there returns
+    ``Outcome(n, failure="disk full")`` instead of raising. kvcore's facade returns an Outcome
+    from every data call: ``failure`` is None for a clean answer, else a short reason (the
+    backend's, or kvcore's: an exception, an invalid result, a missed deadline). It compares,
+    adds and formats as the int it is.
+
+    .. versionadded:: 0.2
+    """
+
+    failure: str | None
+
+    def __new__(cls, count: int, failure: str | None = None) -> Outcome:
+        obj = super().__new__(cls, count)
+        obj.failure = failure
+        return obj
+
+    def __repr__(self) -> str:
+        n = int(self)
+        return (
+            f"Outcome({n})" if self.failure is None else f"Outcome({n}, failure={self.failure!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

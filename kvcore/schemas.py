@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import Self
 
 __all__ = [
     "BackendConfig",
     "BackendContext",
+    "ByteSize",
     "CacheDType",
     "CacheLayout",
     "Capabilities",
@@ -26,9 +28,22 @@ __all__ = [
     "ReadTask",
     "StrictModel",
     "SwapTask",
+    "TaskOutcome",
     "TaskResult",
     "WriteTask",
+    "check_weight_version",
 ]
+
+_WEIGHT_VERSION_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+
+
+def check_weight_version(value: str) -> str:
+    """A weight version ends every object name, so it is a short token, never a path."""
+    if not isinstance(value, str) or not _WEIGHT_VERSION_RE.match(value):
+        raise ValueError(
+            f"weight_version {value!r} must be at most 64 characters from [A-Za-z0-9._-]"
+        )
+    return value
 
 
 def parse_config_arg(value: str | None) -> dict[str, Any]:
@@ -60,7 +75,8 @@ class StrictModel(BaseModel):
 
 
 class CacheDType(str, Enum):
-    """Element type of the KV cache. ``block_wise_fp8`` stores 1-byte elements plus float32 scales."""
+    """Element type of the KV cache. ``block_wise_fp8`` stores 1-byte elements plus scales (of
+    the layout's ``scale_dtype``)."""
 
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -76,7 +92,9 @@ class CacheDType(str, Enum):
         return self is CacheDType.block_wise_fp8
 
 
-SCALE_ITEMSIZE = 4  # block-wise fp8 scales are float32, one per (head, token)
+#: Element types block-wise fp8 scales may have (one scale per head and token), and their sizes.
+#: FastDeploy allocates them in the model's default dtype, so 2-byte scales are common.
+SCALE_ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class CacheLayout(StrictModel):
@@ -94,6 +112,10 @@ class CacheLayout(StrictModel):
     block_size: int = Field(gt=0, description="tokens per block")
     head_dim: int = Field(gt=0)
     dtype: CacheDType = CacheDType.bfloat16
+    scale_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="element type of block-wise fp8 scales (ignored for other dtypes)",
+    )
     num_blocks: int = Field(
         default=0, ge=0, description="device blocks per main layer (0: unknown)"
     )
@@ -134,8 +156,18 @@ class CacheLayout(StrictModel):
         return self.num_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
     @property
+    def scale_itemsize(self) -> int:
+        return SCALE_ITEMSIZES[self.scale_dtype]
+
+    def part_itemsize(self, part: str) -> int:
+        """Element size of one part's tensors: the cache dtype's for K and V, else the scales'."""
+        return self.dtype.itemsize if part in ("k", "v") else self.scale_itemsize
+
+    @property
     def scale_layer_block_bytes(self) -> int:
-        return self.num_heads * self.block_size * SCALE_ITEMSIZE if self.dtype.has_scales else 0
+        if not self.dtype.has_scales:
+            return 0
+        return self.num_heads * self.block_size * self.scale_itemsize
 
     def layer_block_bytes(self, part: str) -> int:
         return self.kv_layer_block_bytes if part in ("k", "v") else self.scale_layer_block_bytes
@@ -183,6 +215,16 @@ class BackendContext(StrictModel):
     world_size: int = Field(default=1, ge=1)
     device_id: int = Field(default=0, ge=0)
     namespace: str = "default"
+    weight_version: str = Field(
+        default="",
+        description="model-weight version ending every object name ('' for none); change it at "
+        "runtime with Backend.set_weight_version",
+    )
+
+    @field_validator("weight_version")
+    @classmethod
+    def _weight_version(cls, value: str) -> str:
+        return check_weight_version(value)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> BackendContext:
@@ -306,11 +348,27 @@ def _check_block_lists(keys: list[str], device_block_ids: list[int]) -> None:
             raise ValueError(f"device_block_ids[{i}] = {b} is negative")
 
 
+#: Why a task ended as it did (:attr:`TaskResult.outcome`).
+TaskOutcome = Literal[
+    "complete", "miss", "backend_error", "invalid_result", "deadline", "rejected", "error"
+]
+
+
 class TaskResult(StrictModel):
-    """Outcome of one task: what was done, how many bytes, how long each stage took."""
+    """Outcome of one task: what was done, how many bytes, how long each stage took.
+
+    ``outcome`` says why the task ended: ``complete`` (everything asked for was done),
+    ``miss`` (the backend answered fewer blocks, without reporting a failure: the data is not
+    there or did not fit), ``backend_error`` (the backend raised or reported a failure),
+    ``invalid_result`` (it broke the hook contract), ``deadline`` (answered at the deadline with
+    what was done by then), ``rejected`` (not run: queue full, caches cleared, closing) or
+    ``error`` (the task itself failed in kvcore; ``error`` says how). ``error`` carries the
+    detail whenever the outcome is not ``complete`` or ``miss``.
+    """
 
     task_id: str
     op: Literal["read", "write", "query", "flush", "swap_to_host", "swap_to_device"]
+    outcome: TaskOutcome = "complete"
     ok: bool = True
     num_blocks: int = 0
     block_ids: list[int] = Field(default_factory=list, description="device block ids done")

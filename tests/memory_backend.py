@@ -1,66 +1,15 @@
-"""A small in-memory key-addressed backend: the reference the conformance kit is proven on."""
+"""Reference backends for the core's tests: the published ``memory`` backend, and a
+token-addressed, device-I/O one that only tests need."""
 
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import kvcore
-from kvcore import BlockRequest, leading_run
+from kvcore import BlockRequest
+from kvcore.memory_backend import MemoryBackend, MemoryConfig
 
-
-class MemoryConfig(kvcore.BackendConfig):
-    env_prefix = "KVCORE_MEMORY_"
-    max_objects: int = 1_000_000
-
-
-class MemoryBackend:
-    config_model = MemoryConfig
-    capabilities = kvcore.Capabilities(addressing="key", io="host", scales=True)
-
-    def __init__(self, config: MemoryConfig, context: kvcore.BackendContext) -> None:
-        self.config = config
-        self._objects: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-
-    @kvcore.hookimpl
-    def kvcore_query(self, request: BlockRequest) -> int:
-        with self._lock:
-            flags = [name in self._objects for names in request.object_names for name in names]
-        return leading_run(flags, len(request.parts))
-
-    @kvcore.hookimpl
-    def kvcore_read(self, request: BlockRequest) -> int:
-        host = request.host
-        for i, names in enumerate(request.object_names):
-            if request.expired():
-                return i
-            for j, name in enumerate(names):
-                with self._lock:
-                    data = self._objects.get(name)
-                if data is None or len(data) != host.nbytes[j]:
-                    return i
-                ctypes.memmove(host.ptrs[i][j], data, len(data))
-        return request.num_blocks
-
-    @kvcore.hookimpl
-    def kvcore_write(self, request: BlockRequest) -> int:
-        host = request.host
-        for i, names in enumerate(request.object_names):
-            if request.expired():
-                return i
-            for j, name in enumerate(names):
-                data = ctypes.string_at(host.ptrs[i][j], host.nbytes[j])
-                with self._lock:
-                    if len(self._objects) >= self.config.max_objects and name not in self._objects:
-                        return i
-                    self._objects.setdefault(name, data)
-        return request.num_blocks
-
-    @kvcore.hookimpl
-    def kvcore_stats(self) -> dict[str, float]:
-        with self._lock:
-            return {"objects": len(self._objects)}
+__all__ = ["DeviceMemoryBackend", "MemoryBackend", "MemoryConfig"]
 
 
 class DeviceMemoryBackend:

@@ -2,15 +2,50 @@
 
 from __future__ import annotations
 
+import math
 import queue
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcore.ops import HostBuffer
+from kvcore.ops import HostBuffer, describe_tensor
 from kvcore.requests import DeviceBuffers, HostBuffers
 from kvcore.schemas import CacheLayout
 
 __all__ = ["DeviceCache", "HostCache", "StagingBuffer", "StagingPool", "tensor_ptr"]
+
+
+def _check_layer_tensor(
+    layout: CacheLayout, part: str, layer: int, t: Any
+) -> tuple[tuple[int, ...], bool]:
+    """Shape and placement of one layer's tensor, after checking it can hold the layout's blocks.
+
+    A tensor of the wrong element size or bytes per block would be copied with the wrong
+    stride: every block but the first would be silently wrong. So it is refused here, once.
+    """
+    name = f"{part}[{layer}]"
+    _ptr, shape, itemsize, on_gpu = describe_tensor(t, name)  # refuses non-contiguous tensors
+    want_item = layout.part_itemsize(part)
+    kind = layout.dtype.value if part in ("k", "v") else f"{layout.scale_dtype} scale"
+    if itemsize != want_item:
+        raise ValueError(
+            f"{name} has {itemsize}-byte elements; the layout's {kind} elements are {want_item} "
+            f"bytes (dtype {getattr(t, 'dtype', '?')})"
+        )
+    if len(shape) < 2:
+        raise ValueError(f"{name} has shape {list(shape)}; expected [num_blocks, ...]")
+    block_bytes = math.prod(shape[1:]) * itemsize
+    want_block = layout.layer_block_bytes(part)
+    if block_bytes != want_block:
+        want_shape = layout.kv_block_shape if part in ("k", "v") else layout.scale_block_shape
+        raise ValueError(
+            f"{name} has shape {list(shape)}: {block_bytes} bytes per block; blocks of the layout "
+            f"are {list(want_shape)} x {want_item} bytes = {want_block} bytes"
+        )
+    if layout.num_blocks and shape[0] != layout.layer_num_blocks(layer):
+        raise ValueError(
+            f"{name} holds {shape[0]} blocks; the layout says {layout.layer_num_blocks(layer)}"
+        )
+    return shape, on_gpu
 
 
 def tensor_ptr(t: Any) -> int:
@@ -24,8 +59,13 @@ def tensor_ptr(t: Any) -> int:
 class DeviceCache:
     """The engine's per-layer cache tensors, checked against the layout once.
 
-    ``tensors[part][layer]``: K and V are ``[num_blocks, heads, block_size, head_dim]`` and the
-    scales ``[num_blocks, heads, block_size]``; extra layers may have their own block count.
+    ``tensors[part][layer]``: one tensor per part (K, V, and for block-wise fp8 the K and V
+    scales) and layer, contiguous, its first dimension the blocks. What a block holds inside is
+    the engine's business (kvcore moves whole blocks): ``[heads, block_size, head_dim]`` as in
+    FastDeploy, ``[block_size, heads, head_dim]`` as in vLLM, or flat. Checked: the element size
+    is the layout dtype's (the scales' for scale parts), a block has the layout's bytes, every
+    layer of a part has the same placement (CPU or GPU), and a main layer has
+    ``layout.num_blocks`` blocks when the layout states it. Extra layers may have fewer blocks.
     """
 
     def __init__(
@@ -42,21 +82,31 @@ class DeviceCache:
             if k_scale is None or v_scale is None:
                 raise ValueError(f"layout dtype {layout.dtype.value} needs k_scale and v_scale")
             self.tensors["k_scale"], self.tensors["v_scale"] = list(k_scale), list(v_scale)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale/v_scale given, but layout dtype {layout.dtype.value} has no scales"
+            )
+        placements = set()
+        shapes: dict[str, list[tuple[int, ...]]] = {}
         for part, tensors in self.tensors.items():
             if len(tensors) != layout.total_layers:
                 raise ValueError(
                     f"{part}: {len(tensors)} tensors for {layout.total_layers} layers "
                     f"({layout.num_layers} + {layout.num_extra_layers} extra)"
                 )
-            block_shape = layout.kv_block_shape if part in ("k", "v") else layout.scale_block_shape
+            shapes[part] = []
             for layer, t in enumerate(tensors):
-                shape = tuple(int(s) for s in t.shape)
-                if shape[1:] != block_shape:
-                    raise ValueError(
-                        f"{part}[{layer}] has shape {list(shape)}; blocks of the layout are "
-                        f"{list(block_shape)}"
-                    )
-        self.num_blocks = [int(t.shape[0]) for t in self.tensors["k"]]
+                shape, on_gpu = _check_layer_tensor(layout, part, layer, t)
+                shapes[part].append(shape)
+                placements.add(on_gpu)
+        if len(placements) > 1:
+            raise ValueError("the cache mixes CPU and GPU tensors; all must live on one device")
+        self.on_gpu = placements.pop()
+        for part in self.tensors:
+            if [s[0] for s in shapes[part]] != [s[0] for s in shapes["k"]]:
+                raise ValueError(f"{part}: block counts per layer differ from k's")
+        self._shapes = shapes
+        self.num_blocks = [s[0] for s in shapes["k"]]
         self.usable_blocks = min(self.num_blocks)
         self.ptrs = {part: tuple(tensor_ptr(t) for t in ts) for part, ts in self.tensors.items()}
 
@@ -65,9 +115,8 @@ class DeviceCache:
         return self.layout.parts
 
     def block_shape(self, part: str) -> list[int]:
-        lay = self.layout
-        shape = lay.kv_block_shape if part in ("k", "v") else lay.scale_block_shape
-        return [self.num_blocks[0], *shape]
+        """The first layer's tensor shape of ``part`` (``cache_shape`` of the swap ops)."""
+        return list(self._shapes[part][0])
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         for i, b in enumerate(ids):

@@ -1,0 +1,99 @@
+"""``memory``: kvcore's in-process reference backend.
+
+A dict of objects guarded by one lock. It is what the conformance kit is proven on, what engine
+adapters' tests use when they need a backend with no setup, and the smallest complete example
+of the hook contract (query, read, write, remove, clear, stats). Data lives as long as the
+opened backend: nothing is shared between processes or kept across a restart.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from pydantic import Field
+
+from kvcore.hookspecs import hookimpl
+from kvcore.requests import BlockRequest, Outcome, leading_run
+from kvcore.schemas import BackendConfig, BackendContext, Capabilities
+
+__all__ = ["MemoryBackend", "MemoryConfig"]
+
+
+class MemoryConfig(BackendConfig):
+    env_prefix = "KVCORE_MEMORY_"
+
+    max_objects: int = Field(default=1_000_000, ge=1, description="objects kept at most")
+
+
+class MemoryBackend:
+    """Key-addressed, host I/O; a full store refuses new objects (it never evicts)."""
+
+    config_model = MemoryConfig
+    capabilities = Capabilities(addressing="key", io="host", scales=True)
+
+    def __init__(self, config: MemoryConfig, context: BackendContext) -> None:
+        self.config = config
+        self._namespace_prefix = f"{context.namespace}/"
+        self._objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    @hookimpl
+    def kvcore_query(self, request: BlockRequest) -> int:
+        with self._lock:
+            flags = [name in self._objects for names in request.object_names for name in names]
+        return leading_run(flags, len(request.parts))
+
+    @hookimpl
+    def kvcore_read(self, request: BlockRequest) -> int:
+        host = request.host
+        assert host is not None  # the core sends host buffers to io="host" backends
+        for i, names in enumerate(request.object_names):
+            if request.expired():
+                return i
+            for j, name in enumerate(names):
+                with self._lock:
+                    data = self._objects.get(name)
+                if data is None or len(data) != host.nbytes[j]:
+                    return i
+                ctypes.memmove(host.ptrs[i][j], data, len(data))
+        return request.num_blocks
+
+    @hookimpl
+    def kvcore_write(self, request: BlockRequest) -> int:
+        host = request.host
+        assert host is not None
+        for i, names in enumerate(request.object_names):
+            if request.expired():
+                return i
+            for j, name in enumerate(names):
+                data = ctypes.string_at(host.ptrs[i][j], host.nbytes[j])
+                with self._lock:
+                    if name in self._objects:
+                        continue
+                    if len(self._objects) >= self.config.max_objects:
+                        return Outcome(i, f"store full ({self.config.max_objects} objects)")
+                    self._objects[name] = data
+        return request.num_blocks
+
+    @hookimpl
+    def kvcore_remove(self, request: BlockRequest) -> int:
+        removed = 0
+        with self._lock:
+            for names in request.object_names:
+                found = [self._objects.pop(name, None) is not None for name in names]
+                removed += any(found)
+        return removed
+
+    @hookimpl
+    def kvcore_clear(self) -> int:
+        with self._lock:
+            doomed = [n for n in self._objects if n.startswith(self._namespace_prefix)]
+            for name in doomed:
+                del self._objects[name]
+        return len(doomed)
+
+    @hookimpl
+    def kvcore_stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"objects": len(self._objects)}
