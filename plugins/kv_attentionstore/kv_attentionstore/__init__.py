@@ -5,16 +5,23 @@ Importing this package never imports the vendor SDK: it is loaded when the backe
 """
 
 from kv_attentionstore.backend import AttentionStoreBackend
-from kv_attentionstore.config import AttentionStoreConfig, SdkSettings, resolve_settings
+from kv_attentionstore.config import (
+    FASTDEPLOY_ALIASES,
+    AttentionStoreConfig,
+    SdkSettings,
+    resolve_settings,
+)
 from kv_attentionstore.readiness import SdkNotReadyError, SdkStartError
-from kv_attentionstore.sdk_loader import SdkMissingError
+from kv_attentionstore.sdk_loader import SdkMissingError, detect_constructor
 
 __all__ = [
+    "FASTDEPLOY_ALIASES",
     "AttentionStoreBackend",
     "AttentionStoreConfig",
     "SdkMissingError",
     "SdkNotReadyError",
     "SdkSettings",
     "SdkStartError",
+    "detect_constructor",
     "resolve_settings",
 ]

@@ -2,36 +2,35 @@
 
 The SDK copies blocks itself, straight between its store and the engine's per-layer cache
 tensors, so a request carries per-layer K/V pointers and device block ids rather than host
-buffers. Every SDK call gets the request's remaining time as its timeout; the backend never
-abandons a call in flight, because the SDK would keep copying into (or out of) device blocks
-the engine has already reused.
+buffers. Every SDK call is made the way FastDeploy makes it (argument order, keyword arguments,
+media constants; see the package README), with the request's remaining time as the timeout
+where the SDK takes one. The backend never abandons a call in flight, because the SDK would
+keep copying into (or out of) device blocks the engine has already reused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 import kvcore
 from kv_attentionstore.config import AttentionStoreConfig, SdkSettings, resolve_settings
-from kv_attentionstore.counters import Counters
 from kv_attentionstore.readiness import SdkStartError, wait_until_ready
-from kv_attentionstore.request_mapping import (
-    DeviceArgs,
-    TokenSpan,
-    clamp_count,
-    device_args,
-    token_span,
-)
+from kv_attentionstore.request_mapping import TokenSpan, clamp_count, token_span
 from kv_attentionstore.sdk_loader import load_sdk
-from kvcore import BlockRequest
+from kvcore import BlockRequest, Outcome
 
 log = logging.getLogger("kv_attentionstore")
 
 
 class AttentionStoreBackend:
-    """kvcore backend over ``attentionstore_sdk.sdk.AttentionStoreSDK``."""
+    """kvcore backend over ``attentionstore_sdk.sdk.AttentionStoreSDK``.
+
+    No ``kvcore_remove`` or ``kvcore_clear``: the SDK surface FastDeploy uses has no way to
+    delete (FastDeploy's own ``AttentionStore.clear`` raises NotImplementedError).
+    """
 
     name = "attentionstore"
     config_model = AttentionStoreConfig
@@ -48,14 +47,19 @@ class AttentionStoreBackend:
 
     def __init__(self, config: AttentionStoreConfig, context: kvcore.BackendContext) -> None:
         self.config = config
-        self.settings: SdkSettings = resolve_settings(config, context)
         self._sdk = load_sdk()
-        self._counters = Counters()
+        self.settings: SdkSettings = resolve_settings(config, context, self._sdk)
+        self._counters = kvcore.Counters()
+        self._failures = kvcore.OnceLogger(log)
+        # only_flush admits fp8 layouts (no data moves); their blocks can never be read back
+        layout = context.layout
+        self._data_ops = not (layout is not None and layout.dtype.has_scales)
+        args, kwargs = self.settings.constructor_call(self._sdk)
         try:
-            self._client: Any = self._sdk.sdk_class(*self.settings.constructor_args())
+            self._client: Any = self._sdk.sdk_class(*args, **kwargs)
         except Exception as exc:
             raise SdkStartError(
-                f"AttentionStoreSDK{self.settings.constructor_args()!r} failed: "
+                f"AttentionStoreSDK{args!r} ({self.settings.constructor} constructor) failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         not_ready = wait_until_ready(
@@ -68,13 +72,15 @@ class AttentionStoreBackend:
         self._counters.add("readiness_not_ready_probes", not_ready)
         log.info(
             "AttentionStore backend open: namespace=%r pod=%r shard %d/%d, %d layers, "
-            "%d tokens per block",
+            "%d tokens per block, %s constructor%s",
             self.settings.namespace,
             self.settings.pod_name,
             self.settings.shard_id,
             self.settings.shard_num,
             self.settings.layer_num,
             self.settings.block_token_size,
+            self.settings.constructor,
+            ", index only (FD_AS_ONLY_FLUSH)" if config.only_flush else "",
         )
 
     # -- hooks -----------------------------------------------------------------------------
@@ -82,99 +88,88 @@ class AttentionStoreBackend:
     @kvcore.hookimpl
     def kvcore_query(self, request: BlockRequest) -> int:
         span = self._span(request)
-        if span.num_blocks == 0:
+        if span.num_blocks == 0 or not self._data_ops:
             return 0
         timeout = self._timeout(request, "query")
         if timeout is None:
-            return 0
+            return Outcome(0, "deadline passed before the SDK call")
         try:
             got = self._client.match(self._tokens(span.token_ids), span.start_block, timeout)
         except Exception as exc:
-            self._counters.sdk_failure("query", exc, request.task_id)
-            return 0
+            return self._sdk_failure("query", exc, request)
         return self._result("query", got, span.num_blocks)
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
         span = self._span(request)
-        dev = device_args(request, self.settings)
-        if span.num_blocks == 0:
+        if span.num_blocks == 0 or not self._data_ops:
             return 0
         timeout = self._timeout(request, "read")
         if timeout is None:
-            return 0
+            return Outcome(0, "deadline passed before the SDK call")
+        dev = request.device
+        assert dev is not None  # the core sends device buffers to io="device" backends
         try:
             got = self._client.read(
-                dev.layer_ids,
+                list(dev.layer_ids),
                 self._tokens(span.token_ids),
                 span.start_block,
-                dev.k_ptrs,
-                dev.v_ptrs,
-                dev.block_ids[: span.num_blocks],
+                list(dev.k_ptrs),
+                list(dev.v_ptrs),
+                list(dev.block_ids[: span.num_blocks]),
                 timeout,
+                **self.settings.read_kwargs,
             )
         except Exception as exc:
-            self._counters.sdk_failure("read", exc, request.task_id)
-            return 0
+            return self._sdk_failure("read", exc, request)
         return self._result("read", got, span.num_blocks)
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
         span = self._span(request)
-        dev = device_args(request, self.settings)
         if span.num_blocks == 0:
             return 0
-        timeout = self._timeout(request, "write")
-        if timeout is None:
+        if self.config.only_flush:
+            # FastDeploy's FD_AS_ONLY_FLUSH: the store keeps no data, only the record that
+            # these blocks now live in this pod's device memory
+            self._flush(request, span, resident_on_device=True)
+            self._counters.add("write_only_flush")
             return 0
+        deadline = request.deadline
+        if self.config.write_total_timeout is not None:
+            # FastDeploy's AS_WRITE_TOTAL_TIMEOUT: a cap on the whole write, slices included
+            deadline = min(deadline, time.monotonic() + self.config.write_total_timeout)
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            self._counters.add("write_deadline_expired")
+            return Outcome(0, "deadline passed before the SDK call")
         # Only the suffix the store lacks is sent: matched blocks hold the same bytes already.
         try:
             matched = self._client.match(self._tokens(span.token_ids), span.start_block, timeout)
         except Exception as exc:
-            self._counters.sdk_failure("write_match", exc, request.task_id)
-            return 0
+            return self._sdk_failure("write_match", exc, request)
         done = self._result("write_match", matched, span.num_blocks)
         self._counters.add("write_skipped_blocks", done)
         while done < span.num_blocks:
-            left = request.time_left()
+            left = deadline - time.monotonic()
             if left <= 0:
                 self._counters.add("write_deadline_stops")
-                break
-            size = min(self.config.write_slice_blocks, span.num_blocks - done)
-            written = self._write_slice(request, span, dev, done, size, left)
+                return Outcome(done, "deadline passed between write slices")
+            size = min(self.config.write_slice_block_num, span.num_blocks - done)
+            written = self._write_slice(request, span, done, size, left)
             done += written
             if written < size:
                 # a later block without this one would break the prefix: stop here
                 self._counters.add("write_short_slices")
-                break
+                return Outcome(done, getattr(written, "failure", None))
         return done
 
     @kvcore.hookimpl
     def kvcore_flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> int:
-        if not isinstance(resident_on_device, bool):
-            raise ValueError(
-                f"request {request.task_id!r}: resident_on_device must be a bool, got "
-                f"{resident_on_device!r}"
-            )
         span = self._span(request)
         if span.num_blocks == 0:
             return 0
-        timeout = self._timeout(request, "flush")
-        if timeout is None:
-            return 0
-        try:
-            got = self._client.flush_token_index(
-                list(range(self.settings.layer_num)),
-                self._tokens(span.token_ids),
-                span.start_block,
-                resident_on_device,
-                timeout,
-            )
-        except Exception as exc:
-            self._counters.sdk_failure("flush", exc, request.task_id)
-            return 0
-        self._counters.add("flush_resident" if resident_on_device else "flush_evicted")
-        return self._result("flush", got, span.num_blocks)
+        return self._flush(request, span, resident_on_device)
 
     @kvcore.hookimpl
     def kvcore_stats(self) -> dict[str, float]:
@@ -182,36 +177,59 @@ class AttentionStoreBackend:
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:
-        close = getattr(self._client, "close", None)  # not part of the documented surface
+        close = getattr(self._client, "close", None)  # not part of the surface FastDeploy uses
         if callable(close):
             with contextlib.suppress(Exception):  # shutting down: nothing to recover
                 close()
 
     # -- internals -------------------------------------------------------------------------
 
-    def _write_slice(
-        self,
-        request: BlockRequest,
-        span: TokenSpan,
-        dev: DeviceArgs,
-        offset: int,
-        size: int,
-        time_left: float,
-    ) -> int:
-        """Write blocks ``offset .. offset + size`` of the span; return the leading count."""
+    def _flush(self, request: BlockRequest, span: TokenSpan, resident_on_device: bool) -> int:
+        """``flush_token_index`` as FastDeploy calls it (attention_store.py at 1af00818, lines
+        253-268): no timeout, and the residency given as two media arguments - ``(None,
+        MEDIA_HBM)`` when the blocks now live in device memory, ``(MEDIA_HBM, None)`` when they
+        left it."""
+        if request.expired():
+            # no timeout can be passed, so an expired request must not start a call
+            self._counters.add("flush_deadline_expired")
+            return Outcome(0, "deadline passed before the SDK call")
+        hbm = self._sdk.media_hbm
+        media = (None, hbm) if resident_on_device else (hbm, None)
         try:
-            got = self._client.write(
-                dev.layer_ids,
-                self._tokens(span.through(offset + size)),
-                span.start_block + offset,
-                dev.k_ptrs,
-                dev.v_ptrs,
-                dev.block_ids[offset : offset + size],
-                min(self.config.write_slice_timeout_s, time_left),
+            got = self._client.flush_token_index(
+                self.settings.layer_ids, self._tokens(span.token_ids), span.start_block, *media
             )
         except Exception as exc:
-            self._counters.sdk_failure("write", exc, request.task_id)
-            return 0
+            return self._sdk_failure("flush", exc, request)
+        self._counters.add("flush_resident" if resident_on_device else "flush_evicted")
+        if got is None:
+            # FastDeploy never reads this call's answer; no error means the span was recorded
+            return span.num_blocks
+        return self._result("flush", got, span.num_blocks)
+
+    def _write_slice(
+        self, request: BlockRequest, span: TokenSpan, offset: int, size: int, time_left: float
+    ) -> int:
+        """Write blocks ``offset .. offset + size`` of the span; return the leading count.
+
+        One slice is one SDK write, as FastDeploy cuts them (``AS_WRITE_SLICE_BLOCK_NUM``
+        blocks, ``AS_WRITE_SLICE_TIMEOUT`` seconds each, tokens through the slice's end).
+        """
+        dev = request.device
+        assert dev is not None
+        try:
+            got = self._client.write(
+                list(dev.layer_ids),
+                self._tokens(span.through(offset + size)),
+                span.start_block + offset,
+                list(dev.k_ptrs),
+                list(dev.v_ptrs),
+                list(dev.block_ids[offset : offset + size]),
+                min(self.config.write_slice_timeout, time_left),
+                **self.settings.write_kwargs,
+            )
+        except Exception as exc:
+            return self._sdk_failure("write", exc, request)
         self._counters.add("write_slices")
         return self._result("write", got, size)
 
@@ -234,5 +252,22 @@ class AttentionStoreBackend:
         if count is None:
             self._counters.add(f"{op}_bad_results")
             log.debug("AttentionStore %s returned %r, not a block count", op, value)
-            return 0
+            return Outcome(0, f"SDK {op} returned {value!r}, not a block count")
         return count
+
+    def _sdk_failure(self, op: str, exc: BaseException, request: BlockRequest) -> Outcome:
+        """Count an SDK failure, log the first of each kind, and answer with a failed miss."""
+        kind = type(exc).__name__
+        self._counters.add(f"{op}_sdk_errors")
+        self._failures.warning(
+            (op, kind),
+            "AttentionStore %s failed (task %r): %s: %s; counted as a miss (further %s errors "
+            "in %s are logged at debug level)",
+            op,
+            request.task_id,
+            kind,
+            exc,
+            kind,
+            op,
+        )
+        return Outcome(0, f"{kind}: {exc}")

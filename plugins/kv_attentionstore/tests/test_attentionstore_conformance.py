@@ -1,10 +1,15 @@
-"""The kvcore conformance kit, run against the backend on the reference SDK."""
+"""The kvcore conformance kit, run against the backend on the reference SDK.
+
+Three runs: the current SDK generation (K and V sizes, FastDeploy's CUDA calls), a sharded
+decode pod cutting writes into 3-block slices, and the older one-size-constructor generation.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from conftest import install_per_block_sdk
 
 from kvcore.testing import BackendConformance
 
@@ -26,11 +31,26 @@ class TestAttentionStoreConformanceShardedWithSmallSlices(BackendConformance):
     def backend_config(self, fast_config: dict[str, Any]) -> dict[str, Any]:
         return {
             **fast_config,
-            "write_slice_blocks": 3,
+            "write_slice_block_num": 3,
             "pod_name": "pod-b",
             "splitwise_role": "decode",
+            "dp_id": 1,
         }
 
     @pytest.fixture
     def backend_context(self) -> dict[str, Any]:
         return {"rank": 1, "world_size": 2, "namespace": "conformance-shard"}
+
+
+class TestAttentionStoreConformancePerBlockBytesSdk(BackendConformance):
+    """An SDK with the older constructor (one size per layer block) and plain read/write."""
+
+    backend = "attentionstore"
+
+    @pytest.fixture(autouse=True)
+    def _older_sdk(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        install_per_block_sdk(monkeypatch)
+
+    @pytest.fixture
+    def backend_config(self, fast_config: dict[str, Any]) -> dict[str, Any]:
+        return fast_config

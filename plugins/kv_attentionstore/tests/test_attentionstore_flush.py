@@ -7,8 +7,8 @@ block), that start index and that residency, and never touch the data.
 
 from __future__ import annotations
 
-import pytest
 from attentionstore_sdk import reference_control as control
+from attentionstore_sdk.api.common.common_pb2 import MEDIA_HBM
 from attentionstore_sdk.sdk import Tokens
 
 from kvcore.testing import Harness
@@ -32,6 +32,8 @@ def test_flush_after_read_marks_the_read_blocks_resident(harness: Harness) -> No
     assert n == 3
     (call,) = control.calls("flush_token_index")
     assert call.start_block_idx == 2
+    assert call.media == (None, MEDIA_HBM), "FastDeploy's resident call (lines 255-261)"
+    assert call.timeout is None, "FastDeploy passes no timeout"
     assert call.reside_in_gpu is True
     assert call.token_ids == tuple(seq.token_ids[: 5 * bs]), "full path from the root"
     assert call.layer_ids == tuple(range(harness.layout.total_layers))
@@ -50,6 +52,7 @@ def test_flush_on_eviction_uses_the_evicted_blocks_depth(harness: Harness) -> No
 
     assert n == 1
     call = control.calls("flush_token_index")[-1]
+    assert call.media == (MEDIA_HBM, None), "FastDeploy's evicted call (lines 263-268)"
     assert (call.start_block_idx, call.reside_in_gpu) == (3, False)
     assert call.token_ids == tuple(seq.token_ids[: 4 * bs])
     assert _resident(harness, seq, 0, 6) == [True, True, True, False, True, True]
@@ -94,7 +97,17 @@ def test_failed_flush_is_a_counted_miss(harness: Harness) -> None:
     assert harness.backend.stats()["backend_flush_sdk_errors"] == 1
 
 
-def test_residency_must_be_a_bool(harness: Harness) -> None:
-    seq = harness.new_sequence(1)
-    with pytest.raises(ValueError, match="resident_on_device"):
-        harness.backend.flush_token_index(harness.request(seq), 1)  # type: ignore[arg-type]
+def test_expired_flush_makes_no_sdk_call(harness: Harness) -> None:
+    """The SDK call takes no timeout, so a request past its deadline must not start one."""
+    seq = harness.new_sequence(2)
+    request = harness.request(seq, timeout_s=1e-9)
+    got = harness.backend.flush_token_index(request, True)
+    assert got == 0 and got.failure is not None
+    assert control.calls("flush_token_index") == []
+    assert harness.backend.stats()["backend_flush_deadline_expired"] == 1
+
+
+def test_an_integer_answer_is_used_when_the_sdk_gives_one(harness: Harness) -> None:
+    seq = harness.new_sequence(4)
+    harness.backend.plugin._client.flush_token_index = lambda *args: 2
+    assert harness.backend.flush_token_index(harness.request(seq), False) == 2

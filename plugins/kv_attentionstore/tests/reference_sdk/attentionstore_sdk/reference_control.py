@@ -1,4 +1,4 @@
-# REFERENCE IMPLEMENTATION of the documented attentionstore_sdk surface (not the vendor SDK).
+# REFERENCE IMPLEMENTATION of the attentionstore_sdk surface FastDeploy calls (not the vendor SDK).
 """Test controls for the reference SDK: the shared stores, recorded calls and injected faults.
 
 Not part of the vendor surface. The stores are process-global, keyed by namespace, model
@@ -24,7 +24,7 @@ class Faults:
     #: "flush_token_index"
     fail_ops: frozenset[str] = frozenset()
     fail_message: str = "injected failure"
-    #: every call takes this long; past its timeout it gives up with a timeout error
+    #: every call that takes a timeout takes this long; past its timeout it gives up
     delay_s: float = 0.0
     #: blocks writes may still store in total; when spent, writes come back short
     write_block_budget: int | None = None
@@ -40,9 +40,13 @@ class Call:
     token_ids: tuple[int, ...]
     layer_ids: tuple[int, ...] = ()
     gpu_block_ids: tuple[int, ...] = ()
+    #: flush_token_index's two media arguments, as passed
+    media: tuple[Any, Any] | None = None
+    #: the residency a flush recorded: True (now in device memory), False (left it)
     reside_in_gpu: bool | None = None
-    timeout: float = 0.0
-    result: int | None = None  # None: the call raised
+    timeout: float | None = None  # None: the call takes no timeout (flush_token_index)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    result: int | None = None  # None: the call raised (or, for a flush, answers nothing)
 
 
 @dataclass
@@ -50,7 +54,8 @@ class Store:
     """One shard's data: block hash -> {layer id: (K bytes, V bytes)}, and residency flags."""
 
     layer_num: int
-    bytes_per_block: int
+    k_bytes: int
+    v_bytes: int
     blocks: dict[bytes, dict[int, tuple[bytes, bytes]]] = field(default_factory=dict)
     resident: dict[bytes, bool] = field(default_factory=dict)
 

@@ -1,1 +1,1 @@
-# REFERENCE IMPLEMENTATION of the documented attentionstore_sdk surface (not the vendor SDK).
+# REFERENCE IMPLEMENTATION (not the vendor SDK): package path read at FD line 34.

@@ -1,5 +1,6 @@
-# REFERENCE IMPLEMENTATION of the documented attentionstore_sdk surface (not the vendor SDK).
-"""The SDK's one exception type; "not ready" is told apart by its message."""
+# REFERENCE IMPLEMENTATION (not the vendor SDK).
+"""The SDK's one exception type (FD line 34 imports it; lines 117-131 tell "not ready" apart by
+the text "cuda memory not ready" in its message)."""
 
 
 class AttentionStoreSDKError(Exception):

@@ -1,0 +1,1 @@
+# REFERENCE IMPLEMENTATION (not the vendor SDK): package path read at FD line 37.
