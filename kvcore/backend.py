@@ -63,7 +63,9 @@ class Backend:
         self._failures = OnceLogger(log)
         self._weight_version = context.weight_version
         self._closed = False
-        self._parts = context.layout.parts if context.layout is not None else ("k", "v")
+        layout = context.layout
+        self._parts = layout.parts if layout is not None else ("k", "v")
+        self._layout = layout
 
     # -- building requests ---------------------------------------------------------------
 
@@ -78,11 +80,14 @@ class Backend:
         deadline: float | None = None,
         host: HostBuffers | None = None,
         device: DeviceBuffers | None = None,
+        num_blocks: int | None = None,
     ) -> BlockRequest:
         """A :class:`BlockRequest` with this rank's object names.
 
         The deadline is ``deadline`` (a ``time.monotonic()`` instant) if given, else
-        ``timeout_s`` (default: the config's ``default_timeout_s``) from now.
+        ``timeout_s`` (default: the config's ``default_timeout_s``) from now. ``num_blocks``
+        defaults to ``len(block_keys)``; a request that carries tokens only (a token index's
+        flush) passes ``block_keys=()`` and ``num_blocks``.
         """
         ctx = self.context
         if deadline is None:
@@ -105,6 +110,7 @@ class Backend:
             token_ids=token_ids,
             host=host,
             device=device,
+            num_blocks=len(block_keys) if num_blocks is None else num_blocks,
         )
 
     @property
@@ -181,7 +187,7 @@ class Backend:
                 raise BackendContractError(msg)
             self._log_failure("clear", BackendContractError(msg), None)
             self.metrics.observe("clear", time.monotonic() - t0, calls=1, invalid_results=1)
-            return Outcome(0, "invalid result")
+            return Outcome(0, "invalid result", "invalid_result")
         self.metrics.observe("clear", time.monotonic() - t0, calls=1, objects_removed=result)
         return Outcome(result, getattr(result, "failure", None))
 
@@ -239,11 +245,44 @@ class Backend:
     # -- internals -------------------------------------------------------------------------
 
     def _check_buffers(self, request: BlockRequest) -> None:
+        """The door check of a read or write: what the hook spec promises a backend.
+
+        O(1) per request (plus the part sizes): requests built by :meth:`request` and sliced
+        by the core are well-formed by construction, so nothing below re-checks them.
+        """
         want = self.capabilities.io
-        given = request.host if want == "host" else request.device
-        if given is None:
+        n = request.num_blocks
+        if request.block_keys and len(request.object_names) != n:
+            raise ValueError(f"object_names has {len(request.object_names)} rows for {n} blocks")
+        if want == "device":
+            if request.device is None:
+                raise ValueError(
+                    f"backend {self.name!r} does device I/O: the request needs `device` buffers"
+                )
+            if len(request.device.block_ids) != n:
+                raise ValueError(
+                    f"device.block_ids has {len(request.device.block_ids)} ids for {n} blocks"
+                )
+            return
+        host = request.host
+        if host is None:
             raise ValueError(
-                f"backend {self.name!r} does {want} I/O: the request needs `{want}` buffers"
+                f"backend {self.name!r} does host I/O: the request needs `host` buffers"
+            )
+        if host.num_blocks != n:
+            raise ValueError(f"host buffers hold {host.num_blocks} blocks; the request has {n}")
+        if self._layout is not None:
+            want = [self._layout.part_bytes(p) for p in request.parts]
+            if list(host.nbytes) != want:
+                raise ValueError(
+                    f"host.nbytes {list(host.nbytes)} differ from the layout's part sizes {want} "
+                    f"(parts {list(request.parts)}): a short buffer would store a truncated "
+                    "object"
+                )
+        if not host.contiguous and not self.capabilities.segmented_host:
+            raise ValueError(
+                f"backend {self.name!r} does not take segmented host buffers "
+                "(Capabilities.segmented_host is False)"
             )
 
     def _call(
@@ -280,11 +319,12 @@ class Backend:
                 raise BackendContractError(msg)
             self._log_failure(op, BackendContractError(msg), request)
             self.metrics.observe(op, t1 - t0, calls=1, invalid_results=1, blocks=n)
-            return Outcome(0, f"invalid result {result!r}")
+            return Outcome(0, f"invalid result {result!r}", "invalid_result")
         failure = getattr(result, "failure", None)
+        kind = "backend_error"
         late = t1 > request.deadline + DEADLINE_GRACE_S
         if failure is None and late and result < n:
-            failure = "deadline missed"
+            failure, kind = "deadline missed", "deadline"
         counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
         if failure is not None and result < n and not late:
             counts["failures_reported"] = 1
@@ -298,7 +338,7 @@ class Backend:
                 failure,
             )
         self.metrics.observe(op, t1 - t0, **counts)
-        return Outcome(int(result), failure if result < n else None)
+        return Outcome(int(result), failure, kind) if failure and result < n else Outcome(result)
 
     def _lifecycle(self, op: str, caller: Callable[..., Any], **kwargs: Any) -> Any:
         try:

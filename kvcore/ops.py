@@ -17,6 +17,7 @@ import math
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,12 @@ __all__ = [
     "TO_DEVICE",
     "TO_HOST",
     "HostBuffer",
+    "LayerSet",
+    "copy_layout",
+    "copy_pairs",
     "cuda_available",
+    "describe_layers",
+    "describe_tensor",
     "swap_cache_all_layers",
     "swap_cache_layout",
 ]
@@ -260,36 +266,60 @@ def _ids(ids: Any, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _layers(
-    cache_tensors: Sequence[Any],
-) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], int, bool]:
-    """Addresses, per-layer block counts, per-block shape, element size and placement."""
+@dataclass(frozen=True, eq=False)
+class LayerSet:
+    """One part's per-layer cache tensors, described once for the swap ops.
+
+    The public ops describe their tensors on every call; an owner of long-lived tensors (the
+    transfer manager's device cache) describes them once here and calls :func:`copy_layout` /
+    :func:`copy_pairs`, which trust it. ``tensors`` keeps the memory alive.
+    """
+
+    tensors: tuple[Any, ...]
+    ptrs: np.ndarray  # uint64, one address per layer
+    nblocks: np.ndarray  # int64, blocks per layer
+    block_shape: tuple[int, ...]
+    itemsize: int
+    on_gpu: bool
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.block_shape) * self.itemsize
+
+    @property
+    def nlayers(self) -> int:
+        return len(self.tensors)
+
+
+def describe_layers(cache_tensors: Sequence[Any], name: str = "cache_tensors") -> LayerSet:
+    """Check that every layer shares block shape, element size and placement; describe them."""
     if len(cache_tensors) == 0:
-        raise ValueError("cache_tensors is empty")
+        raise ValueError(f"{name} is empty")
     ptrs, nblocks = [], []
     block_shape: tuple[int, ...] | None = None
     itemsize = on_gpu = None
     for i, t in enumerate(cache_tensors):
-        ptr, shape, size, gpu = describe_tensor(t, f"cache_tensors[{i}]")
+        ptr, shape, size, gpu = describe_tensor(t, f"{name}[{i}]")
         if len(shape) < 2:
-            raise ValueError(f"cache_tensors[{i}] must be [num_blocks, ...], got shape {shape}")
+            raise ValueError(f"{name}[{i}] must be [num_blocks, ...], got shape {shape}")
         if block_shape is None:
             block_shape, itemsize, on_gpu = shape[1:], size, gpu
         elif shape[1:] != block_shape:
-            raise ValueError(f"cache_tensors[{i}] block shape {shape[1:]} != {block_shape}")
+            raise ValueError(f"{name}[{i}] block shape {shape[1:]} != {block_shape}")
         elif size != itemsize:
-            raise ValueError(f"cache_tensors[{i}] element size {size} != {itemsize}")
+            raise ValueError(f"{name}[{i}] element size {size} != {itemsize}")
         elif gpu != on_gpu:
-            raise ValueError("cache_tensors mix CPU and GPU tensors")
+            raise ValueError(f"{name} mix CPU and GPU tensors")
         ptrs.append(ptr)
         nblocks.append(shape[0])
     assert block_shape is not None and itemsize is not None and on_gpu is not None
-    return (
-        np.asarray(ptrs, dtype=np.uint64),
-        np.asarray(nblocks, dtype=np.int64),
-        block_shape,
-        itemsize,
-        on_gpu,
+    return LayerSet(
+        tensors=tuple(cache_tensors),
+        ptrs=np.asarray(ptrs, dtype=np.uint64),
+        nblocks=np.asarray(nblocks, dtype=np.int64),
+        block_shape=block_shape,
+        itemsize=itemsize,
+        on_gpu=on_gpu,
     )
 
 
@@ -326,6 +356,100 @@ def _p(a: np.ndarray) -> int:
 # --------------------------------------------------------------------------- the ops
 
 
+def copy_pairs(
+    layers: LayerSet,
+    host_arr: np.ndarray,
+    max_host_blocks: int,
+    dev_ids: np.ndarray,
+    host_ids: np.ndarray,
+    device_id: int,
+    mode: int,
+    *,
+    num_threads: int | None = None,
+    stream: int | None = None,
+) -> None:
+    """:func:`swap_cache_all_layers` on described layers and int64 id arrays (no re-checks
+    beyond the ids, which the native code validates)."""
+    if not layers.on_gpu:
+        _swap.swap_all_layers(
+            layers.ptrs,
+            host_arr,
+            layers.nblocks,
+            layers.block_bytes,
+            max_host_blocks,
+            dev_ids,
+            host_ids,
+            mode,
+            num_threads or 0,
+        )
+        return
+    lib = _require_cuda()
+    s = _current_stream(layers.tensors[0], device_id) if stream is None else stream
+    lib.call(
+        "kvc_cuda_swap_all_layers",
+        int(device_id),
+        s,
+        _p(layers.ptrs),
+        _p(host_arr),
+        _p(layers.nblocks),
+        layers.nlayers,
+        layers.block_bytes,
+        max_host_blocks,
+        _p(dev_ids),
+        _p(host_ids),
+        len(dev_ids),
+        mode,
+        1,
+    )
+
+
+def copy_layout(
+    layers: LayerSet,
+    staging: int,
+    nslots: int,
+    dev_ids: np.ndarray,
+    slot_ids: np.ndarray,
+    device_id: int,
+    mode: int,
+    *,
+    num_threads: int | None = None,
+    stream: int | None = None,
+) -> None:
+    """:func:`swap_cache_layout` on described layers, a staging address with ``nslots`` slots
+    (-1: unknown) and int64 id arrays."""
+    if not layers.on_gpu:
+        _swap.swap_layout(
+            layers.ptrs,
+            layers.nblocks,
+            layers.block_bytes,
+            staging,
+            nslots,
+            dev_ids,
+            slot_ids,
+            mode,
+            num_threads or 0,
+        )
+        return
+    lib = _require_cuda()
+    s = _current_stream(layers.tensors[0], device_id) if stream is None else stream
+    lib.call(
+        "kvc_cuda_swap_layout",
+        int(device_id),
+        s,
+        _p(layers.ptrs),
+        _p(layers.nblocks),
+        layers.nlayers,
+        layers.block_bytes,
+        staging,
+        nslots,
+        _p(dev_ids),
+        _p(slot_ids),
+        len(dev_ids),
+        mode,
+        1,
+    )
+
+
 def swap_cache_all_layers(
     cache_tensors: Sequence[Any],
     host_ptrs: Sequence[Any],
@@ -347,12 +471,12 @@ def swap_cache_all_layers(
     stream (GPU path) defaults to the framework's current stream. Returns after the copy is done.
     """
     mode = _check_mode(mode)
-    dev_ptrs, nblocks, block_shape, itemsize, on_gpu = _layers(cache_tensors)
+    layers = describe_layers(cache_tensors)
     if len(host_ptrs) != len(cache_tensors):
         raise ValueError(
             f"host_ptrs has {len(host_ptrs)} entries for {len(cache_tensors)} cache_tensors"
         )
-    block_bytes = math.prod(block_shape) * itemsize
+    block_bytes = layers.block_bytes
     max_host_blocks = int(max_host_blocks)
     if max_host_blocks < 0:
         raise ValueError(f"max_host_blocks must be >= 0, got {max_host_blocks}")
@@ -364,7 +488,6 @@ def swap_cache_all_layers(
                 f"host_ptrs[{i}] holds {size} bytes < max_host_blocks * {block_bytes} bytes"
             )
         host.append(ptr)
-    host_arr = np.asarray(host, dtype=np.uint64)
     dev_ids = _ids(device_block_ids, "device_block_ids")
     host_ids = _ids(host_block_ids, "host_block_ids")
     if len(dev_ids) != len(host_ids):
@@ -373,36 +496,16 @@ def swap_cache_all_layers(
             "differ in length"
         )
     # The tensors and buffers stay referenced by the caller's frame and these locals until return.
-    if not on_gpu:
-        _swap.swap_all_layers(
-            dev_ptrs,
-            host_arr,
-            nblocks,
-            block_bytes,
-            max_host_blocks,
-            dev_ids,
-            host_ids,
-            mode,
-            num_threads or 0,
-        )
-        return
-    lib = _require_cuda()
-    s = _current_stream(cache_tensors[0], device_id) if stream is None else stream
-    lib.call(
-        "kvc_cuda_swap_all_layers",
-        int(device_id),
-        s,
-        _p(dev_ptrs),
-        _p(host_arr),
-        _p(nblocks),
-        len(dev_ptrs),
-        block_bytes,
+    copy_pairs(
+        layers,
+        np.asarray(host, dtype=np.uint64),
         max_host_blocks,
-        _p(dev_ids),
-        _p(host_ids),
-        len(dev_ids),
+        dev_ids,
+        host_ids,
+        device_id,
         mode,
-        1,
+        num_threads=num_threads,
+        stream=stream,
     )
 
 
@@ -428,15 +531,14 @@ def swap_cache_layout(
     a numpy array or a tensor (its size bounds the slot ids).
     """
     mode = _check_mode(mode)
-    ptrs, nblocks, block_shape, itemsize, on_gpu = _layers(cache_tensors)
-    if len(cache_shape) < 2 or tuple(int(s) for s in cache_shape[1:]) != block_shape:
+    layers = describe_layers(cache_tensors)
+    if len(cache_shape) < 2 or tuple(int(s) for s in cache_shape[1:]) != layers.block_shape:
         raise ValueError(
             f"cache_shape {list(cache_shape)} does not match cache tensors' block shape "
-            f"{list(block_shape)}"
+            f"{list(layers.block_shape)}"
         )
-    block_bytes = math.prod(block_shape) * itemsize
-    slot_bytes = block_bytes * len(ptrs)
-    if isinstance(staging_ptr, (int, np.integer, HostBuffer, np.ndarray)) or not on_gpu:
+    slot_bytes = layers.block_bytes * layers.nlayers
+    if isinstance(staging_ptr, (int, np.integer, HostBuffer, np.ndarray)) or not layers.on_gpu:
         staging, size = _host_address(staging_ptr, "staging_ptr")
     else:  # a device staging tensor is fine on the GPU path
         staging, shape, esize, _ = describe_tensor(staging_ptr, "staging_ptr")
@@ -451,26 +553,14 @@ def swap_cache_layout(
             f"device_block_ids ({len(dev_ids)}) and staging_slot_ids ({len(slot_ids)}) "
             "differ in length"
         )
-    if not on_gpu:
-        _swap.swap_layout(
-            ptrs, nblocks, block_bytes, staging, nslots, dev_ids, slot_ids, mode, num_threads or 0
-        )
-        return
-    lib = _require_cuda()
-    s = _current_stream(cache_tensors[0], device_id) if stream is None else stream
-    lib.call(
-        "kvc_cuda_swap_layout",
-        int(device_id),
-        s,
-        _p(ptrs),
-        _p(nblocks),
-        len(ptrs),
-        block_bytes,
+    copy_layout(
+        layers,
         staging,
         nslots,
-        _p(dev_ids),
-        _p(slot_ids),
-        len(dev_ids),
+        dev_ids,
+        slot_ids,
+        device_id,
         mode,
-        1,
+        num_threads=num_threads,
+        stream=stream,
     )

@@ -25,7 +25,7 @@ from kvcore.errors import (
     DuplicateBackendError,
     UnknownBackendError,
 )
-from kvcore.schemas import BackendConfig, BackendContext, Capabilities
+from kvcore.schemas import BackendConfig, BackendContext, Capabilities, parse_config_arg
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -131,10 +131,19 @@ def _check_definition(name: str, factory: Any) -> None:
 
 
 def validate_config(
-    name: str, factory: Any, config: BaseModel | Mapping[str, Any] | None
+    name: str, factory: Any, config: BaseModel | Mapping[str, Any] | str | None
 ) -> BackendConfig:
-    """Validate ``config`` with the backend's own model (environment overrides applied)."""
+    """Validate ``config`` with the backend's own model (environment overrides applied).
+
+    ``config`` is a dict, an instance of the backend's ``config_model``, or a string: inline
+    JSON (``'{"root": "/data"}'``) or the path of a JSON file.
+    """
     model: type[BackendConfig] = factory.config_model
+    if isinstance(config, str):
+        try:
+            config = parse_config_arg(config)
+        except ValueError as exc:
+            raise ConfigError(f"config for backend {name!r}: {exc}") from None
     if isinstance(config, model):
         config = config.model_dump(exclude_unset=True)
     elif isinstance(config, BaseModel):
@@ -150,15 +159,16 @@ def validate_config(
 
 def open_backend(
     name: str | type,
-    config: BaseModel | Mapping[str, Any] | None = None,
+    config: BaseModel | Mapping[str, Any] | str | None = None,
     *,
     context: BackendContext | Mapping[str, Any] | None = None,
     strict: bool = False,
 ) -> Backend:
     """Open the backend published as ``name`` (or given directly as a class).
 
-    :param config: the backend's settings: an instance of its ``config_model`` or a dict;
-        ``<env_prefix><FIELD>`` environment variables override them.
+    :param config: the backend's settings: an instance of its ``config_model``, a dict, or a
+        string holding inline JSON or the path of a JSON file; ``<env_prefix><FIELD>``
+        environment variables override them.
     :param context: the engine's layout, rank and world size (a :class:`BackendContext`).
     :param strict: let backend exceptions propagate instead of turning them into counted
         misses (for tests).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcore.schemas import CacheLayout
 
@@ -31,10 +31,14 @@ class Outcome(int):
     """
 
     failure: str | None
+    #: what kind of failure, set by kvcore's facade: ``backend_error`` (raised, or reported by
+    #: the backend), ``invalid_result`` (broke the contract) or ``deadline`` (short and late)
+    kind: str | None
 
-    def __new__(cls, count: int, failure: str | None = None) -> Outcome:
+    def __new__(cls, count: int, failure: str | None = None, kind: str | None = None) -> Outcome:
         obj = super().__new__(cls, count)
         obj.failure = failure
+        obj.kind = kind if kind is not None or failure is None else "backend_error"
         return obj
 
     def __repr__(self) -> str:
@@ -46,34 +50,88 @@ class Outcome(int):
 
 @dataclass(frozen=True, slots=True)
 class HostBuffers:
-    """Host staging memory for a run of blocks: block ``i``'s part ``j`` is ``nbytes[j]`` bytes
-    at ``ptrs[i][j]`` (staging layout ``[layer, head, block_size, head_dim]``).
+    """Host memory for a run of blocks: block ``i``'s part ``j`` is ``nbytes[j]`` bytes.
+
+    Two shapes, told apart by :attr:`contiguous`:
+
+    - contiguous (staging): the object is one region at ``ptrs[i][j]``, laid out
+      ``[layer, *block]`` as it is stored;
+    - segmented (``layer_ptrs`` set, ``ptrs`` empty): the object's bytes are the engine's own
+      cache blocks, one segment per layer: layer ``l``'s segment is ``segment_nbytes[j]`` bytes
+      at ``layer_ptrs[j][l] + block_ids[i] * segment_nbytes[j]``, in layer order. kvcore sends
+      these only to backends that declare ``Capabilities(segmented_host=True)``, which read and
+      write them with :meth:`segments` or :meth:`views` (``preadv``/``pwritev`` take them as
+      they are): no staging copy at all for engines whose cache lives in host memory.
 
     The memory belongs to the caller and stays valid until the hook returns. A read hook
     writes into it; a write hook must finish reading it before returning.
+
+    .. versionchanged:: 0.2 the segmented shape (``layer_ptrs``, ``block_ids``,
+       ``segment_nbytes``) and :meth:`segments` / :meth:`views`.
     """
 
     ptrs: tuple[tuple[int, ...], ...]
     nbytes: tuple[int, ...]
+    layer_ptrs: tuple[tuple[int, ...], ...] | None = None
+    block_ids: tuple[int, ...] = ()
+    segment_nbytes: tuple[int, ...] = ()
+
+    @property
+    def contiguous(self) -> bool:
+        """True when each object is one region (``ptrs``); False for per-layer segments."""
+        return self.layer_ptrs is None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.ptrs) if self.layer_ptrs is None else len(self.block_ids)
+
+    def segments(self, block: int, part: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each piece of one object, in order (one piece if contiguous)."""
+        if self.layer_ptrs is None:
+            return [(self.ptrs[block][part], self.nbytes[part])]
+        size = self.segment_nbytes[part]
+        offset = self.block_ids[block] * size
+        return [(base + offset, size) for base in self.layer_ptrs[part]]
+
+    def views(self, block: int, part: int) -> list[memoryview]:
+        """Writable views of one object's pieces, for ``os.preadv`` / ``os.pwritev``."""
+        return [_view(ptr, n) for ptr, n in self.segments(block, part)]
 
     def memoryview(self, block: int, part: int) -> memoryview:
-        """A writable view of one object's bytes (for ``readinto``/``write`` without a copy)."""
-        n = self.nbytes[part]
-        return memoryview((ctypes.c_char * n).from_address(self.ptrs[block][part])).cast("B")
+        """A writable view of one contiguous object's bytes (``readinto``/``write``, no copy)."""
+        if self.layer_ptrs is not None:
+            raise ValueError("segmented host buffers have no single view: use views()")
+        return _view(self.ptrs[block][part], self.nbytes[part])
 
     def flat(self) -> tuple[list[int], list[int]]:
-        """Pointers and sizes in ``[block][part]`` order, as batch client APIs take them."""
+        """Pointers and sizes in ``[block][part]`` order, as batch client APIs take them
+        (contiguous buffers only)."""
+        if self.layer_ptrs is not None:
+            raise ValueError("segmented host buffers have no flat form: use segments()")
         ptrs = [p for block in self.ptrs for p in block]
         return ptrs, list(self.nbytes) * len(self.ptrs)
+
+    def slice(self, lo: int, hi: int) -> HostBuffers:
+        """The buffers of blocks ``lo .. hi - 1``."""
+        if self.layer_ptrs is None:
+            return HostBuffers(self.ptrs[lo:hi], self.nbytes)
+        return HostBuffers(
+            (), self.nbytes, self.layer_ptrs, self.block_ids[lo:hi], self.segment_nbytes
+        )
+
+
+def _view(ptr: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceBuffers:
     """The engine's cache tensors, for backends that copy blocks themselves (``io="device"``).
 
-    ``k_ptrs[l]`` / ``v_ptrs[l]`` point at layer ``layer_ids[l]``'s tensor
-    ``[num_blocks, heads, block_size, head_dim]``; scale pointers are empty unless the layout
-    has scales. ``block_ids[i]`` is the device block that holds block ``start_block + i``.
+    ``k_ptrs[l]`` / ``v_ptrs[l]`` point at layer ``layer_ids[l]``'s tensor, whose first
+    dimension is the blocks (``layout.kv_layer_block_bytes`` bytes each); scale pointers are
+    empty unless the layout has scales. ``block_ids[i]`` is the device block that holds block
+    ``start_block + i``.
     """
 
     layout: CacheLayout
@@ -85,18 +143,34 @@ class DeviceBuffers:
     k_scale_ptrs: tuple[int, ...] = ()
     v_scale_ptrs: tuple[int, ...] = ()
 
+    def slice(self, lo: int, hi: int) -> DeviceBuffers:
+        return replace(self, block_ids=self.block_ids[lo:hi])
+
 
 @dataclass(frozen=True, slots=True)
 class BlockRequest:
     """One call's worth of blocks: ``start_block .. start_block + num_blocks``.
 
-    - ``block_keys[i]``: chained prefix hash of block ``start_block + i``.
+    - ``block_keys[i]``: chained prefix hash of block ``start_block + i`` (empty for requests
+      that carry tokens only, such as a token index's flush).
     - ``object_names[i][j]``: the name under which part ``parts[j]`` of that block is stored on
       this rank (key-addressed backends use these and nothing else).
     - ``token_ids``: the full token path from the root (token-addressed backends); may be None
       for key-addressed backends.
     - ``deadline``: a :func:`time.monotonic` instant; return what finished by then.
     - ``host`` / ``device``: the buffers for ``read``/``write``, per the backend's ``io``.
+    - ``num_blocks``: how many blocks: ``len(block_keys)``, or given for a request that carries
+      tokens only.
+
+    What kvcore promises a hook (checked once, where the request enters the core): ``host`` is
+    set on reads and writes of ``io="host"`` backends and ``device`` on those of ``io="device"``
+    ones; ``object_names`` has ``num_blocks`` rows of ``len(parts)`` names (none when the
+    request carries tokens only); host buffers hold ``num_blocks`` objects per part, each of
+    ``layout.part_bytes(part)`` bytes when the context has a layout; token-addressed backends get
+    ``token_ids`` covering every block of the request. Backends need not check any of it.
+
+    .. versionchanged:: 0.2 ``num_blocks`` is a field (token-only requests carry no fake keys);
+       :meth:`slice`.
     """
 
     task_id: str
@@ -108,10 +182,13 @@ class BlockRequest:
     token_ids: Sequence[int] | None = None
     host: HostBuffers | None = None
     device: DeviceBuffers | None = None
+    num_blocks: int = -1
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_keys)
+    def __post_init__(self) -> None:
+        # keys, when present, decide (so dataclasses.replace(request, block_keys=...) stays
+        # consistent); only a token-only request states its block count
+        if self.block_keys or self.num_blocks < 0:
+            object.__setattr__(self, "num_blocks", len(self.block_keys))
 
     def time_left(self) -> float:
         """Seconds until the deadline (negative once it has passed)."""
@@ -120,13 +197,42 @@ class BlockRequest:
     def expired(self) -> bool:
         return time.monotonic() >= self.deadline
 
+    def slice(
+        self,
+        lo: int,
+        hi: int,
+        *,
+        host: HostBuffers | None = None,
+        device: DeviceBuffers | None = None,
+    ) -> BlockRequest:
+        """Blocks ``lo .. hi - 1`` of this request (names reused, not rebuilt), with the
+        given buffers (the span's own, already sliced by the caller)."""
+        return BlockRequest(
+            task_id=self.task_id,
+            block_keys=self.block_keys[lo:hi],
+            object_names=self.object_names[lo:hi],
+            parts=self.parts,
+            deadline=self.deadline,
+            start_block=self.start_block + lo,
+            token_ids=self.token_ids,
+            host=host,
+            device=device,
+            num_blocks=hi - lo,
+        )
+
+    def with_buffers(
+        self, *, host: HostBuffers | None = None, device: DeviceBuffers | None = None
+    ) -> BlockRequest:
+        return replace(self, host=host, device=device)
+
 
 def leading_run(ok: Sequence[bool] | Sequence[int], parts: int = 1) -> int:
     """Number of leading blocks whose ``parts`` consecutive entries are all ``> 0``.
 
     ``ok`` is flat in ``[block][part]`` order: booleans, or counts/codes where a positive
-    value means success (bytes read, ``1`` for exists) and zero or negative means failure. A prefix cache can only use a contiguous run
-    from the start, so a later success after a failure does not count.
+    value means success (bytes read, ``1`` for exists) and zero or negative means failure. A
+    prefix cache can only use a contiguous run from the start, so a later success after a
+    failure does not count.
     """
     n = len(ok) // parts
     for i in range(n):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, mo
 from typing_extensions import Self
 
 __all__ = [
+    "MAX_TIMEOUT_S",
     "BackendConfig",
     "BackendContext",
     "ByteSize",
@@ -25,6 +26,7 @@ __all__ = [
     "Capabilities",
     "EnvConfig",
     "FlushTask",
+    "QueryTask",
     "ReadTask",
     "StrictModel",
     "SwapTask",
@@ -194,6 +196,11 @@ class Capabilities(StrictModel):
     ``"token"`` backends index blocks by the token path from the root and a start block.
     ``io``: ``"host"`` backends read and write host staging memory; ``"device"`` backends
     read and write the engine's per-layer cache tensors by pointer and block id.
+    ``segmented_host``: a host backend that handles :class:`kvcore.HostBuffers` whose objects
+    are split into per-layer segments (``HostBuffers.segments``/``views``); kvcore then reads
+    and writes an engine's host-resident cache blocks in place, with no staging copy.
+
+    .. versionchanged:: 0.2 ``segmented_host``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -205,6 +212,7 @@ class Capabilities(StrictModel):
     shared: bool = False
     scales: bool = True
     concurrent: bool = True
+    segmented_host: bool = False
 
 
 class BackendContext(StrictModel):
@@ -242,6 +250,10 @@ class EnvConfig(StrictModel):
     """
 
     env_prefix: ClassVar[str] = ""
+    #: names accepted from the environment besides the fields (moved into place by a
+    #: validator), with whether their value is a plain string
+    env_extra_fields: ClassVar[tuple[str, ...]] = ()
+    env_extra_strings: ClassVar[frozenset[str]] = frozenset({"namespace", "weight_version"})
 
     @classmethod
     def env_overrides(cls, environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -249,11 +261,13 @@ class EnvConfig(StrictModel):
         found: dict[str, Any] = {}
         if not cls.env_prefix:
             return found
-        for name, field in cls.model_fields.items():
+        names = {n: f.annotation is str for n, f in cls.model_fields.items()}
+        names.update({n: n in cls.env_extra_strings for n in cls.env_extra_fields})
+        for name, is_string in names.items():
             raw = environ.get(f"{cls.env_prefix}{name.upper()}")
             if raw is None:
                 continue
-            if field.annotation is str:
+            if is_string:
                 found[name] = raw
             else:
                 try:
@@ -275,22 +289,63 @@ class EnvConfig(StrictModel):
         return cls.model_validate(data)
 
 
+#: The longest timeout anything in kvcore accepts: a week. Longer (or infinite) values would
+#: overflow the deadline thread's waits; no cache operation is worth waiting longer.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def timeout_field(default: float | None, description: str) -> Any:
+    """A timeout in seconds: positive, finite, at most :data:`MAX_TIMEOUT_S`."""
+    return Field(
+        default=default, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description=description
+    )
+
+
 class BackendConfig(EnvConfig):
     """Base of every backend's own config model (see :class:`EnvConfig` for ``env_prefix``)."""
 
-    default_timeout_s: float = Field(default=5.0, gt=0, description="deadline when a task has none")
+    default_timeout_s: float = timeout_field(
+        5.0, "deadline of a call whose request has none; the transfer manager's task default"
+    )
 
 
 class _TaskBase(StrictModel):
     task_id: str = Field(min_length=1)
-    timeout_s: float | None = Field(default=None, gt=0, description="None: the backend default")
+    timeout_s: float | None = timeout_field(None, "None: the manager's default timeout")
 
 
-class ReadTask(_TaskBase):
-    """Restore blocks ``start_block .. start_block + len(keys)`` into ``device_block_ids``.
+class QueryTask(_TaskBase):
+    """Count the stored leading run of ``keys`` (blocks ``start_block ..``) on this rank.
 
-    ``keys[i]`` is the chained hash of block ``start_block + i``; ``token_ids`` is the full
-    token path from the root (required by token-addressed backends).
+    A query moves no data, so it names no device blocks.
+
+    .. versionadded:: 0.2 (0.1 queried with a :class:`ReadTask`; its ``device_block_ids`` are
+       still accepted here, and ignored, for one release)
+    """
+
+    keys: list[str]
+    token_ids: list[int] | None = None
+    start_block: int = Field(default=0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_read_task_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "device_block_ids" in data:
+            data = {k: v for k, v in data.items() if k != "device_block_ids"}
+        return data
+
+    @model_validator(mode="after")
+    def _keys(self) -> Self:
+        _check_keys(self.keys)
+        return self
+
+
+class _BlockTask(_TaskBase):
+    """Blocks ``start_block .. start_block + len(keys)`` paired with device blocks.
+
+    ``keys[i]`` is the chained hash of block ``start_block + i``, held in device block
+    ``device_block_ids[i]``; ``token_ids`` is the full token path from the root (required by
+    token-addressed backends).
     """
 
     keys: list[str]
@@ -299,17 +354,28 @@ class ReadTask(_TaskBase):
     start_block: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
-    def _lengths(self) -> ReadTask:
+    def _lengths(self) -> Self:
         _check_block_lists(self.keys, self.device_block_ids)
         return self
 
 
-class WriteTask(ReadTask):
-    """Store the blocks held in ``device_block_ids`` under ``keys``."""
+class ReadTask(_BlockTask):
+    """Restore the stored leading run of ``keys`` into ``device_block_ids``."""
+
+
+class WriteTask(_BlockTask):
+    """Store the blocks held in ``device_block_ids`` under ``keys``.
+
+    .. versionchanged:: 0.2 a sibling of :class:`ReadTask`, no longer its subclass.
+    """
 
 
 class FlushTask(_TaskBase):
-    """Update a token index's residency record for blocks from ``start_block`` (seed 003)."""
+    """Update a token index's residency record for blocks from ``start_block`` (seed 003).
+
+    The blocks are those of ``token_ids`` from ``start_block`` to the last full block; ``keys``
+    may name them too, for backends that want both.
+    """
 
     token_ids: list[int]
     keys: list[str] = Field(default_factory=list)
@@ -334,15 +400,19 @@ class SwapTask(_TaskBase):
         return self
 
 
+def _check_keys(keys: list[str]) -> None:
+    for i, key in enumerate(keys):
+        if not key:
+            raise ValueError(f"keys[{i}] is empty")
+
+
 def _check_block_lists(keys: list[str], device_block_ids: list[int]) -> None:
     if len(keys) != len(device_block_ids):
         raise ValueError(
             f"keys has {len(keys)} entries but device_block_ids has {len(device_block_ids)}; "
             "one device block per key"
         )
-    for i, key in enumerate(keys):
-        if not key:
-            raise ValueError(f"keys[{i}] is empty")
+    _check_keys(keys)
     for i, b in enumerate(device_block_ids):
         if b < 0:
             raise ValueError(f"device_block_ids[{i}] = {b} is negative")

@@ -296,7 +296,7 @@ def test_staging_is_reused_not_allocated_per_task():
     _, keys = keys_for(4, seed=8)
     task = {"task_id": "r", "keys": keys, "device_block_ids": [0, 1, 2, 3]}
     tm.write_back({**task, "task_id": "w"}).result()
-    staging_ids = {id(b) for b in tm._read_staging.buffers}
+    staging_ids = {id(b) for b in tm._storage._read_pool.buffers}
     for _ in range(100):  # warm up allocator pools
         tm.read(task).result()
     before = _rss_mib()
@@ -304,7 +304,7 @@ def test_staging_is_reused_not_allocated_per_task():
         assert tm.read(task).result().num_blocks == 4
     grown = _rss_mib() - before
     assert grown < 8, f"resident memory grew {grown:.1f} MiB over 1000 tasks"
-    assert {id(b) for b in tm._read_staging.buffers} == staging_ids
+    assert {id(b) for b in tm._storage._read_pool.buffers} == staging_ids
     close(tm)
 
 
@@ -429,7 +429,7 @@ def test_device_io_backend_round_trip_and_flush(dtype):
         {"task_id": "w", "keys": keys, "device_block_ids": src_ids, "token_ids": tokens}
     ).result()
     assert (w.num_blocks, w.block_ids, w.bytes) == (4, src_ids, 4 * lay.block_bytes)
-    assert tm._staging_regions() == []  # device-I/O backends need no staging
+    assert tm.memory_bytes()["staging_bytes"] == 0  # device-I/O backends need no staging
     dst = make_cache(lay, fill=False)
     tm.restore_caches(dst)
     r = tm.read(

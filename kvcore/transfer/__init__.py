@@ -1,9 +1,15 @@
-"""Move KV blocks between an engine's device cache, a host cache and a storage backend."""
+"""Move KV blocks between an engine's device cache, a host cache and a storage backend.
 
-from kvcore.transfer.buffers import DeviceCache, HostCache, StagingPool
+Layers (each imports only those before it): ``config`` (settings) < ``caches`` and ``staging``
+(memory) < ``scheduler`` (pools, deadlines, futures) < ``storage`` (how blocks reach the
+backend: staged, host-resident, device-direct) < ``manager`` (the public API).
+"""
+
+from kvcore.transfer.caches import DeviceCache, HostCache
 from kvcore.transfer.config import TransferConfig
-from kvcore.transfer.executor import QueueFullError, TaskFuture
 from kvcore.transfer.manager import TransferManager, combine_ranks
+from kvcore.transfer.scheduler import QueueFullError, TaskFuture
+from kvcore.transfer.staging import StagingPool
 
 __all__ = [
     "DeviceCache",

@@ -3,31 +3,37 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from kvcore.schemas import CacheLayout, EnvConfig
+from kvcore.schemas import BackendContext, CacheLayout, EnvConfig, timeout_field
 
 __all__ = ["TransferConfig"]
+
+#: Engine facts that live in the config's ``context`` but may be given at top level (the 0.1
+#: form, still what most engines write): ``{"layout": ..., "rank": 1, "max_model_len": ...}``.
+_CONTEXT_FIELDS = ("layout", "rank", "world_size", "device_id", "namespace", "weight_version")
 
 
 class TransferConfig(EnvConfig):
     """How the manager sizes its buffers, threads and queues, and when it writes back.
 
+    ``context`` is the engine a backend is opened for (layout, rank, world size, device,
+    namespace, weight version): the manager opens its backend with exactly this context, or
+    checks that an opened one has it. Its fields may also be given at top level.
+
     Every field can be overridden with ``KVCORE_TRANSFER_<FIELD>`` (e.g.
-    ``KVCORE_TRANSFER_WRITE_WORKERS=4``); the environment wins over the given config.
+    ``KVCORE_TRANSFER_WRITE_WORKERS=4``, ``KVCORE_TRANSFER_RANK=1``); the environment wins over
+    the given config.
     """
 
     env_prefix = "KVCORE_TRANSFER_"
+    env_extra_fields: ClassVar[tuple[str, ...]] = _CONTEXT_FIELDS
 
-    layout: CacheLayout
-    max_model_len: int = Field(gt=0, description="longest sequence in tokens: sizes staging")
+    context: BackendContext
+    max_model_len: int = Field(gt=0, description="longest sequence in tokens: bounds a task")
     num_host_blocks: int = Field(default=0, ge=0, description="host (swap) cache blocks; 0: none")
-    rank: int = Field(default=0, ge=0)
-    world_size: int = Field(default=1, ge=1)
-    namespace: str = Field(default="default", min_length=1)
-    device_id: int = Field(default=0, ge=0)
 
     write_policy: Literal["write_through", "selective"] = "write_through"
     selective_min_hits: int = Field(
@@ -39,32 +45,99 @@ class TransferConfig(EnvConfig):
     read_workers: int = Field(default=2, ge=1)
     write_workers: int = Field(default=2, ge=1)
     queue_depth: int = Field(default=64, ge=1, description="tasks waiting per direction")
-    submit_wait_s: float = Field(default=1.0, ge=0, description="back-pressure wait when full")
+    submit_wait_s: float = Field(
+        default=1.0, ge=0, le=3600, description="back-pressure wait when a queue is full"
+    )
+    storage_io: Literal["auto", "staged", "host_resident", "device"] = Field(
+        default="auto",
+        description="how blocks reach the backend: auto picks device (io='device' backends), "
+        "host_resident (a host cache and a backend taking segmented buffers: no staging copy) "
+        "or staged (through host staging buffers)",
+    )
     staging_buffers: int | None = Field(
         default=None, ge=1, description="staging buffers per direction (default: workers + 1)"
     )
     pipeline_blocks: int = Field(
         default=16,
         ge=1,
-        description="blocks per span: storage I/O of one span overlaps the "
-        "device copy of the previous one",
+        description="blocks per span: the storage I/O of one span overlaps the device copy of "
+        "the next (writes) or the previous (reads)",
     )
-    default_timeout_s: float = Field(default=10.0, gt=0)
+    pipeline_depth: int = Field(
+        default=2, ge=2, le=8, description="spans in flight per task (staging slots per task)"
+    )
+    default_timeout_s: float | None = timeout_field(
+        None, "deadline of a task that sets none; None: the backend config's default_timeout_s"
+    )
+    fence_grace_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=3600,
+        description="host-resident I/O: how long past its deadline a task's answer waits for a "
+        "backend call still touching the engine's blocks",
+    )
     flush_after_read: bool = Field(
         default=True, description="token-index backends: mark restored blocks device-resident"
     )
     strict: bool = Field(default=False, description="let backend exceptions propagate (tests)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _context_at_top_level(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        moved = {k: data[k] for k in _CONTEXT_FIELDS if k in data}
+        if not moved:
+            return data
+        rest = {k: v for k, v in data.items() if k not in moved}
+        context = rest.get("context") or {}
+        if isinstance(context, BackendContext):
+            context = context.model_dump(exclude_unset=True)
+        rest["context"] = {**context, **moved}
+        return rest
+
     @model_validator(mode="after")
-    def _rank_in_world(self) -> TransferConfig:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+    def _needs_layout(self) -> TransferConfig:
+        if self.context.layout is None:
+            raise ValueError("context.layout is required: the manager sizes everything from it")
         return self
 
+    # the engine facts, as 0.1 callers read them
     @property
-    def staging_blocks(self) -> int:
-        """Blocks one staging buffer holds: the longest request, never allocated per task."""
+    def layout(self) -> CacheLayout:
+        assert self.context.layout is not None
+        return self.context.layout
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    @property
+    def namespace(self) -> str:
+        return self.context.namespace
+
+    @property
+    def device_id(self) -> int:
+        return self.context.device_id
+
+    @property
+    def max_task_blocks(self) -> int:
+        """The most blocks one task may carry: the longest sequence, in blocks."""
         return math.ceil(self.max_model_len / self.layout.block_size)
+
+    @property
+    def staging_slots(self) -> int:
+        """Blocks one staging buffer holds: ``pipeline_depth`` spans of ``pipeline_blocks``."""
+        return self.pipeline_depth * min(self.pipeline_blocks, self.max_task_blocks)
 
     def staging_count(self, workers: int) -> int:
         return self.staging_buffers or workers + 1
+
+    def staging_bytes(self) -> int:
+        """Host memory the staged path allocates (both directions), in bytes."""
+        count = self.staging_count(self.read_workers) + self.staging_count(self.write_workers)
+        return count * self.staging_slots * self.layout.block_bytes

@@ -1,0 +1,334 @@
+"""How blocks travel between the engine's cache and a backend, chosen once per manager.
+
+- :class:`StagedIO`: through host staging buffers, pipelined. A read fetches span *k+1* from
+  the backend while span *k* is scattered into the cache; a write gathers span *k+1* while the
+  backend stores span *k*. The engine's blocks are touched only by the gathers and scatters,
+  each inside :meth:`TaskFuture.unanswered`, so nothing touches them once a task is answered.
+- :class:`DirectIO`: one backend call on the engine's own blocks, no copy by kvcore: either
+  ``device`` buffers (``io="device"`` backends copy blocks themselves) or, for a cache that lives
+  in host memory, segmented host buffers (the backend reads into and writes from the cache blocks
+  in place: no staging copy). The call runs inside :meth:`TaskFuture.fenced`, so a deadline
+  answer waits for it; a backend that overruns the fence's grace is reported, its late writes
+  removed, and (host-resident) the manager falls back to staging for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcore.backend import Backend
+from kvcore.ops import TO_DEVICE, TO_HOST
+from kvcore.requests import BlockRequest, Outcome
+from kvcore.transfer.caches import DeviceCache
+from kvcore.transfer.config import TransferConfig
+from kvcore.transfer.scheduler import Progress, TaskFuture
+from kvcore.transfer.staging import StagingBuffer, StagingPool
+
+__all__ = ["BlockJob", "DirectIO", "StagedIO", "StorageIO"]
+
+log = logging.getLogger("kvcore.transfer")
+
+
+@dataclass(frozen=True)
+class BlockJob:
+    """One read or write task, prepared once: its request (object names computed once, sliced
+    per span, never rebuilt) and its device block ids."""
+
+    request: BlockRequest
+    device_ids: list[int]
+    ids: np.ndarray  # the same ids as int64, as the swap ops take them
+    cache: DeviceCache
+
+    def done(self, prog: Progress, lo: int, n: int) -> None:
+        """Blocks ``lo .. lo + n - 1`` of the job are complete."""
+        prog.block_ids.extend(self.device_ids[lo : lo + n])
+        prog.bytes += n * self.cache.layout.block_bytes
+
+
+def record_short(prog: Progress, got: Outcome) -> None:
+    """A backend call did fewer blocks than asked: a failure if it says so, else a miss."""
+    if got.failure is not None:
+        prog.stop(got.kind or "backend_error", got.failure)  # type: ignore[arg-type]
+
+
+class StorageIO:
+    """Moves a job's blocks between the cache and the backend (one strategy per manager)."""
+
+    name = "?"
+
+    def __init__(self, backend: Backend, config: TransferConfig) -> None:
+        self.backend = backend
+        self.config = config
+
+    @property
+    def memory_bytes(self) -> int:
+        """Host memory this strategy holds (staging), in bytes."""
+        return 0
+
+    def read(
+        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
+    ) -> None:
+        raise NotImplementedError
+
+    def write(
+        self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
+    ) -> None:
+        raise NotImplementedError
+
+    def close(self) -> int:
+        """Free what is not in use; return how many buffers stuck calls still hold."""
+        return 0
+
+
+class StagedIO(StorageIO):
+    """Through host staging buffers, pipelined ``pipeline_depth`` spans deep."""
+
+    name = "staged"
+
+    def __init__(self, backend: Backend, config: TransferConfig, io: ThreadPoolExecutor) -> None:
+        super().__init__(backend, config)
+        self._io = io
+        self.span = min(config.pipeline_blocks, config.max_task_blocks)
+        self.depth = config.pipeline_depth
+        slots = config.staging_slots
+        layout = config.layout
+        self._read_pool = StagingPool(layout, slots, config.staging_count(config.read_workers))
+        self._write_pool = StagingPool(layout, slots, config.staging_count(config.write_workers))
+        for region in self._regions():
+            backend.register_buffer(region.ptr, region.nbytes)
+
+    def _regions(self) -> list:
+        return [*self._read_pool.regions(), *self._write_pool.regions()]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._read_pool.nbytes + self._write_pool.nbytes
+
+    def _stage(
+        self, job: BlockJob, staging: StagingBuffer, lo: int, n: int, k: int, mode: int
+    ) -> None:
+        job.cache.copy_to_staging(
+            staging.addresses,
+            job.ids[lo : lo + n],
+            (k % self.depth) * self.span,
+            staging.slots,
+            self.config.device_id,
+            mode,
+        )
+
+    def read(
+        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
+    ) -> None:
+        if not stored:
+            return
+        staging = self._read_pool.acquire(fut.deadline - time.monotonic())
+        if staging is None:
+            prog.stop("deadline", "no staging buffer came free before the deadline")
+            return
+        spans = _chunks(stored, self.span)
+        depth = self.depth
+
+        def fetch(k: int) -> tuple[Outcome, float]:
+            off, size = spans[k]
+            t0 = time.monotonic()
+            host = staging.host_buffers(size, (k % depth) * self.span)
+            got = self.backend.read(job.request.slice(off, off + size, host=host))
+            return got, time.monotonic() - t0
+
+        pending: dict[int, Future] = {
+            k: self._io.submit(fetch, k) for k in range(min(depth - 1, len(spans)))
+        }
+        try:
+            for k, (off, size) in enumerate(spans):
+                got, backend_s = pending.pop(k).result()
+                _add(timings, backend=backend_s)
+                ahead = k + depth - 1  # its slots were freed by the scatter of span k - 1
+                if got == size and ahead < len(spans):
+                    pending[ahead] = self._io.submit(fetch, ahead)
+                t0 = time.monotonic()
+                with fut.unanswered() as live:
+                    if not live:  # the caller was answered: never touch its blocks now
+                        return
+                    self._stage(job, staging, off, got, k, TO_DEVICE)
+                    job.done(prog, off, got)
+                _add(timings, scatter=time.monotonic() - t0)
+                if got < size:
+                    record_short(prog, got)
+                    return
+        finally:
+            _release_after(self._read_pool, staging, pending.values())
+
+    def write(
+        self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
+    ) -> None:
+        staging = self._write_pool.acquire(fut.deadline - time.monotonic())
+        if staging is None:
+            prog.stop("deadline", "no staging buffer came free before the deadline")
+            return
+        spans = [(first + off, size) for off, size in _chunks(todo, self.span)]
+        depth = self.depth
+
+        def store(k: int, before: Future | None) -> tuple[Outcome, float]:
+            # one task's stores run in order: a store that fell short ends the run, and a
+            # capacity-bound backend sees the blocks in the order they will be counted
+            if before is not None and before.result()[0] < spans[k - 1][1]:
+                return Outcome(0), 0.0
+            lo, size = spans[k]
+            t0 = time.monotonic()
+            host = staging.host_buffers(size, (k % depth) * self.span)
+            got = self.backend.write(job.request.slice(lo, lo + size, host=host))
+            return got, time.monotonic() - t0
+
+        pending: dict[int, Future] = {}
+        counted = 0  # spans whose store result has been taken, in order
+
+        def take_next() -> bool:
+            nonlocal counted
+            got, backend_s = pending.pop(counted).result()
+            _add(timings, backend=backend_s)
+            lo, size = spans[counted]
+            counted += 1
+            job.done(prog, lo, got)
+            if got < size:
+                record_short(prog, got)
+                return False
+            return True
+
+        try:
+            for k, (lo, size) in enumerate(spans):
+                # span k reuses the slots of span k - depth: its store must have ended
+                if k >= depth and not take_next():
+                    return
+                t0 = time.monotonic()
+                with fut.unanswered() as live:
+                    if not live:  # answered: the engine may be reusing these blocks already
+                        return
+                    self._stage(job, staging, lo, size, k, TO_HOST)
+                _add(timings, gather=time.monotonic() - t0)
+                pending[k] = self._io.submit(store, k, pending.get(k - 1))
+            while counted < len(spans):
+                if not take_next():
+                    return
+        finally:
+            _release_after(self._write_pool, staging, pending.values())
+
+    def close(self) -> int:
+        unregister = self.backend.unregister_buffer
+        leaked = 0
+        for pool in (self._read_pool, self._write_pool):
+            leaked += pool.close(lambda region: unregister(region.ptr))
+        return leaked
+
+
+class DirectIO(StorageIO):
+    """One backend call on the engine's own blocks, fenced against the deadline answer."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        config: TransferConfig,
+        name: str,
+        buffers: Callable[[DeviceCache, Sequence[int]], dict],
+    ) -> None:
+        super().__init__(backend, config)
+        self.name = name
+        self._buffers = buffers
+        #: set once a backend call outlived a task's answer: the manager stops trusting us
+        self.fence_broken = False
+
+    def _call(
+        self,
+        op: Callable[[BlockRequest], Outcome],
+        job: BlockJob,
+        lo: int,
+        n: int,
+        fut: TaskFuture,
+        prog: Progress,
+        timings: dict,
+    ) -> Outcome | None:
+        ids = job.device_ids[lo : lo + n]
+        request = job.request.slice(lo, lo + n, **self._buffers(job.cache, ids))
+        t0 = time.monotonic()
+        with fut.fenced() as live:
+            if not live:
+                return None
+            got = op(request)
+            job.done(prog, lo, got)  # inside the fence: a deadline answer lists these blocks
+        _add(timings, backend=time.monotonic() - t0)
+        if fut.fence_broken:
+            self._late(op, request)
+        if got < n:
+            record_short(prog, got)
+        return got
+
+    def _late(self, op: Callable[[BlockRequest], Outcome], request: BlockRequest) -> None:
+        """The task was answered while the backend still used the engine's blocks."""
+        self.fence_broken = True
+        what = "wrote into" if op == self.backend.read else "read from"
+        log.error(
+            "kvcore: backend %r %s the engine's blocks after task %r was answered (it overran "
+            "its deadline by more than fence_grace_s=%s s); this manager no longer lets it "
+            "touch them directly",
+            self.backend.name,
+            what,
+            request.task_id,
+            self.config.fence_grace_s,
+        )
+        if op == self.backend.write and self.backend.implements("kvcore_remove"):
+            # what it stored may mix old and new bytes of reused blocks: drop it
+            self.backend.remove(request.with_buffers())
+
+    def read(
+        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
+    ) -> None:
+        if stored:
+            self._call(self.backend.read, job, 0, stored, fut, prog, timings)
+
+    def write(
+        self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
+    ) -> None:
+        self._call(self.backend.write, job, first, todo, fut, prog, timings)
+
+
+def device_buffers(device_id: int) -> Callable[[DeviceCache, Sequence[int]], dict]:
+    return lambda cache, ids: {"device": cache.device_buffers(ids, device_id)}
+
+
+def host_resident_buffers(cache: DeviceCache, ids: Sequence[int]) -> dict:
+    return {"host": cache.host_buffers(ids)}
+
+
+def _release_after(pool: StagingPool, staging: StagingBuffer, pending: Iterable[Future]) -> None:
+    """Return ``staging`` to its pool once no backend call still uses it."""
+    running = [f for f in pending if not f.done()]
+    if not running:
+        pool.release(staging)
+        return
+    left = [len(running)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future) -> None:  # a call overran: release when the last one ends
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            pool.release(staging)
+
+    for f in running:
+        f.add_done_callback(one_done)
+
+
+def _chunks(total: int, size: int) -> list[tuple[int, int]]:
+    return [(off, min(size, total - off)) for off in range(0, total, size)]
+
+
+def _add(timings: dict[str, float], **values: float) -> None:
+    for k, v in values.items():
+        timings[k] = timings.get(k, 0.0) + v
