@@ -1,0 +1,159 @@
+"""``KVCoreConnector``: vLLM's KV connector API over any kvcore backend.
+
+Select it with one config line::
+
+    --kv-transfer-config '{"kv_connector": "KVCoreConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "file", "backend_config": {"root": "/nvme/kv"}}}'
+
+vLLM creates one instance per role: in the scheduler process (``KVConnectorRole.SCHEDULER``,
+see :mod:`kvcore_vllm.scheduler`) and in each worker (``WORKER``, see :mod:`kvcore_vllm.worker`).
+This class only routes vLLM's calls to the side that serves them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcore_vllm.config import load_settings
+from kvcore_vllm.metadata import StepMetadata
+from kvcore_vllm.scheduler import SchedulerSide
+from kvcore_vllm.stats import KVCoreConnectorStats
+from kvcore_vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+__all__ = ["KVCoreConnector"]
+
+log = logging.getLogger("vllm.kvcore_vllm.connector")
+
+
+class KVCoreConnector(KVConnectorBase_V1):
+    """A persistent prefix-cache tier for vLLM, stored by a kvcore backend."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # a save that is dropped is a future cache miss, nothing more
+        return False
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("KVCoreConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        transfer_config = vllm_config.kv_transfer_config
+        self.settings = load_settings(transfer_config.kv_connector_extra_config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer_config.kv_load_failure_policy != self.settings.load_failure_policy:
+                # vLLM reads the policy right after building this connector. vLLM's default
+                # ("fail") would turn every miss found at load time into a failed request;
+                # for a cache tier that is a recomputation.
+                log.info(
+                    "KVCoreConnector: kv_load_failure_policy %r -> %r (blocks that fail to "
+                    "load are recomputed)",
+                    transfer_config.kv_load_failure_policy,
+                    self.settings.load_failure_policy,
+                )
+                transfer_config.kv_load_failure_policy = self.settings.load_failure_policy
+            self.scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.settings)
+        else:
+            self.worker_side = WorkerSide(vllm_config, kv_cache_config, self.settings)
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "scheduler-side call on a worker connector"
+        return self.scheduler_side
+
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "worker-side call on a scheduler connector"
+        return self.worker_side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler().bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def _meta(self) -> StepMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMetadata), f"unexpected connector metadata {type(meta)}"
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, StepMetadata):
+            self._worker().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are saved after the step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker().wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().get_block_ids_with_load_errors()
+
+    # -- both ------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is not None:
+            data = self.worker_side.take_stats()
+        elif self.scheduler_side is not None:
+            data = self.scheduler_side.counters.take()
+        else:
+            return None
+        return KVCoreConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVCoreConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()

@@ -1,0 +1,87 @@
+"""Block keys: kvcore's chained SHA-256 prefix hashes over token ids, scoped to this engine.
+
+vLLM's own block hashes are not used: their seed is random per process unless
+``PYTHONHASHSEED`` is set, and they do not name the model or the cache's physical form. A key
+here commits to every token before the block's end and to the scope below, so the same prompt
+maps to the same keys in any process on any machine, and only engines whose blocks are
+byte-compatible share them. TP rank and world size are not in the key: kvcore puts them in
+every object name (each rank stores its own slice of the heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import kvcore
+
+from kvcore_vllm.config import ConnectorSettings
+
+__all__ = ["KeyChain", "key_scope", "model_identity"]
+
+
+def model_identity(vllm_config: Any, settings: ConnectorSettings) -> str:
+    """The configured ``model_id``, else vLLM's model name or path plus its revision."""
+    if settings.model_id:
+        return settings.model_id
+    model_config = vllm_config.model_config
+    revision = getattr(model_config, "revision", None) or ""
+    return f"{model_config.model}@{revision}" if revision else str(model_config.model)
+
+
+def key_scope(
+    vllm_config: Any, settings: ConnectorSettings, layout: kvcore.CacheLayout
+) -> kvcore.KeyScope:
+    """Everything besides the tokens that must match for two engines to share a block."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    major_minor = ".".join(str(vllm.__version__).split(".")[:2])
+    attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    cache = vllm_config.cache_config
+    extra = {
+        # the physical block format: vLLM release, device type and attention backend decide
+        # how K and V sit inside a block, so objects are only shared when they agree
+        "engine": f"vllm-{major_minor}",
+        "device": str(current_platform.device_type),
+        "attention": str(attention or "auto"),
+        "kv_dtype": layout.dtype.value,
+        "cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
+        "block_size": str(layout.block_size),
+        "kv_heads": str(layout.num_heads),
+        "head_dim": str(layout.head_dim),
+        "layers": str(layout.num_layers),
+    }
+    return kvcore.KeyScope(
+        model=model_identity(vllm_config, settings), namespace=settings.namespace, extra=extra
+    )
+
+
+class KeyChain:
+    """The keys of one sequence's full blocks, extended as tokens arrive (never recomputed)."""
+
+    __slots__ = ("block_size", "keys", "scope")
+
+    def __init__(self, scope: kvcore.KeyScope, block_size: int) -> None:
+        self.scope = scope
+        self.block_size = block_size
+        self.keys: list[str] = []
+
+    def upto(self, token_ids: Sequence[int], num_blocks: int) -> list[str]:
+        """Keys of blocks ``0 .. num_blocks - 1`` (``token_ids`` must cover them)."""
+        have = len(self.keys)
+        if num_blocks > have:
+            bs = self.block_size
+            if len(token_ids) < num_blocks * bs:
+                raise ValueError(
+                    f"token_ids has {len(token_ids)} tokens; {num_blocks} blocks need "
+                    f"{num_blocks * bs}"
+                )
+            tail = list(token_ids[have * bs : num_blocks * bs])
+            parent = self.keys[-1] if self.keys else None
+            self.keys.extend(kvcore.block_hashes(tail, bs, self.scope, parent=parent))
+        return self.keys[:num_blocks]
+
+    def truncate(self, num_blocks: int) -> None:
+        """Forget keys past ``num_blocks`` (tokens there may change, e.g. after preemption)."""
+        del self.keys[num_blocks:]

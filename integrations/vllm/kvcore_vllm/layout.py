@@ -1,0 +1,217 @@
+"""vLLM's KV cache, described to kvcore.
+
+Two questions, answered from vLLM's own objects rather than assumed:
+
+- :func:`cache_layout`: what one block of one rank is (layers, heads, tokens, head size, dtype),
+  from the scheduler's ``KVCacheConfig``. Both the scheduler and every worker compute it, so
+  both open the backend with the same layout.
+- :func:`map_layer_tensors`: where each layer's blocks are in the tensors vLLM hands to
+  ``register_kv_caches``. The block dimension is found from shapes and strides. Two physical
+  forms occur:
+
+  * **K and V apart** (``[2, num_blocks, ...]``, e.g. FlashAttention's): the K and V halves of a
+    layer are two tensors whose first dimension is the blocks, exactly what kvcore's
+    ``DeviceCache`` takes. kvcore's ``k`` object of a block holds the K bytes of every layer.
+  * **K and V together in each block** (``[num_blocks, heads, block_size, 2 * head_size]``, the CPU
+    backend's: per head, the block's K rows then its V rows): one block of one layer is one
+    contiguous run of ``2 * kv_layer_block_bytes`` bytes, but its K bytes are not contiguous, so
+    no per-layer K tensor exists. kvcore moves whole blocks and never looks inside them, so the
+    run is split in two equal halves that play the ``k`` and ``v`` parts: viewing the layer as
+    rows of half a block, block ``b``'s first half is row ``2b`` of a view that starts at the
+    layer's first byte and its second half is row ``2b`` of a view that starts half a block
+    later. Both views are contiguous ``[rows, half]`` tensors over vLLM's own memory (no copy),
+    and kvcore is given device block ``2b`` for vLLM block ``b``. The stored objects then hold
+    half-blocks rather than pure K and V; the key scope names the physical form
+    (``kv_format``), so engines whose blocks are laid out differently never share objects.
+
+Anything else (MLA's single latent cache, hybrid models, padded pages, quantised caches with
+separate scales, float32 caches, which kvcore's layout cannot name) is refused with an error
+that says what was found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import kvcore
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "LayerMapping",
+    "UnsupportedCacheError",
+    "cache_layout",
+    "kv_dtype_name",
+    "map_layer_tensors",
+]
+
+
+class UnsupportedCacheError(ValueError):
+    """vLLM's cache for this model cannot be stored by the connector (the message says why)."""
+
+
+def kv_dtype_name(dtype: Any) -> str:
+    """kvcore's name for a torch dtype of the KV cache."""
+    import torch
+
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.uint8: "uint8"}
+    for fp8 in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+        if hasattr(torch, fp8):
+            names[getattr(torch, fp8)] = "uint8"  # one-byte elements, moved as bytes
+    if dtype not in names:
+        raise UnsupportedCacheError(
+            f"KV cache dtype {dtype} has no kvcore CacheDType (bfloat16, float16, one-byte fp8); "
+            "serve the model in bfloat16 or float16 (--dtype) to use KVCoreConnector"
+        )
+    return names[dtype]
+
+
+def _single_attention_spec(kv_cache_config: Any) -> Any:
+    """The one KV cache group's spec, after refusing what the connector cannot store."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise UnsupportedCacheError(
+            f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); KVCoreConnector "
+            "stores models with one full-attention group (hybrid and sliding-window models "
+            "with the hybrid cache manager on are not supported)"
+        )
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, MLAAttentionSpec):
+        raise UnsupportedCacheError(
+            "MLA models (one latent cache per token, no K/V split) are not supported by "
+            "KVCoreConnector yet"
+        )
+    if not isinstance(spec, FullAttentionSpec):
+        raise UnsupportedCacheError(
+            f"KV cache spec {type(spec).__name__} is not full attention; KVCoreConnector "
+            "stores full-attention caches only"
+        )
+    odd = {
+        "head_size_v": spec.head_size_v if spec.head_size_v != spec.head_size else None,
+        "page_size_padded": getattr(spec, "page_size_padded", None),
+        "num_head_slots": getattr(spec, "num_head_slots", None),
+        "state_content_bytes": getattr(spec, "state_content_bytes", None),
+        "tokens_per_state": None if getattr(spec, "tokens_per_state", 1) == 1 else spec,
+    }
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and int(quant) != 0:
+        odd["kv_quant_mode"] = quant
+    found = {k: v for k, v in odd.items() if v is not None}
+    if found:
+        raise UnsupportedCacheError(
+            f"KV cache spec {type(spec).__name__} has {sorted(found)} set; KVCoreConnector "
+            "stores dense K/V pages with equal K and V head sizes"
+        )
+    return spec
+
+
+def cache_layout(kv_cache_config: Any) -> kvcore.CacheLayout:
+    """One rank's cache as kvcore describes it (block count left 0: the workers know it)."""
+    spec = _single_attention_spec(kv_cache_config)
+    num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    return kvcore.CacheLayout(
+        num_layers=num_layers,
+        num_heads=spec.num_kv_heads,
+        block_size=spec.block_size,
+        head_dim=spec.head_size,
+        dtype=kv_dtype_name(spec.dtype),
+    )
+
+
+@dataclass(frozen=True)
+class LayerMapping:
+    """Per-layer K and V tensors for kvcore's ``DeviceCache``, and how block ids translate.
+
+    ``kvcore_block = vllm_block * id_scale`` (2 for the K-and-V-together form, else 1).
+    ``kv_format`` names the physical form; it is part of every key.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    id_scale: int
+    kv_format: str
+
+    def to_kvcore(self, vllm_block_ids: list[int]) -> list[int]:
+        scale = self.id_scale
+        return [b * scale for b in vllm_block_ids] if scale != 1 else list(vllm_block_ids)
+
+
+#: The two physical forms (see the module docstring).
+FORM_SPLIT = "kv-split"
+FORM_JOINED = "kv-joined"
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)}, strides {list(t.stride())}, dtype {t.dtype}"
+
+
+def _map_one(
+    name: str, t: torch.Tensor, num_blocks: int, half_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(k, v, form) for one layer's tensor; raise naming the layer when neither form fits."""
+    item = t.element_size()
+    half = half_bytes // item  # elements in half a block of this layer
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    # K and V apart: the leading dimension of size 2 selects K or V, the next one is blocks.
+    if (
+        len(shape) >= 3
+        and shape[0] == 2
+        and shape[1] == num_blocks
+        and stride[1] == half
+        and stride[0] == num_blocks * half
+        and t[0].is_contiguous()
+        and t[1].is_contiguous()
+    ):
+        return t[0], t[1], FORM_SPLIT
+    # K and V together: some dimension is the blocks, a block is one dense run of 2 halves.
+    block_dims = [d for d, n in enumerate(shape) if n == num_blocks and stride[d] == 2 * half]
+    if block_dims and t.is_contiguous() and block_dims[0] == 0 and t.numel() == num_blocks * 2 * half:
+        flat = t.view(-1)
+        rows = 2 * num_blocks - 1  # row 2b of either view is a half of block b; see docstring
+        k = flat[: rows * half].view(rows, half)
+        v = flat[half : half + rows * half].view(rows, half)
+        return k, v, FORM_JOINED
+    raise UnsupportedCacheError(
+        f"layer {name!r}: cannot find {num_blocks} blocks of {2 * half_bytes} bytes (K and V "
+        f"of {half_bytes} bytes each) in its KV tensor ({_describe(t)}); KVCoreConnector "
+        "supports [2, num_blocks, ...] tensors with contiguous K and V, and contiguous "
+        "[num_blocks, ...] tensors whose blocks hold K and V together"
+    )
+
+
+def map_layer_tensors(
+    kv_caches: dict[str, torch.Tensor],
+    layer_names: list[str],
+    layout: kvcore.CacheLayout,
+    num_blocks: int,
+) -> LayerMapping:
+    """Map ``register_kv_caches``' tensors (in the KV cache group's layer order) for kvcore."""
+    missing = [n for n in layer_names if n not in kv_caches]
+    if missing:
+        raise UnsupportedCacheError(
+            f"register_kv_caches got no tensor for layers {missing[:3]} of the KV cache group"
+        )
+    half_bytes = layout.kv_layer_block_bytes
+    k: list[Any] = []
+    v: list[Any] = []
+    forms = set()
+    for name in layer_names:
+        t = kv_caches[name]
+        if t.element_size() != layout.dtype.itemsize:
+            raise UnsupportedCacheError(
+                f"layer {name!r} has {t.element_size()}-byte elements; the KV cache spec says "
+                f"{layout.dtype.value} ({layout.dtype.itemsize} bytes)"
+            )
+        k_t, v_t, form = _map_one(name, t, num_blocks, half_bytes)
+        k.append(k_t)
+        v.append(v_t)
+        forms.add(form)
+    if len(forms) != 1:
+        raise UnsupportedCacheError(f"layers mix physical KV forms {sorted(forms)}")
+    form = forms.pop()
+    return LayerMapping(k=k, v=v, id_scale=2 if form == FORM_JOINED else 1, kv_format=form)

@@ -1,0 +1,43 @@
+"""What the scheduler-side connector tells the workers each step (plain, picklable data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["BlockRun", "StepMetadata"]
+
+
+@dataclass
+class BlockRun:
+    """Blocks ``start_block .. start_block + len(keys) - 1`` of one request.
+
+    ``block_ids`` are vLLM's block ids holding them. ``token_ids`` is the token path from the
+    first token through the last block, sent only to token-addressed backends.
+    """
+
+    req_id: str
+    start_block: int
+    keys: list[str]
+    block_ids: list[int]
+    token_ids: list[int] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    """One scheduler step's work.
+
+    - ``loads``: runs to restore before this step's forward pass (the scheduler already counted
+      them as computed);
+    - ``saves``: runs that become full blocks during this step, stored after it;
+    - ``preempted``: requests whose blocks vLLM is about to reuse (their saves must finish).
+    """
+
+    loads: list[BlockRun] = field(default_factory=list)
+    saves: list[BlockRun] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)

@@ -1,0 +1,286 @@
+"""Scheduler side: what the backend can restore, and what the workers must load and save.
+
+Runs in vLLM's engine-core process, next to the scheduler. It never touches KV bytes: it asks
+the backend which leading blocks exist (for every TP rank) and turns vLLM's scheduling
+decisions into :class:`~kvcore_vllm.metadata.StepMetadata` for the workers.
+
+Block protocol (vLLM's ``KVConnectorBase_V1``):
+
+- ``get_num_new_matched_tokens``: blocks past vLLM's own prefix-cache hit that every rank has,
+  capped so at least the prompt's last token is computed (vLLM needs its logits);
+- ``update_state_after_alloc``: the blocks vLLM allocated for them become a load;
+- ``build_connector_meta``: this step's loads, plus a save of every block that becomes full
+  during the step (prompt and, unless disabled, generated tokens);
+- ``request_finished``: a last save of blocks whose tokens were not yet known when their step
+  was scheduled; returns True while any save of the request may be in flight, so vLLM keeps its
+  blocks until the workers report the saves done (``get_finished``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kvcore
+
+from kvcore_vllm.backends import BackendHandle
+from kvcore_vllm.config import ConnectorSettings
+from kvcore_vllm.keys import KeyChain, key_scope
+from kvcore_vllm.layout import cache_layout
+from kvcore_vllm.metadata import BlockRun, StepMetadata
+from kvcore_vllm.stats import CounterSet
+
+__all__ = ["SchedulerSide", "backend_context", "engine_world"]
+
+log = logging.getLogger("vllm.kvcore_vllm.scheduler")
+
+
+def engine_world(vllm_config: Any) -> int:
+    """Ranks holding distinct KV slices: tensor x pipeline parallel (data-parallel replicas
+    share them: an engine replica's rank r stores exactly what another's rank r would)."""
+    pc = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            raise ValueError(
+                f"KVCoreConnector does not support context parallelism ({name} > 1): a block's "
+                "tokens are split across ranks"
+            )
+    return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+def backend_context(
+    settings: ConnectorSettings, layout: kvcore.CacheLayout, rank: int, world_size: int
+) -> kvcore.BackendContext:
+    context: dict[str, Any] = {
+        "layout": layout,
+        "rank": rank,
+        "world_size": world_size,
+        "namespace": settings.namespace,
+    }
+    if settings.weight_version:
+        context["weight_version"] = settings.weight_version
+    return kvcore.BackendContext.model_validate(context)
+
+
+@dataclass
+class _Tracked:
+    """A request the connector follows from admission to finish."""
+
+    request: Any  # vllm.v1.request.Request (its token list grows as tokens are generated)
+    chain: KeyChain
+    saved_upto: int = 0  # blocks 0 .. saved_upto - 1 were handed to the workers to save
+    has_saves: bool = False
+
+
+class SchedulerSide:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings
+    ) -> None:
+        self.settings = settings
+        self.layout = cache_layout(kv_cache_config)
+        self.block_size = self.layout.block_size
+        self.scope = key_scope(vllm_config, settings, self.layout)
+        self.world_size = engine_world(vllm_config)
+        self.counters = CounterSet()
+        self.handles = [
+            BackendHandle(
+                settings.backend,
+                settings.backend_config,
+                backend_context(settings, self.layout, rank, self.world_size),
+                retry_s=settings.reopen_interval_s,
+            )
+            for rank in range(self.world_size)
+        ]
+        for handle in self.handles:  # open now: bad settings must fail at start-up
+            handle.get()
+        self._kv_cache_manager: Any = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._hits: dict[str, tuple[int, int]] = {}  # req -> (first block, blocks) found
+        self._loads: list[BlockRun] = []
+        self._final_saves: list[BlockRun] = []
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @property
+    def token_addressed(self) -> bool:
+        backend = self.handles[0].get()
+        return backend is not None and backend.capabilities.addressing == "token"
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(request, KeyChain(self.scope, self.block_size))
+            self._tracked[request.request_id] = tracked
+        else:
+            tracked.request = request
+        return tracked
+
+    def _tokens(self, request: Any, num_blocks: int) -> list[int] | None:
+        if not self.token_addressed:
+            return None
+        return list(request.all_token_ids[: num_blocks * self.block_size])
+
+    def _lookup(self, request: Any, keys: Sequence[str], start: int) -> int:
+        """Leading blocks from ``start`` present on every rank (0 on any failure)."""
+        run = len(keys)
+        token_ids = self._tokens(request, start + len(keys))
+        errors = 0
+        for handle in self.handles:
+            backend = handle.get()
+            if backend is None:
+                errors += 1
+                run = 0
+                break
+            found = backend.query(
+                backend.request(
+                    f"{request.request_id}/lookup",
+                    keys[:run],
+                    start_block=start,
+                    token_ids=token_ids,
+                    timeout_s=self.settings.lookup_timeout_s,
+                )
+            )
+            if getattr(found, "failure", None):
+                errors += 1
+            run = min(run, int(found))
+            if run == 0:
+                break
+        self.counters.add(
+            lookup_requests=1,
+            lookup_blocks=len(keys),
+            lookup_hit_blocks=run,
+            lookup_errors=errors,
+        )
+        return run
+
+    # -- vLLM's scheduler-side calls -------------------------------------------------------
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        # vLLM computes at least the last prompt token (it needs its logits)
+        limit = (request.num_tokens - 1) // bs
+        self._hits.pop(request.request_id, None)
+        if limit <= start:
+            return 0, False
+        chain = self._track(request).chain
+        keys = chain.upto(request.all_token_ids, limit)[start:]
+        found = self._lookup(request, keys, start)
+        if found:
+            self._hits[request.request_id] = (start, found)
+        return found * bs, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._track(request)
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        start, found = hit
+        n = num_external_tokens // self.block_size
+        if n != found:
+            log.warning(
+                "request %s: vLLM allocated %d external tokens, the lookup found %d blocks",
+                request.request_id,
+                num_external_tokens,
+                found,
+            )
+            n = min(n, found)
+        block_ids = list(blocks.get_block_ids()[0])
+        keys = tracked.chain.upto(request.all_token_ids, start + n)[start:]
+        self._loads.append(
+            BlockRun(
+                req_id=request.request_id,
+                start_block=start,
+                keys=keys,
+                block_ids=block_ids[start : start + n],
+                token_ids=self._tokens(request, start + n),
+            )
+        )
+        # these blocks are in the store already: saving them again would only re-check them
+        if tracked.saved_upto == 0 and start == 0:
+            tracked.saved_upto = n
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
+        so = scheduler_output
+        meta = StepMetadata(
+            loads=self._loads,
+            saves=self._final_saves,
+            preempted=set(so.preempted_req_ids or ()),
+        )
+        self._loads, self._final_saves = [], []
+        for req_id in so.finished_req_ids:
+            self._tracked.pop(req_id, None)
+            self._hits.pop(req_id, None)
+        spec = so.scheduled_spec_decode_tokens or {}
+        scheduled: list[tuple[str, int]] = [
+            (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
+        ]
+        cached = so.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed_before in scheduled:
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            # draft tokens may be rejected: their KV is not the sequence's
+            n_new = so.num_scheduled_tokens.get(req_id, 0) - len(spec.get(req_id, ()))
+            run = self._save_run(tracked, computed_before + n_new, lambda r=req_id: self._block_ids(r, so))
+            if run is not None:
+                meta.saves.append(run)
+        return meta
+
+    def _block_ids(self, req_id: str, so: Any) -> list[int]:
+        state = getattr(so, "kv_connector_block_state", None)
+        ids = state.get_block_ids(req_id) if state is not None else None
+        if ids is None and self._kv_cache_manager is not None:
+            ids = self._kv_cache_manager.get_block_ids(req_id)
+        return list(ids[0]) if ids else []
+
+    def _save_run(self, tracked: _Tracked, computed_tokens: int, block_ids_of: Any) -> BlockRun | None:
+        """The blocks that are full once ``computed_tokens`` have KV and are not saved yet."""
+        request = tracked.request
+        tokens = request.all_token_ids
+        # a block is keyed by its tokens: with async scheduling the last sampled token may not
+        # be known yet; that block is saved at a later step or when the request finishes
+        full = min(computed_tokens, len(tokens)) // self.block_size
+        if not self.settings.save_decode_blocks:
+            full = min(full, request.num_prompt_tokens // self.block_size)
+        if full <= tracked.saved_upto:
+            return None
+        block_ids = block_ids_of()
+        full = min(full, len(block_ids))
+        first = tracked.saved_upto
+        if full <= first:
+            return None
+        keys = tracked.chain.upto(tokens, full)[first:]
+        tracked.saved_upto = full
+        tracked.has_saves = True
+        return BlockRun(
+            req_id=request.request_id,
+            start_block=first,
+            keys=keys,
+            block_ids=block_ids[first:full],
+            token_ids=self._tokens(request, full),
+        )
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        self._hits.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        tracked.request = request
+        run = self._save_run(tracked, request.num_computed_tokens, lambda: list(block_ids))
+        if run is not None:
+            self._final_saves.append(run)
+        # vLLM keeps the blocks until every worker reports this request's saves finished
+        return tracked.has_saves, None
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()

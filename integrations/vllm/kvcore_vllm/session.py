@@ -1,0 +1,238 @@
+"""One real vLLM engine process, driven by a script of steps; the tests, demo and benchmark use it.
+
+``python -m kvcore_vllm.session SPEC.json`` starts ``vllm.LLM`` on the spec's model, runs the
+spec's steps in order and prints one JSON object per step on stdout (a line starting with
+``KVCORE_SESSION``), so a parent process can run a *fresh* engine per phase and compare.
+
+Spec keys: ``model`` (a directory), ``connector`` (``kv_connector_extra_config`` or null for
+an engine without the connector), ``via`` (``"name"``: the registered name, or
+``"module_path"``), ``executor`` (``"uni"``: scheduler and worker in the engine-core process,
+or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_size``,
+``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``steps``.
+
+Steps (``op``): ``generate`` (``prompts``: token-id lists, ``max_tokens``; returns tokens,
+``num_cached_tokens`` and the wall time), ``reset_prefix_cache`` (drops vLLM's own prefix cache,
+so the next prompt can only hit the connector), ``log_stats`` (forces vLLM's stat log and
+returns the ``KV Transfer metrics`` it printed), ``call`` (``target``: ``"module:function"``
+called with ``args``, e.g. to damage a store between two prompts), ``shutdown`` (closes the
+engine and reports kvcore threads and store files still open), ``sleep``.
+
+Models are written on the spot with random weights (:func:`write_model`): nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL_SIZES", "MARKER", "run_session", "write_model"]
+
+#: Prefix of the lines a session prints for its parent.
+MARKER = "KVCORE_SESSION "
+
+#: Random Llama models the tests and the benchmark write (vLLM's CPU attention needs a head
+#: size from its list: 32, 64, 80, ...).
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    # ~0.4 M parameters: an engine starts in ~20 s on 2 cores and prefill is near free
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 512,
+        "max_position_embeddings": 2048,
+    },
+    # ~0.1 B parameters: prefill of a few thousand tokens takes seconds, restoring it less
+    "bench": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 4096,
+        "max_position_embeddings": 8192,
+    },
+}
+
+
+def write_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Write a randomly initialised Llama (bfloat16) to ``path`` unless it is already there."""
+    path = Path(path)
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    import torch
+    import transformers
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"size: {size!r} is not one of {sorted(MODEL_SIZES)}")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**MODEL_SIZES[size], torch_dtype="bfloat16")
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = path.with_name(path.name + ".partial")
+    model.save_pretrained(tmp)
+    tmp.rename(path)  # a reader never sees half a model
+    return path
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "block_size": spec.get("block_size", 32),
+        "max_model_len": spec.get("max_model_len", 2048),
+        "kv_cache_memory_bytes": spec.get("kv_cache_bytes", 64 << 20),
+        "distributed_executor_backend": spec.get("executor", "uni"),
+        "disable_log_stats": not spec.get("log_stats", True),
+        "seed": 0,
+    }
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    connector = spec.get("connector")
+    if connector is not None:
+        transfer: dict[str, Any] = {
+            "kv_connector": "KVCoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": connector,
+        }
+        if spec.get("via") == "module_path":
+            transfer["kv_connector_module_path"] = "kvcore_vllm"
+        kwargs["kv_transfer_config"] = transfer
+    return LLM(**kwargs)
+
+
+class _MetricsCapture(logging.Handler):
+    """Keeps the ``KV Transfer metrics: k=v, ...`` lines vLLM's stat logger prints."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            text = record.getMessage()
+            if "KV Transfer metrics" in text:
+                self.lines.append(text)
+
+
+def _parse_metrics(lines: list[str]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for line in lines:
+        body = line.split("KV Transfer metrics:", 1)[-1]
+        for name, value in re.findall(r"([\w.]+)=([-\d.e+]+)", body):
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), detokenize=False)
+    prompts = [{"prompt_token_ids": list(p)} for p in step["prompts"]]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs],
+        "seconds": seconds,
+    }
+
+
+def _leftovers(store_root: str | None) -> dict[str, Any]:
+    threads = sorted(
+        t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith("kvcore")
+    )
+    files: list[str] = []
+    if store_root:
+        root = os.path.realpath(store_root)
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith(root):
+                    files.append(target)
+    return {"kvcore_threads": threads, "store_files_open": sorted(files)}
+
+
+def run_session(spec: dict[str, Any], emit: Any = None) -> list[dict[str, Any]]:
+    """Run ``spec`` (see the module docstring); return (and ``emit``) one result per step."""
+    if spec.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    results: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    llm = _engine(spec)
+    # after the engine: vLLM configures its loggers while it starts
+    capture = _MetricsCapture()
+    logging.getLogger("vllm").addHandler(capture)
+    started = {"op": "start", "seconds": time.perf_counter() - t0}
+    results.append(started)
+    if emit:
+        emit(started)
+    for step in spec.get("steps", []):
+        op = step["op"]
+        out: dict[str, Any] = {"op": op, "name": step.get("name", op)}
+        if op == "generate":
+            out.update(_generate(llm, step))
+        elif op == "reset_prefix_cache":
+            out["ok"] = bool(llm.reset_prefix_cache())
+        elif op == "log_stats":
+            capture.lines.clear()
+            llm.llm_engine.do_log_stats()
+            out["metrics"] = _parse_metrics(capture.lines)
+        elif op == "call":
+            module, _, func = step["target"].partition(":")
+            out["result"] = getattr(importlib.import_module(module), func)(**step.get("args", {}))
+        elif op == "sleep":
+            time.sleep(float(step["seconds"]))
+        elif op == "shutdown":
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            llm = None
+            gc.collect()
+            time.sleep(0.5)  # threads finishing their last task
+            out.update(_leftovers(step.get("store_root")))
+        else:
+            raise ValueError(f"steps[].op: unknown op {op!r}")
+        results.append(out)
+        if emit:
+            emit(out)
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    return results
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(MARKER + json.dumps(result), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m kvcore_vllm.session SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    for path in spec.get("sys_path", []):
+        sys.path.insert(0, path)
+    run_session(spec, emit=_print)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

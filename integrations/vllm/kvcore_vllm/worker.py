@@ -1,0 +1,286 @@
+"""Worker side: loads and saves through kvcore's TransferManager, over vLLM's own KV tensors.
+
+Runs in each vLLM worker. ``register_kv_caches`` maps the per-layer tensors onto a kvcore
+``DeviceCache`` (no copy; see :mod:`kvcore_vllm.layout`) and builds a ``TransferManager`` over
+the opened backend, so every byte moves through kvcore's swap ops, staging and backend calls.
+
+- Loads are synchronous with the step: the scheduler already counted the blocks as computed,
+  so ``start_load_kv`` submits every load of the step and waits for them (each bounded by
+  ``load_timeout_s``). Blocks that did not arrive are reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes them: a miss, a corrupt object or a
+  dead backend costs recomputation, never a wrong token.
+- Saves are asynchronous: ``wait_for_save`` hands the step's full blocks to the manager's write
+  pool and returns. vLLM keeps a finished request's blocks until ``get_finished`` reports its
+  saves done; a preempted request's saves are waited for in ``handle_preemptions``, before
+  vLLM reuses its blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from kvcore.transfer import DeviceCache, TransferManager
+
+from kvcore_vllm.backends import BackendHandle
+from kvcore_vllm.config import ConnectorSettings
+from kvcore_vllm.layout import LayerMapping, cache_layout, map_layer_tensors
+from kvcore_vllm.metadata import BlockRun, StepMetadata
+from kvcore_vllm.scheduler import backend_context, engine_world
+from kvcore_vllm.stats import CounterSet, delta
+
+__all__ = ["WorkerSide", "worker_rank"]
+
+log = logging.getLogger("vllm.kvcore_vllm.worker")
+
+
+def worker_rank() -> int:
+    """This worker's rank among the engine's TP x PP ranks (the rank in object names)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = get_tp_group()
+    return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        settings: ConnectorSettings,
+        rank: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.layout = cache_layout(kv_cache_config)
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.world_size = engine_world(vllm_config)
+        self.rank = worker_rank() if rank is None else rank
+        self.handle = BackendHandle(
+            settings.backend,
+            settings.backend_config,
+            backend_context(settings, self.layout, self.rank, self.world_size),
+            retry_s=settings.reopen_interval_s,
+        )
+        self.counters = CounterSet()
+        self.mapping: LayerMapping | None = None
+        self.cache: DeviceCache | None = None
+        self.manager: TransferManager | None = None
+        self._on_gpu = False
+        self._lock = threading.Lock()
+        self._inflight: dict[str, set[Future]] = {}  # req -> its saves not yet answered
+        self._with_saves: set[str] = set()  # reqs the scheduler delays freeing for
+        self._finished: set[str] = set()  # of those, the ones vLLM finished
+        self._load_errors: set[int] = set()
+        self._snapshots: dict[str, dict[str, float]] = {}
+        self._closed = False
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.mapping = map_layer_tensors(kv_caches, self.layer_names, self.layout, self.num_blocks)
+        self.cache = DeviceCache(self.layout, self.mapping.k, self.mapping.v)
+        self._on_gpu = bool(getattr(self.cache, "on_gpu", False))
+        log.info(
+            "KVCoreConnector rank %d/%d: %d layers x %d blocks (%s form) on backend %r",
+            self.rank,
+            self.world_size,
+            len(self.layer_names),
+            self.num_blocks,
+            self.mapping.kv_format,
+            self.settings.backend,
+        )
+        self._transfer_manager()
+
+    def _transfer_manager(self) -> TransferManager | None:
+        """The manager, built once the backend is open (it may open late: see backends)."""
+        if self.manager is not None or self.cache is None or self._closed:
+            return self.manager
+        backend = self.handle.get()
+        if backend is None:
+            return None
+        config: dict[str, Any] = {
+            "layout": self.layout,
+            "max_model_len": self.max_model_len,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "namespace": self.settings.namespace,
+            "default_timeout_s": self.settings.save_timeout_s,
+            # a full write queue must answer at once: the forward pass never waits on storage
+            "submit_wait_s": 0.0,
+            **self.settings.transfer,
+        }
+        self.manager = TransferManager(config, self.cache, backend)
+        return self.manager
+
+    # -- loads -----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: StepMetadata) -> None:
+        if not meta.loads:
+            return
+        assert self.mapping is not None, "register_kv_caches was not called"
+        t0 = time.monotonic()
+        manager = self._transfer_manager()
+        pending: list[tuple[BlockRun, Future | None]] = []
+        for run in meta.loads:
+            fut = None
+            if manager is not None:
+                try:
+                    fut = manager.read(self._task(run, "load", self.settings.load_timeout_s))
+                except Exception as exc:  # a refused task is a miss, never a crash
+                    log.warning("KVCoreConnector: load of %s refused: %s", run.req_id, exc)
+            pending.append((run, fut))
+        asked = done = 0
+        failed: list[int] = []
+        for run, fut in pending:
+            got = 0
+            if fut is not None:
+                try:
+                    got = int(fut.result().num_blocks)
+                except Exception as exc:
+                    log.warning("KVCoreConnector: load of %s failed: %s", run.req_id, exc)
+            asked += run.num_blocks
+            done += got
+            failed.extend(run.block_ids[got:])
+        with self._lock:
+            self._load_errors.update(failed)
+        self.counters.add(
+            load_requests=len(meta.loads),
+            load_blocks=asked,
+            load_done_blocks=done,
+            load_failed_blocks=len(failed),
+            load_bytes=done * self.layout.block_bytes,
+            load_seconds=time.monotonic() - t0,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    # -- saves -----------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: StepMetadata) -> None:
+        if not meta.saves:
+            return
+        if self._on_gpu:
+            # the forward pass was only enqueued: the gathers must see its KV writes
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        manager = self._transfer_manager()
+        for run in meta.saves:
+            with self._lock:
+                self._with_saves.add(run.req_id)
+            fut = None
+            if manager is not None:
+                try:
+                    fut = manager.write_back(self._task(run, "save", self.settings.save_timeout_s))
+                except Exception as exc:
+                    log.warning("KVCoreConnector: save of %s refused: %s", run.req_id, exc)
+            if fut is None:
+                self.counters.add(save_blocks=run.num_blocks, save_failed_blocks=run.num_blocks)
+                continue
+            with self._lock:
+                self._inflight.setdefault(run.req_id, set()).add(fut)
+            fut.add_done_callback(
+                lambda f, run=run, t0=time.monotonic(): self._save_done(run, f, t0)
+            )
+
+    def _save_done(self, run: BlockRun, fut: Future, t0: float) -> None:
+        written = skipped = 0
+        try:
+            result = fut.result()
+            written, skipped = int(result.num_blocks), int(result.skipped_blocks)
+        except Exception as exc:
+            log.warning("KVCoreConnector: save of %s failed: %s", run.req_id, exc)
+        self.counters.add(
+            save_blocks=run.num_blocks,
+            save_written_blocks=written,
+            save_skipped_blocks=skipped,
+            save_failed_blocks=max(run.num_blocks - written - skipped, 0),
+            save_bytes=written * self.layout.block_bytes,
+            save_seconds=time.monotonic() - t0,
+        )
+        with self._lock:
+            futures = self._inflight.get(run.req_id)
+            if futures is not None:
+                futures.discard(fut)
+                if not futures:
+                    del self._inflight[run.req_id]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Requests whose blocks vLLM may free now: finished, and their saves answered."""
+        with self._lock:
+            self._finished.update(r for r in finished_req_ids if r in self._with_saves)
+            done = {r for r in self._finished if r not in self._inflight}
+            self._finished -= done
+            self._with_saves -= done
+        return (done or None), None
+
+    def handle_preemptions(self, meta: StepMetadata) -> None:
+        """vLLM is about to reuse preempted requests' blocks: let their saves finish first."""
+        for req_id in meta.preempted:
+            with self._lock:
+                futures = list(self._inflight.get(req_id, ()))
+            for fut in futures:
+                try:
+                    fut.result()  # answered by its deadline at the latest
+                except Exception:
+                    pass  # counted by _save_done
+
+    # -- stats and shutdown ----------------------------------------------------------------
+
+    def take_stats(self) -> dict[str, float]:
+        """This step's counters plus the increments of kvcore's own counters."""
+        out = self.counters.take()
+        manager = self.manager
+        if manager is not None:
+            for name, snap in (("tm", manager.stats()), ("be", manager.backend.metrics.snapshot())):
+                out.update(delta(snap, self._snapshots.get(name, {}), f"kvcore.{name}."))
+                self._snapshots[name] = snap
+        if self.handle.open_failures:
+            before = self._snapshots.setdefault("open", {"failures": 0.0})
+            out.update(delta({"failures": self.handle.open_failures}, before, "backend_open_"))
+            before["failures"] = float(self.handle.open_failures)
+        return out
+
+    def close(self) -> None:
+        """Finish queued saves (bounded by their deadlines), stop kvcore's threads, close."""
+        if self._closed:
+            return
+        self._closed = True
+        manager, self.manager = self.manager, None
+        backend_stats: dict[str, float] = {}
+        if manager is not None:
+            manager.close(timeout_s=self.settings.save_timeout_s)
+            backend = manager.backend
+            if backend is not None:
+                backend_stats = {k: v for k, v in backend.stats().items() if v}
+        self.handle.close()
+        log.info(
+            "KVCoreConnector rank %d closed; totals %s; backend %s",
+            self.rank,
+            json.dumps(self.counters.totals(), sort_keys=True),
+            json.dumps(backend_stats, sort_keys=True),
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _task(self, run: BlockRun, what: str, timeout_s: float) -> dict[str, Any]:
+        assert self.mapping is not None
+        task: dict[str, Any] = {
+            "task_id": f"{run.req_id}/{what}/{run.start_block}",
+            "keys": run.keys,
+            "device_block_ids": self.mapping.to_kvcore(run.block_ids),
+            "start_block": run.start_block,
+            "timeout_s": timeout_s,
+        }
+        if run.token_ids is not None:
+            task["token_ids"] = run.token_ids
+        return task
