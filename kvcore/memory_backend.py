@@ -27,10 +27,12 @@ class MemoryConfig(BackendConfig):
 
 
 class MemoryBackend:
-    """Key-addressed, host I/O; a full store refuses new objects (it never evicts)."""
+    """Key-addressed, host I/O; a full store refuses new objects (it never evicts). It takes
+    segmented host buffers, so a transfer manager reads into and writes from an engine's
+    host-resident cache blocks directly."""
 
     config_model = MemoryConfig
-    capabilities = Capabilities(addressing="key", io="host", scales=True)
+    capabilities = Capabilities(addressing="key", io="host", scales=True, segmented_host=True)
 
     def __init__(self, config: MemoryConfig, context: BackendContext) -> None:
         self.config = config
@@ -56,7 +58,10 @@ class MemoryBackend:
                     data = self._objects.get(name)
                 if data is None or len(data) != host.nbytes[j]:
                     return i
-                ctypes.memmove(host.ptrs[i][j], data, len(data))
+                offset = 0
+                for ptr, size in host.segments(i, j):
+                    ctypes.memmove(ptr, data[offset : offset + size], size)
+                    offset += size
         return request.num_blocks
 
     @hookimpl
@@ -67,7 +72,7 @@ class MemoryBackend:
             if request.expired():
                 return i
             for j, name in enumerate(names):
-                data = ctypes.string_at(host.ptrs[i][j], host.nbytes[j])
+                data = b"".join(ctypes.string_at(p, n) for p, n in host.segments(i, j))
                 with self._lock:
                     if name in self._objects:
                         continue

@@ -76,7 +76,8 @@ class Backend(MemoryBackend):
     def kvcore_read(self, request):
         n = MemoryBackend.kvcore_read(self, request)
         for i in range(n):
-            ctypes.memset(request.host.ptrs[i][0], 7, 16)   # corrupt what it returns
+            ptr, _ = request.host.segments(i, 0)[0]
+            ctypes.memset(ptr, 7, 16)   # corrupt what it returns
         return n
 """
 

@@ -82,9 +82,11 @@ def backend_name(request, tmp_path):
 
 
 def manager(lay, backend_spec, cache=None, **cfg) -> TransferManager:
+    """A manager on the staged path unless ``storage_io`` says otherwise (the memory backend
+    would pick the host-resident path for these host caches: tests of it set it explicitly)."""
     target, bcfg = backend_spec
     be = kvcore.open_backend(target, bcfg, context={"layout": lay})
-    conf = {"layout": lay, "max_model_len": 16 * BLOCK, **cfg}
+    conf = {"layout": lay, "max_model_len": 16 * BLOCK, "storage_io": "staged", **cfg}
     tm = TransferManager(conf, cache if cache is not None else make_cache(lay), be)
     tm._test_backend = be  # closed by the test
     return tm
@@ -296,7 +298,7 @@ def test_staging_is_reused_not_allocated_per_task():
     _, keys = keys_for(4, seed=8)
     task = {"task_id": "r", "keys": keys, "device_block_ids": [0, 1, 2, 3]}
     tm.write_back({**task, "task_id": "w"}).result()
-    staging_ids = {id(b) for b in tm._storage._read_pool.buffers}
+    staging_ids = {id(b) for b in tm._blocks._storage._read_pool.buffers}
     for _ in range(100):  # warm up allocator pools
         tm.read(task).result()
     before = _rss_mib()
@@ -304,7 +306,7 @@ def test_staging_is_reused_not_allocated_per_task():
         assert tm.read(task).result().num_blocks == 4
     grown = _rss_mib() - before
     assert grown < 8, f"resident memory grew {grown:.1f} MiB over 1000 tasks"
-    assert {id(b) for b in tm._storage._read_pool.buffers} == staging_ids
+    assert {id(b) for b in tm._blocks._storage._read_pool.buffers} == staging_ids
     close(tm)
 
 
@@ -422,7 +424,8 @@ def test_device_io_backend_round_trip_and_flush(dtype):
 
     lay = layout(dtype)
     src = make_cache(lay, seed=13)
-    tm = manager(lay, (DeviceMemoryBackend, {}), src)
+    tm = manager(lay, (DeviceMemoryBackend, {}), src, storage_io="device")
+    assert tm.storage_io == "device"
     tokens, keys = keys_for(4, seed=13)
     src_ids = [1, 7, 3, 9]
     w = tm.write_back(

@@ -57,7 +57,7 @@ class DeviceCache:
             for layer, t in enumerate(tensors):
                 _check_layer_tensor(layout, part, layer, t)
         #: per part, the layers as the swap ops take them (described once, trusted afterwards)
-        self.layers = {part: _describe_part(part, ts) for part, ts in self.tensors.items()}
+        self.layers = {part: ops.describe_layers(ts, part) for part, ts in self.tensors.items()}
         placements = {ls.on_gpu for ls in self.layers.values()}
         if len(placements) > 1:
             raise ValueError("the cache mixes CPU and GPU tensors; all must live on one device")
@@ -113,19 +113,20 @@ class DeviceCache:
             segment_nbytes=tuple(self.layout.layer_block_bytes(p) for p in parts),
         )
 
-    def copy_to_staging(self, staging: Sequence[int], ids: np.ndarray, first_slot: int,
-                        nslots: int, device_id: int, mode: int) -> None:  # fmt: skip
+    def copy_to_staging(
+        self,
+        staging: Sequence[int],
+        ids: np.ndarray,
+        first_slot: int,
+        nslots: int,
+        device_id: int,
+        mode: int,
+    ) -> None:
         """Gather (mode 0) blocks ``ids`` into consecutive slots from ``first_slot`` of each
         part's staging region (``staging[j]``, ``nslots`` slots), or scatter them back (1)."""
         slots = np.arange(first_slot, first_slot + len(ids), dtype=np.int64)
         for part, region in zip(self.layout.parts, staging, strict=True):
             ops.copy_layout(self.layers[part], region, nslots, ids, slots, device_id, mode)
-
-
-def _describe_part(part: str, tensors: Sequence[Any]) -> ops.LayerSet:
-    # Extra layers may have fewer blocks: describe_layers checks the block shape per layer,
-    # which a flat view of each tensor would hide, so it gets the tensors as they are.
-    return ops.describe_layers(tensors, part)
 
 
 def _check_layer_tensor(layout: CacheLayout, part: str, layer: int, t: Any) -> None:
@@ -180,6 +181,20 @@ class HostCache:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for bufs in self.buffers.values() for b in bufs)
+
+    def swap(
+        self,
+        cache: DeviceCache,
+        dev_ids: np.ndarray,
+        host_ids: np.ndarray,
+        device_id: int,
+        mode: int,
+    ) -> None:
+        """Copy blocks ``dev_ids`` of ``cache`` to host blocks ``host_ids`` (mode 0) or back."""
+        for part in self.layout.parts:
+            layers = cache.layers[part]
+            ptrs = self.ptrs[part]
+            ops.copy_pairs(layers, ptrs, self.num_blocks, dev_ids, host_ids, device_id, mode)
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         for i, b in enumerate(ids):

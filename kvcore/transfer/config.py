@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from kvcore.errors import ConfigError
 from kvcore.schemas import BackendContext, CacheLayout, EnvConfig, timeout_field
+
+if TYPE_CHECKING:
+    from kvcore.backend import Backend
 
 __all__ = ["TransferConfig"]
 
@@ -141,3 +145,19 @@ class TransferConfig(EnvConfig):
         """Host memory the staged path allocates (both directions), in bytes."""
         count = self.staging_count(self.read_workers) + self.staging_count(self.write_workers)
         return count * self.staging_slots * self.layout.block_bytes
+
+    def check_backend(self, backend: Backend) -> None:
+        """An already-opened backend must have been opened for this engine: its context names
+        the stored objects, so a mismatch would silently miss (or mix ranks or weights)."""
+        mine, theirs = self.context, backend.context
+        for field in ("rank", "world_size", "namespace", "layout", "weight_version"):
+            if field == "layout" and theirs.layout is None:
+                continue
+            ours = getattr(mine, field)
+            other = backend.weight_version if field == "weight_version" else getattr(theirs, field)
+            if ours != other:
+                raise ConfigError(
+                    f"invalid transfer config:\n  {field}: {ours!r} differs from the backend's "
+                    f"context ({other!r}); open the backend with the same {field}, or pass its "
+                    "name"
+                )

@@ -63,6 +63,36 @@ class Progress:
         if self.outcome is None:
             self.outcome, self.error = outcome, error
 
+    def result(
+        self,
+        task_id: str,
+        op: str,
+        wanted: int,
+        timings: dict[str, float],
+        *,
+        ok: bool | None = None,
+        block_ids: list[int] | None = None,
+    ) -> TaskResult:
+        """The worker's answer: complete, a miss (short, nothing failed) or why it failed.
+
+        ``ok`` (default: nothing failed) keeps its 0.1 meaning for reads and writes: every block
+        the query found was restored, or every block attempted was stored.
+        """
+        done = len(self.block_ids)
+        outcome = self.outcome or ("complete" if done >= wanted else "miss")
+        return TaskResult(
+            task_id=task_id,
+            op=op,
+            outcome=outcome,
+            ok=outcome in ("complete", "miss") if ok is None else ok,
+            num_blocks=done,
+            block_ids=list(self.block_ids) if block_ids is None else block_ids,
+            skipped_blocks=self.skipped,
+            bytes=self.bytes,
+            error=self.error,
+            timings_s=timings,
+        )
+
 
 class TaskFuture(Future):
     """A future that answers with a fallback (what completed so far) once its deadline passes."""
@@ -340,6 +370,8 @@ class Scheduler:
                 )
             now = time.monotonic()
             result.timings_s.update(queue=t_start - t_submit, total=now - t_submit)
+            if now > deadline:  # answered by the worker, but late (a fence held the deadline)
+                result.deadline_missed = True
             if fut.answer(result):
                 self.metrics.observe(op, now - t_submit, tasks=1)
 
