@@ -1,0 +1,130 @@
+"""``--kvcache-storage-backend kvcore:<name>`` and FastDeploy's environment, as kvcore settings.
+
+A FastDeploy deployment that switches to a kvcore backend keeps its environment: the variables
+its own stores read are mapped here onto the kvcore backend's config, with FastDeploy's
+defaults, so the switch changes one argument and nothing else.
+
+- ``kvcore:file``: ``FILE_BACKEND_STORAGE_DIR`` (FastDeploy's ``envs.py``, default
+  ``/tmp/fastdeploy``) -> ``root``; FastDeploy's per-model subdirectory is kvcore's namespace.
+- ``kvcore:mooncake``: what FastDeploy's ``MooncakeStoreConfig.create`` reads
+  (``mooncake_store.py`` at PaddlePaddle/FastDeploy@ecce94cdc0dd2694826db98dcfb041aee8c5e499):
+  ``MOONCAKE_CONFIG_PATH`` (a JSON file which, when set, replaces the variables, as in
+  FastDeploy), else ``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_METADATA_SERVER``,
+  ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_PROTOCOL``,
+  ``MOONCAKE_RDMA_DEVICES``, ``MOONCAKE_MASTER_SERVER_ADDR``.
+- ``kvcore:attentionstore`` is refused: FastDeploy drives AttentionStore through its own
+  token-addressed ``attention_store`` branch; the kvcore backend of that name (which reads
+  FastDeploy's ``AS_*`` variables itself) is for kvcore's TransferManager.
+
+``KVCORE_FASTDEPLOY_BACKEND_CONFIG`` (inline JSON or a JSON file) adds or overrides backend
+config fields for any backend; each backend's own ``KVCORE_<BACKEND>_<FIELD>`` variables still
+win over everything, as everywhere in kvcore.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvcore.schemas import parse_config_arg
+
+__all__ = [
+    "BACKEND_PREFIX",
+    "EXTRA_CONFIG_ENV",
+    "FASTDEPLOY_FILE_ENV",
+    "FASTDEPLOY_MOONCAKE_ENV",
+    "fastdeploy_backend_config",
+    "parse_backend_spec",
+]
+
+BACKEND_PREFIX = "kvcore:"
+EXTRA_CONFIG_ENV = "KVCORE_FASTDEPLOY_BACKEND_CONFIG"
+
+#: FastDeploy's file store directory and its default (envs.py at 1af00818)
+FASTDEPLOY_FILE_ENV = ("FILE_BACKEND_STORAGE_DIR", "/tmp/fastdeploy")
+
+#: FastDeploy's Mooncake variables -> kv_mooncake fields
+FASTDEPLOY_MOONCAKE_ENV = {
+    "MOONCAKE_LOCAL_HOSTNAME": "local_hostname",
+    "MOONCAKE_METADATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_LOCAL_BUFFER_SIZE": "local_buffer_size",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_RDMA_DEVICES": "rdma_devices",
+    "MOONCAKE_MASTER_SERVER_ADDR": "master_server_address",
+}
+#: FastDeploy's defaults where they differ from kv_mooncake's (mooncake_store.py at ecce94cd:
+#: 1 GiB segment, 128 MiB buffer, "localhost", rdma); the master and metadata server have none
+_FASTDEPLOY_MOONCAKE_DEFAULTS: dict[str, Any] = {
+    "local_hostname": "localhost",
+    "global_segment_size": 1 << 30,
+    "local_buffer_size": 128 << 20,
+    "protocol": "rdma",
+}
+#: backends FastDeploy reaches through its own token-addressed branch, not this adapter
+_TOKEN_BACKENDS = {"attentionstore"}
+
+
+def parse_backend_spec(spec: str) -> str:
+    """The kvcore backend name in ``kvcore:<name>``; a ValueError names the bad argument."""
+    if not isinstance(spec, str) or not spec.startswith(BACKEND_PREFIX):
+        raise ValueError(
+            f"--kvcache_storage_backend {spec!r}: a kvcore backend is given as "
+            f"'{BACKEND_PREFIX}<name>' (e.g. 'kvcore:file')"
+        )
+    name = spec[len(BACKEND_PREFIX) :]
+    if not name:
+        raise ValueError(f"--kvcache_storage_backend {spec!r}: the backend name is empty")
+    if name in _TOKEN_BACKENDS:
+        raise ValueError(
+            f"--kvcache_storage_backend {spec!r}: {name!r} is token-addressed and moves device "
+            "memory itself; FastDeploy drives it through its own 'attention_store' backend, "
+            "which calls the same SDK the same way"
+        )
+    return name
+
+
+def fastdeploy_backend_config(
+    name: str, *, tp_rank: int = 0, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The backend config FastDeploy's environment implies for kvcore backend ``name``."""
+    env = os.environ if environ is None else environ
+    if name == "file":
+        var, default = FASTDEPLOY_FILE_ENV
+        config: dict[str, Any] = {"root": env.get(var) or default}
+    elif name == "mooncake":
+        config = _mooncake_config(env, tp_rank)
+    else:
+        config = {}
+    extra = env.get(EXTRA_CONFIG_ENV)
+    if extra:
+        try:
+            config.update(parse_config_arg(extra))
+        except ValueError as exc:
+            raise ValueError(f"{EXTRA_CONFIG_ENV}: {exc}") from None
+    return config
+
+
+def _mooncake_config(env: Mapping[str, str], tp_rank: int) -> dict[str, Any]:
+    # a health probe needs the master's metrics port, which FastDeploy never configures
+    config: dict[str, Any] = {"master_metrics_port": None}
+    path = env.get("MOONCAKE_CONFIG_PATH")
+    if path:
+        # as FastDeploy: the file replaces the variables (kv_mooncake reads it, key aliases
+        # such as master_server_addr included); FastDeploy's defaults fill what it omits
+        config["config_path"] = path
+        return {**_FASTDEPLOY_MOONCAKE_DEFAULTS, **config}
+    config.update(_FASTDEPLOY_MOONCAKE_DEFAULTS)
+    for var, field in FASTDEPLOY_MOONCAKE_ENV.items():
+        value = env.get(var)
+        if value:
+            config[field] = value
+    devices = config.get("rdma_devices", "")
+    if devices and "," in devices:
+        # FastDeploy's select_rdma_device: rank r uses entry r % len of the comma list
+        entries = [d.strip() for d in devices.split(",") if d.strip()]
+        config["rdma_devices"] = entries[tp_rank % len(entries)]
+    elif not devices and config["protocol"] == "rdma":
+        config["rdma_devices"] = "auto"  # FastDeploy discovers the NICs when none are named
+    return config

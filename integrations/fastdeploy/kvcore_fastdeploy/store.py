@@ -1,0 +1,342 @@
+"""``KVCoreStore``: any key-addressed kvcore backend behind FastDeploy's storage calls.
+
+FastDeploy's cache transfer manager talks to a storage backend through a handful of calls
+(``KVCacheStorage`` in ``fastdeploy/cache_manager/transfer_factory/kvcache_storage.py``; their
+use in ``cache_transfer_manager.py`` at PaddlePaddle/FastDeploy@1af00818db85f4e844327e9ba5ccfacff1afe9bf):
+
+- ``register_buffer(ptr, size)`` for each pinned staging buffer (lines 416-438);
+- ``query(k_keys, v_keys, k_scale_keys, v_scale_keys, timeout) -> int``: the leading run of
+  blocks whose objects all exist (lines 784-786, 1014-1016);
+- ``batch_get(keys=, target_locations=, target_sizes=) -> list[int]`` and ``batch_set(...)``
+  with the keys of all blocks' K objects, then all V objects, then the scales (lines 649-691,
+  906-924). FastDeploy reads a block as restored when every one of its objects answered
+  ``> 0`` (bytes read), counting from the first block; it ignores ``batch_set``'s answers.
+
+``KVCoreStore`` answers these calls with one kvcore request per call, named by FastDeploy's own
+object names (so a kvcore-backed pod and a FastDeploy MooncakeStore pod read each other's
+blocks) and pointing into FastDeploy's staging buffers (``[layer, head, block, dim]`` per
+object: kvcore's object layout). Per-key answers follow Mooncake's conventions, which
+FastDeploy's MooncakeStore passes through: ``batch_get`` gives the bytes read, or
+:data:`NOT_FOUND` (-704) for a block past the restored run, or :data:`FAILED` (-1) when the
+backend failed rather than missed; ``batch_set`` gives 0 for stored objects, else
+:data:`FAILED`. kvcore counts leading runs, so every object of a block past the first miss is
+reported as not found even if it happens to exist.
+
+Failures never raise into FastDeploy: a backend error is a counted miss (kvcore's facade), and
+only malformed calls (lists of different lengths, sizes that contradict the cache layout)
+raise ``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import kvcore
+from kvcore import BlockRequest, HostBuffers, Outcome
+from kvcore_fastdeploy.layout import layout_from_fastdeploy
+from kvcore_fastdeploy.names import part_of
+from kvcore_fastdeploy.settings import fastdeploy_backend_config, parse_backend_spec
+
+__all__ = ["FAILED", "NOT_FOUND", "KVCoreStore"]
+
+log = logging.getLogger("kvcore_fastdeploy")
+
+#: batch_get's answer for an object of a block past the restored run (Mooncake's OBJECT_NOT_FOUND)
+NOT_FOUND = -704
+#: the answer for an object the backend failed to read or store
+FAILED = -1
+#: FastDeploy's MooncakeStore.query default timeout (mooncake_store.py at ecce94cd)
+DEFAULT_QUERY_TIMEOUT_S = 1.0
+
+_PART_RUNS = {2: ("k", "v"), 4: ("k", "v", "k_scale", "v_scale")}
+_SCALE_DTYPE_BY_SIZE = {4: "float32", 2: "bfloat16"}
+
+
+class KVCoreStore:
+    """FastDeploy's storage interface over one opened, key-addressed, host-I/O kvcore backend.
+
+    Build it with :meth:`open` (what the patched cache transfer manager calls), or wrap an
+    already opened :class:`kvcore.Backend`. Thread-safe as far as the backend is (kvcore
+    serialises backends that are not).
+    """
+
+    def __init__(self, backend: kvcore.Backend, *, io_timeout_s: float | None = None) -> None:
+        caps = backend.capabilities
+        if caps.addressing != "key" or caps.io != "host":
+            raise ValueError(
+                f"backend {backend.name!r} is {caps.addressing}-addressed with {caps.io} I/O; "
+                "FastDeploy's batch_get/batch_set need a key-addressed backend doing host I/O"
+            )
+        layout = backend.context.layout
+        if layout is not None and layout.dtype.has_scales and not caps.scales:
+            raise ValueError(
+                f"backend {backend.name!r} cannot store block-wise fp8 scales "
+                f"(cache_dtype {layout.dtype.value})"
+            )
+        self.backend = backend
+        self.layout = layout
+        #: deadline of batch_get / batch_set, which take no timeout in FastDeploy's interface
+        self.io_timeout_s = (
+            backend.config.default_timeout_s if io_timeout_s is None else io_timeout_s
+        )
+        self._owned = False
+
+    @classmethod
+    def open(
+        cls,
+        spec: str,
+        *,
+        namespace: str,
+        tp_rank: int,
+        tp_size: int,
+        device_id: int,
+        key_cache_shape: Sequence[int],
+        num_layers: int,
+        cache_dtype: str,
+        num_extra_layers: int = 0,
+        scale_dtype: str = "bfloat16",
+        scale_item_bytes: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> KVCoreStore:
+        """Open ``kvcore:<name>`` for one rank of a FastDeploy deployment.
+
+        ``namespace`` is FastDeploy's model id (its file store's subdirectory), the cache
+        arguments are the transfer manager's own, and the backend config comes from
+        FastDeploy's environment (:func:`fastdeploy_backend_config`) updated by ``config``.
+        ``scale_item_bytes`` (FastDeploy's own ``scale_item_bytes``, 4 or 2), when given,
+        decides the fp8 scales' size instead of ``scale_dtype``: the object sizes FastDeploy
+        passes are computed from it.
+        """
+        name = parse_backend_spec(spec)
+        if scale_item_bytes is not None:
+            scale_dtype = _SCALE_DTYPE_BY_SIZE.get(int(scale_item_bytes), "")
+            if not scale_dtype:
+                raise ValueError(f"scale_item_bytes {scale_item_bytes!r} must be 4 or 2")
+        layout = layout_from_fastdeploy(
+            key_cache_shape,
+            num_layers,
+            cache_dtype,
+            num_extra_layers=num_extra_layers,
+            scale_dtype=scale_dtype,
+        )
+        backend_config = fastdeploy_backend_config(name, tp_rank=tp_rank, environ=environ)
+        backend_config.update(config or {})
+        backend = kvcore.open_backend(
+            name,
+            backend_config,
+            context={
+                "layout": layout,
+                "rank": tp_rank,
+                "world_size": tp_size,
+                "device_id": device_id,
+                "namespace": namespace,
+            },
+        )
+        try:
+            store = cls(backend)
+        except BaseException:
+            backend.close()
+            raise
+        store._owned = True
+        log.info(
+            "kvcore backend %r serves FastDeploy rank %d/%d (namespace %r, %s)",
+            name,
+            tp_rank,
+            tp_size,
+            namespace,
+            layout.dtype.value,
+        )
+        return store
+
+    # -- FastDeploy's storage calls --------------------------------------------------------
+
+    def register_buffer(self, buffer_ptr: int, buffer_size: int) -> None:
+        """A staging region later calls point into (zero-copy transports register it)."""
+        self.backend.register_buffer(int(buffer_ptr), int(buffer_size))
+
+    def query(
+        self,
+        k_keys: Sequence[str],
+        v_keys: Sequence[str],
+        k_scale_keys: Sequence[str] | None = None,
+        v_scale_keys: Sequence[str] | None = None,
+        timeout: float = DEFAULT_QUERY_TIMEOUT_S,
+    ) -> int:
+        """How many leading blocks have every object (K, V and, when given, both scales)."""
+        runs = {"k_keys": k_keys, "v_keys": v_keys}
+        if (k_scale_keys is None) != (v_scale_keys is None):
+            raise ValueError("k_scale_keys and v_scale_keys: give both or neither")
+        if k_scale_keys is not None:
+            runs.update(k_scale_keys=k_scale_keys, v_scale_keys=v_scale_keys)
+        n = len(k_keys)
+        for field, keys in runs.items():
+            if len(keys) != n:
+                raise ValueError(f"{field} has {len(keys)} keys; k_keys has {n}")
+        if n == 0:
+            return 0
+        parts = _PART_RUNS[len(runs)]
+        columns = list(runs.values())
+        names = tuple(tuple(col[i] for col in columns) for i in range(n))
+        request = self._request(names, parts, timeout_s=timeout)
+        return int(self.backend.query(request))
+
+    def batch_get(
+        self,
+        keys: Sequence[str],
+        target_locations: Sequence[int],
+        target_sizes: Sequence[int],
+    ) -> list[int]:
+        """Read each object into its region; per key the bytes read or a negative code."""
+        return self._batch("read", keys, target_locations, target_sizes)
+
+    def batch_set(
+        self,
+        keys: Sequence[str],
+        target_locations: Sequence[int],
+        target_sizes: Sequence[int],
+    ) -> list[int]:
+        """Store each object from its region; per key 0 when stored, else a negative code."""
+        return self._batch("write", keys, target_locations, target_sizes)
+
+    def get(self, key: str, target_location: int, target_size: int) -> int:
+        return self._single("read", key, target_location, target_size)
+
+    def set(self, key: str, target_location: int, target_size: int) -> int:
+        return self._single("write", key, target_location, target_size)
+
+    def exists(self, keys: Sequence[str]) -> dict[str, bool]:
+        """Whether each object is stored (one query per run of present keys plus each miss)."""
+        found: dict[str, bool] = {}
+        i = 0
+        while i < len(keys):
+            rest = keys[i:]
+            names = tuple((k,) for k in rest)
+            present = int(self.backend.query(self._request(names, (part_of(rest[0]),))))
+            for k in rest[:present]:
+                found[k] = True
+            if i + present < len(keys):
+                found[keys[i + present]] = False
+            i += present + 1
+        return found
+
+    def delete(self, key: str, timeout: float | None = None) -> bool:
+        """Remove one object; True when it was stored and is gone (``kvcore_remove``)."""
+        request = self._request(((key,),), (part_of(key),), timeout_s=timeout)
+        return int(self.backend.remove(request)) > 0
+
+    def clear(self) -> bool:
+        """Drop every object of this backend's namespace; False when the backend cannot."""
+        outcome = self.backend.clear()
+        if outcome.failure is not None:
+            log.warning("kvcore backend %r clear: %s", self.backend.name, outcome.failure)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the backend if :meth:`open` opened it."""
+        if self._owned:
+            self.backend.close()
+
+    def stats(self) -> dict[str, float]:
+        """kvcore's counters for this backend (for FastDeploy's metrics or a log line)."""
+        return self.backend.stats()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _request(
+        self,
+        names: tuple[tuple[str, ...], ...],
+        parts: tuple[str, ...],
+        *,
+        host: HostBuffers | None = None,
+        timeout_s: float | None = None,
+    ) -> BlockRequest:
+        timeout = self.io_timeout_s if timeout_s is None else timeout_s
+        return BlockRequest(
+            task_id=f"fastdeploy-{uuid.uuid4().hex[:12]}",
+            # the first name of each block identifies it; FastDeploy's hash is inside it
+            block_keys=tuple(row[0] for row in names),
+            object_names=names,
+            parts=parts,
+            deadline=time.monotonic() + timeout,
+            host=host,
+        )
+
+    def _batch(
+        self,
+        op: str,
+        keys: Sequence[str],
+        locations: Sequence[int],
+        sizes: Sequence[int],
+    ) -> list[int]:
+        total = len(keys)
+        if len(locations) != total or len(sizes) != total:
+            raise ValueError(
+                f"keys ({total}), target_locations ({len(locations)}) and target_sizes "
+                f"({len(sizes)}) must have the same length"
+            )
+        if total == 0:
+            return []
+        parts = self._parts_for(total)
+        n = total // len(parts)
+        nbytes = []
+        for j, part in enumerate(parts):
+            run = {int(s) for s in sizes[j * n : (j + 1) * n]}
+            if len(run) != 1:
+                raise ValueError(
+                    f"target_sizes of the {part} objects differ ({sorted(run)}); one size per part"
+                )
+            size = run.pop()
+            if self.layout is not None and size != self.layout.part_bytes(part):
+                raise ValueError(
+                    f"target_sizes: {part} objects of {size} bytes, but the cache layout's are "
+                    f"{self.layout.part_bytes(part)} (check --key_cache_shape, --cache_dtype, "
+                    "the layer count and Paddle's default dtype)"
+                )
+            nbytes.append(size)
+        names = tuple(tuple(keys[j * n + i] for j in range(len(parts))) for i in range(n))
+        ptrs = tuple(tuple(int(locations[j * n + i]) for j in range(len(parts))) for i in range(n))
+        request = self._request(names, parts, host=HostBuffers(ptrs, tuple(nbytes)))
+        done = self.backend.read(request) if op == "read" else self.backend.write(request)
+        return _per_key(op, done, n, parts, nbytes)
+
+    def _single(self, op: str, key: str, location: int, size: int) -> int:
+        part = part_of(key)
+        if self.layout is not None and int(size) != self.layout.part_bytes(part):
+            raise ValueError(
+                f"target_size: {int(size)} bytes, but the layout's {part} objects are "
+                f"{self.layout.part_bytes(part)}"
+            )
+        request = self._request(
+            ((key,),), (part,), host=HostBuffers(((int(location),),), (int(size),))
+        )
+        done = self.backend.read(request) if op == "read" else self.backend.write(request)
+        return _per_key(op, done, 1, (part,), [int(size)])[0]
+
+    def _parts_for(self, total: int) -> tuple[str, ...]:
+        """The runs a key list holds: K and V, plus both scales when the cache has them."""
+        parts = self.layout.parts if self.layout is not None else ("k", "v")
+        if total % len(parts):
+            raise ValueError(
+                f"keys: {total} keys do not split into {len(parts)} equal runs "
+                f"({', '.join(parts)}): FastDeploy lists every block's K keys, then V"
+                + (", then the K and V scales" if len(parts) == 4 else "")
+            )
+        return parts
+
+
+def _per_key(
+    op: str, done: Outcome, n: int, parts: Sequence[str], nbytes: Sequence[int]
+) -> list[int]:
+    """Per-key answers in FastDeploy's key order (part by part), from a leading block count."""
+    miss = FAILED if (op == "write" or done.failure is not None) else NOT_FOUND
+    out = []
+    for j in range(len(parts)):
+        hit = nbytes[j] if op == "read" else 0
+        out.extend(hit if i < int(done) else miss for i in range(n))
+    return out
