@@ -56,6 +56,9 @@ def _kv_dtype(layout: kvcore.CacheLayout) -> torch.dtype:
     return _TORCH_DTYPE[layout.dtype.value]
 
 
+_SCALE_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def make_cache(layout: kvcore.CacheLayout, gen: torch.Generator | None) -> DeviceCache:
     """Per-layer CUDA tensors; random bytes from ``gen``, or the sentinel byte if None."""
     parts: dict[str, list[torch.Tensor]] = {}
@@ -63,7 +66,7 @@ def make_cache(layout: kvcore.CacheLayout, gen: torch.Generator | None) -> Devic
         if part in ("k", "v"):
             shape, dtype = layout.kv_shape, _kv_dtype(layout)
         else:
-            shape, dtype = layout.scale_shape, torch.float32
+            shape, dtype = layout.scale_shape, _SCALE_DTYPE[layout.scale_dtype]
         tensors = []
         for layer in range(layout.total_layers):
             n = layout.layer_num_blocks(layer)
@@ -125,11 +128,11 @@ def manager(layout: kvcore.CacheLayout, cache: DeviceCache, backend: Any, n: int
 # --------------------------------------------------------------------------- checks
 
 
-def check_round_trip(root: str, dtype: str) -> dict[str, Any]:
+def check_round_trip(root: str, dtype: str, scale_dtype: str = "float32") -> dict[str, Any]:
     gen = torch.Generator().manual_seed(3)
     layout = kvcore.CacheLayout(
         num_layers=5, num_heads=4, block_size=16, head_dim=64, dtype=dtype, num_blocks=96,
-        num_extra_layers=1, extra_num_blocks=80,
+        num_extra_layers=1, extra_num_blocks=80, scale_dtype=scale_dtype,
     )  # fmt: skip
     src, dst = make_cache(layout, gen), make_cache(layout, None)
     n = 40
@@ -154,7 +157,7 @@ def check_round_trip(root: str, dtype: str) -> dict[str, Any]:
         untouched = [b for b in range(80) if b not in dst_ids]
         assert blocks_are_sentinel(dst, untouched), f"{dtype}: a block outside the read changed"
         tm.close()
-    return {"dtype": dtype, "blocks": n, "ok": True}
+    return {"dtype": dtype, "scale_dtype": scale_dtype, "blocks": n, "storage_io": tm.storage_io}
 
 
 def check_deadline_mid_read(root: str) -> dict[str, Any]:
@@ -306,51 +309,70 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
                 dst.tensors[part], region, dst.block_shape(part), dst_ids, list(range(blocks)), 0, 1
             )
 
+    spans = (8, 16, 32)
+    stage_s: dict[str, list[float]] = {}
     with open_file(root, layout) as backend:
-        tm = manager(
-            layout, src, backend, blocks, read_workers=1, write_workers=1, staging_buffers=1
-        )
+        tms = {
+            span: manager(
+                layout,
+                src,
+                backend,
+                blocks,
+                read_workers=1,
+                write_workers=1,
+                staging_buffers=1,
+                pipeline_blocks=span,
+            )
+            for span in spans
+        }
         for rep in range(repeats + 1):  # the first repetition warms up and is dropped
-            keys, keys2 = keys_for(layout, blocks), keys_for(layout, blocks)
+            keys2 = keys_for(layout, blocks)
             timed("memcpy_d2h", lambda: memcpy(pinned.ptr, flat_dev.data_ptr(), nbytes))
             timed("memcpy_h2d", lambda: memcpy(flat_dev.data_ptr(), pinned.ptr, nbytes))
             timed("gather", gather)
             timed("scatter", scatter)
-            tm.restore_caches(src)
-            w = timed(
-                "tm_write",
-                lambda k=keys: tm.write_back(
-                    {"task_id": "w", "keys": k, "device_block_ids": src_ids}
-                ).result(),
-            )
-            assert w.ok and w.num_blocks == blocks, w
             timed(
                 "backend_write",
                 lambda k=keys2: backend.write(backend.request("bw", k, timeout_s=600, host=host)),
             )
-            tm.restore_caches(dst)
-            r = timed(
-                "tm_read",
-                lambda k=keys: tm.read(
-                    {"task_id": "r", "keys": k, "device_block_ids": dst_ids}
-                ).result(),
-            )
-            assert r.ok and r.num_blocks == blocks, r
             got = timed(
                 "backend_read",
                 lambda k=keys2: backend.read(backend.request("br", k, timeout_s=600, host=host)),
             )
             assert got == blocks
+            for span, tm in tms.items():
+                keys = keys_for(layout, blocks)
+                tm.restore_caches(src)
+                w = timed(
+                    f"tm_write_{span}",
+                    lambda k=keys, tm=tm: tm.write_back(
+                        {"task_id": "w", "keys": k, "device_block_ids": src_ids}
+                    ).result(),
+                )
+                assert w.ok and w.num_blocks == blocks, w
+                tm.restore_caches(dst)
+                r = timed(
+                    f"tm_read_{span}",
+                    lambda k=keys, tm=tm: tm.read(
+                        {"task_id": "r", "keys": k, "device_block_ids": dst_ids}
+                    ).result(),
+                )
+                assert r.ok and r.num_blocks == blocks, r
+                if rep:
+                    for res, op in ((w, "write"), (r, "read")):
+                        for stage, sec in res.timings_s.items():
+                            stage_s.setdefault(f"{op}_{span}_{stage}", []).append(sec)
             if rep == 0:
                 times.clear()
         torch.cuda.synchronize()
         verified = blocks_equal(src, src_ids, dst, dst_ids)
-        tm.close()
+        for tm in tms.values():
+            tm.close()
 
     def gbps(name: str) -> float:
         return round(nbytes / statistics.median(times[name]) / GB, 3)
 
-    f = {
+    f: dict[str, float] = {
         "bytes_per_op": nbytes,
         "cuda_memcpy_d2h_pinned_gbps": gbps("memcpy_d2h"),
         "cuda_memcpy_h2d_pinned_gbps": gbps("memcpy_h2d"),
@@ -358,29 +380,45 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
         "swap_layout_scatter_gbps": gbps("scatter"),
         "backend_write_gbps": gbps("backend_write"),
         "backend_read_gbps": gbps("backend_read"),
-        "manager_write_back_gbps": gbps("tm_write"),
-        "manager_read_gbps": gbps("tm_read"),
     }
+    for span in spans:
+        f[f"manager_write_back_span{span}_gbps"] = gbps(f"tm_write_{span}")
+        f[f"manager_read_span{span}_gbps"] = gbps(f"tm_read_{span}")
+    serial_write = 1 / (1 / f["backend_write_gbps"] + 1 / f["swap_layout_gather_gbps"])
+    serial_read = 1 / (1 / f["backend_read_gbps"] + 1 / f["swap_layout_scatter_gbps"])
+    f["serial_write_back_gbps"] = round(serial_write, 3)
+    f["serial_read_gbps"] = round(serial_read, 3)
     write_slower = min(f["backend_write_gbps"], f["swap_layout_gather_gbps"])
     read_slower = min(f["backend_read_gbps"], f["swap_layout_scatter_gbps"])
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 3)
+
     ratios = {
-        "swap_layout_gather_vs_memcpy": round(
-            f["swap_layout_gather_gbps"] / f["cuda_memcpy_d2h_pinned_gbps"], 3
+        "swap_layout_gather_vs_memcpy": ratio(
+            f["swap_layout_gather_gbps"], f["cuda_memcpy_d2h_pinned_gbps"]
         ),
-        "swap_layout_scatter_vs_memcpy": round(
-            f["swap_layout_scatter_gbps"] / f["cuda_memcpy_h2d_pinned_gbps"], 3
+        "swap_layout_scatter_vs_memcpy": ratio(
+            f["swap_layout_scatter_gbps"], f["cuda_memcpy_h2d_pinned_gbps"]
         ),
-        "manager_write_back_vs_slower_stage": round(f["manager_write_back_gbps"] / write_slower, 3),
-        "manager_read_vs_slower_stage": round(f["manager_read_gbps"] / read_slower, 3),
     }
+    for span in spans:
+        w, r = f[f"manager_write_back_span{span}_gbps"], f[f"manager_read_span{span}_gbps"]
+        ratios[f"manager_write_back_span{span}_vs_slower_stage"] = ratio(w, write_slower)
+        ratios[f"manager_read_span{span}_vs_slower_stage"] = ratio(r, read_slower)
+        ratios[f"manager_write_back_span{span}_vs_serial"] = ratio(w, serial_write)
+        ratios[f"manager_read_span{span}_vs_serial"] = ratio(r, serial_read)
     return {
         "figures": f,
         "ratios": ratios,
         "goals": {
             "swap_layout_gather_vs_memcpy": ">= 0.85",
             "swap_layout_scatter_vs_memcpy": ">= 0.85",
-            "manager_write_back_vs_slower_stage": ">= 0.7",
-            "manager_read_vs_slower_stage": ">= 0.7",
+            "manager_write_back_span16_vs_slower_stage": ">= 0.7",
+            "manager_read_span16_vs_slower_stage": ">= 0.7",
+        },
+        "stage_medians_ms": {
+            k: round(statistics.median(v) * 1e3, 2) for k, v in sorted(stage_s.items())
         },
         "bytes_verified": verified,
         "repeats": repeats,
@@ -392,7 +430,7 @@ def main() -> int:
     ap.add_argument("--root", default="/dev/shm", help="where the kv_file store lives")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--blocks", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.cuda_available():
         print("no usable CUDA device or kvcore CUDA library", file=sys.stderr)
@@ -400,8 +438,14 @@ def main() -> int:
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "checks": {}}
     root = tempfile.mkdtemp(prefix="kvcore-gpu-", dir=args.root)
     try:
-        for dtype in ("bfloat16", "block_wise_fp8"):
-            report["checks"][f"round_trip_{dtype}"] = check_round_trip(root, dtype)
+        for dtype, scales in (
+            ("bfloat16", "float32"),
+            ("float16", "float32"),
+            ("block_wise_fp8", "float32"),
+            ("block_wise_fp8", "bfloat16"),
+        ):
+            name = f"round_trip_{dtype}" + (f"_{scales}_scales" if dtype.endswith("fp8") else "")
+            report["checks"][name] = check_round_trip(root, dtype, scales)
         report["checks"]["deadline_mid_read"] = check_deadline_mid_read(root)
         report["checks"]["deadline_mid_write"] = check_deadline_mid_write(root)
         if args.bench:
