@@ -10,9 +10,20 @@ import pytest
 # is installed editable (pytest only rewrites plugin modules it can list from the dist).
 pytest.register_assert_rewrite("kvcore.testing.harness", "kvcore.testing.suite")
 
-from kvcore.testing.harness import Harness, blocks_equal, payload_for  # noqa: E402
+from kvcore.testing.harness import (  # noqa: E402
+    Harness,
+    HostRegion,
+    Sequence_,
+    blocks_equal,
+    payload_for,
+)
 from kvcore.testing.suite import (  # noqa: E402
     BackendConformance,
+    DeclaredCapacity,
+    capacity_layout,
+    deadline_layout,
+    exercised_hooks,
+    exercises,
     harness_opener,
     requires,
     small_layout,
@@ -20,8 +31,15 @@ from kvcore.testing.suite import (  # noqa: E402
 
 __all__ = [
     "BackendConformance",
+    "DeclaredCapacity",
     "Harness",
+    "HostRegion",
+    "Sequence_",
     "blocks_equal",
+    "capacity_layout",
+    "deadline_layout",
+    "exercised_hooks",
+    "exercises",
     "harness_opener",
     "payload_for",
     "requires",

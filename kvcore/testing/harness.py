@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +19,7 @@ from kvcore.keys import KeyScope, block_hashes
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers
 from kvcore.schemas import CacheLayout
 
-__all__ = ["Harness", "Sequence_", "payload_for"]
+__all__ = ["Harness", "HostRegion", "Sequence_", "payload_for"]
 
 
 def payload_for(key: str, part: str, nbytes: int, version: int = 0) -> np.ndarray:
@@ -37,6 +37,52 @@ class Sequence_:
 
     token_ids: list[int]
     keys: list[str]
+
+
+@dataclass
+class HostRegion:
+    """One contiguous host allocation holding ``num_blocks`` blocks, all parts of a block
+    side by side: what an engine's staging pool looks like to ``kvcore_register_buffer``."""
+
+    array: np.ndarray
+    part_nbytes: tuple[int, ...]
+    num_blocks: int
+
+    @property
+    def ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def host(self, first: int = 0, n: int | None = None) -> HostBuffers:
+        """Buffers for ``n`` blocks starting at the region's block ``first``."""
+        n = self.num_blocks - first if n is None else n
+        if first < 0 or first + n > self.num_blocks:
+            raise ValueError(
+                f"blocks {first}..{first + n} are outside a {self.num_blocks}-block region"
+            )
+        block = sum(self.part_nbytes)
+        offsets = np.cumsum((0, *self.part_nbytes[:-1]), dtype=np.int64)
+        starts = self.ptr + (first + np.arange(n, dtype=np.int64)) * block
+        # built with numpy: bulk requests of tens of thousands of blocks stay cheap
+        ptrs = tuple(map(tuple, (starts[:, None] + offsets[None, :]).tolist()))
+        return HostBuffers(ptrs=ptrs, nbytes=self.part_nbytes)
+
+    def blocks(self, first: int = 0, n: int | None = None) -> list[list[bytes]]:
+        """The bytes of blocks ``first .. first + n``, ``[block][part]``."""
+        n = self.num_blocks - first if n is None else n
+        block = sum(self.part_nbytes)
+        out = []
+        for i in range(first, first + n):
+            at = i * block
+            parts = []
+            for size in self.part_nbytes:
+                parts.append(self.array[at : at + size].tobytes())
+                at += size
+            out.append(parts)
+        return out
 
 
 @dataclass
@@ -108,6 +154,76 @@ class Harness:
         buffers, extract = self._empty_buffers(n)
         done = self.backend.read(self.request(seq, start, n, **buffers, **kw))
         return done, extract()
+
+    def write_request(
+        self, seq: Sequence_, start: int = 0, n: int | None = None, *, version: int = 0, **kw
+    ) -> BlockRequest:
+        """A write request whose buffers hold the blocks' payloads (kept alive until
+        :meth:`release`), for tests that time or alter the call itself."""
+        n = len(seq.keys) - start if n is None else n
+        buffers = self._buffers_holding(self.payload(seq, start, n, version))
+        return self.request(seq, start, n, **buffers, **kw)
+
+    def read_request(
+        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw
+    ) -> tuple[BlockRequest, Callable[[], list[list[bytes]]]]:
+        """A read request into zeroed buffers, and a function returning what landed there."""
+        n = len(seq.keys) - start if n is None else n
+        buffers, extract = self._empty_buffers(n)
+        return self.request(seq, start, n, **buffers, **kw), extract
+
+    def bulk_request(
+        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw
+    ) -> BlockRequest:
+        """A request whose buffers hold arbitrary bytes, built in bulk: for timing large
+        batches, where per-object payloads would cost more than the call measured."""
+        n = len(seq.keys) - start if n is None else n
+        if self.io == "host":
+            sizes = tuple(self.layout.part_bytes(p) for p in self.parts)
+            region = HostRegion(_noise(max(n, 1) * sum(sizes)), sizes, max(n, 1))
+            self._keep.append(region)
+            return self.request(seq, start, n, host=region.host(0, n), **kw)
+        buffers, _ = self._device_buffers(n, None)
+        tensors, block_ids = self.last_device  # type: ignore[misc]
+        rows = np.asarray(block_ids, dtype=np.int64)
+        for arrays in tensors.values():
+            for array in arrays:
+                # only the blocks the request names: the tensors hold the whole layout
+                width = array.shape[1]
+                array[rows] = _noise(len(rows) * width).reshape(len(rows), width)
+        return self.request(seq, start, n, **buffers, **kw)
+
+    def segmented(
+        self, n: int, fill: list[list[bytes]] | None = None
+    ) -> tuple[HostBuffers, Callable[[], list[list[bytes]]]]:
+        """Segmented host buffers (``Capabilities.segmented_host``) for ``n`` blocks: each
+        object is one segment per layer in per-layer arrays, as in an engine's host-resident
+        cache; returns the buffers and a function returning the objects' bytes."""
+        _, extract = self._device_buffers(n, fill)
+        tensors, block_ids = self.last_device  # type: ignore[misc]
+        host = HostBuffers(
+            ptrs=(),
+            nbytes=tuple(self.layout.part_bytes(p) for p in self.parts),
+            layer_ptrs=tuple(tuple(t.ctypes.data for t in tensors[p]) for p in self.parts),
+            block_ids=tuple(block_ids),
+            segment_nbytes=tuple(self.layout.layer_block_bytes(p) for p in self.parts),
+        )
+        return host, extract
+
+    def region(self, num_blocks: int, fill: list[list[bytes]] | None = None) -> HostRegion:
+        """A contiguous host region for ``num_blocks`` blocks (kept alive until
+        :meth:`release`), optionally holding ``fill`` (``[block][part]`` bytes)."""
+        sizes = tuple(self.layout.part_bytes(p) for p in self.parts)
+        block = sum(sizes)
+        array = np.zeros(max(num_blocks, 1) * block, dtype=np.uint8)
+        for i, parts in enumerate(fill or []):
+            at = i * block
+            for data in parts:
+                array[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                at += len(data)
+        region = HostRegion(array, sizes, num_blocks)
+        self._keep.append(region)
+        return region
 
     # -- payloads and buffers --------------------------------------------------------------
 
@@ -200,6 +316,14 @@ class Harness:
 
     def release(self) -> None:
         self._keep.clear()
+
+
+_NOISE_TILE = np.random.default_rng(20261122).integers(0, 256, 1 << 20, dtype=np.uint8)
+
+
+def _noise(nbytes: int) -> np.ndarray:
+    """``nbytes`` of incompressible-looking bytes, fast: a random MiB repeated."""
+    return np.resize(_NOISE_TILE, nbytes)
 
 
 def blocks_equal(got: Sequence[Sequence[bytes]], want: Sequence[Sequence[bytes]]) -> list[int]:

@@ -12,28 +12,67 @@
             return {"root": str(tmp_path)}
 
 Tests that need an optional behaviour are marked with :func:`requires`; they are skipped,
-with the reason, when the backend's ``capabilities`` declare it does not have it. Every
-backend is opened in strict mode, so an exception from a hook fails the test.
+with the reason, when the backend's ``capabilities`` declare it does not have it. Tests of
+optional hooks (``kvcore_remove``, ``kvcore_clear``, ``kvcore_raw_baseline``) run when the
+backend implements them. Every backend is opened in strict mode, so an exception from a hook
+fails the test. Every test declares the hooks it exercises (:func:`exercises`); kvcore's own
+tests check that together they cover every hook in :mod:`kvcore.hookspecs`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
-from typing import Any, ClassVar
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, TypeVar
 
+import numpy as np
 import pytest
 
+from kvcore.backend import Backend
 from kvcore.errors import ConfigError
+from kvcore.hookspecs import OPTIONAL_HOOKS, REQUIRED_HOOKS
 from kvcore.registry import load_backend_class, open_backend
 from kvcore.requests import BlockRequest, HostBuffers
 from kvcore.schemas import CacheDType, CacheLayout, Capabilities
-from kvcore.testing.harness import Harness, blocks_equal
+from kvcore.testing.harness import Harness, Sequence_, blocks_equal
 
-__all__ = ["BackendConformance", "harness_opener", "requires", "small_layout"]
+__all__ = [
+    "BackendConformance",
+    "DeclaredCapacity",
+    "capacity_layout",
+    "deadline_layout",
+    "exercised_hooks",
+    "exercises",
+    "harness_opener",
+    "requires",
+    "small_layout",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Every hook a backend can implement.
+ALL_HOOKS = (*REQUIRED_HOOKS, *OPTIONAL_HOOKS)
+DATA_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
+
+# The mid-operation deadline test grows its batch until one full call takes this long...
+_DEADLINE_TARGET_S = 0.25
+# ...or until it holds this many blocks of deadline_layout() (64 MiB with both parts).
+_DEADLINE_MAX_BLOCKS = 32768
+# The deadline given is this fraction of the backend's own time for the whole batch...
+_DEADLINE_FRACTION = 1 / 8
+# ...and the call may overrun it by this fraction of that time (capped by deadline_slack_s):
+# a backend that honours deadlines returns near the deadline, one that ignores them near 1.0.
+_DEADLINE_OVERRUN_FRACTION = 1 / 2
+# Timing on a loaded machine is noisy: a backend fails only if every attempt overruns.
+_DEADLINE_ATTEMPTS = 3
+# Batches larger than this would make the capacity test slow: declare a small capacity.
+_CAPACITY_TEST_MAX_BYTES = 64 << 20
 
 _DTYPES = [d.value for d in CacheDType]
 
@@ -50,6 +89,65 @@ def small_layout(dtype: str = "bfloat16") -> CacheLayout:
         num_blocks=40,
         extra_num_blocks=36,
     )
+
+
+def deadline_layout(num_blocks: int = _DEADLINE_MAX_BLOCKS) -> CacheLayout:
+    """Small parts (1 KiB), many blocks: the mid-operation deadline test's layout. Many small
+    objects make a batch slow on any backend without needing much memory."""
+    return CacheLayout(
+        num_layers=4,
+        num_heads=2,
+        block_size=4,
+        head_dim=16,
+        dtype="bfloat16",
+        num_blocks=num_blocks,
+    )
+
+
+def capacity_layout(num_blocks: int = 4096) -> CacheLayout:
+    """The layout of the capacity test: 16 KiB per part, 32 KiB per block."""
+    return CacheLayout(
+        num_layers=4,
+        num_heads=4,
+        block_size=16,
+        head_dim=32,
+        dtype="bfloat16",
+        num_blocks=num_blocks,
+    )
+
+
+@dataclass(frozen=True)
+class DeclaredCapacity:
+    """A capacity the conformance kit can fill: config overrides that bound the store, and
+    the bound in bytes of stored objects (headers aside). Declare a small one (a few MiB):
+    the kit writes batches of about twice ``nbytes``."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 2 << 20
+
+
+def exercises(*hooks: str) -> Callable[[_F], _F]:
+    """Declare the hooks a kit test calls (checked against :mod:`kvcore.hookspecs`)."""
+    unknown = sorted(set(hooks) - set(ALL_HOOKS))
+    if unknown:
+        raise ValueError(f"exercises(): {unknown} are not hooks; hooks are {list(ALL_HOOKS)}")
+
+    def mark(fn: _F) -> _F:
+        fn.__kvcore_exercises__ = tuple(hooks)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def exercised_hooks(cls: type | None = None) -> dict[str, list[str]]:
+    """``{hook: [test names]}`` of the tests of ``cls`` (default: the kit) that exercise it."""
+    cls = BackendConformance if cls is None else cls
+    found: dict[str, list[str]] = {}
+    for name in sorted(dir(cls)):
+        if name.startswith("test_"):
+            for hook in getattr(getattr(cls, name), "__kvcore_exercises__", ()):
+                found.setdefault(hook, []).append(name)
+    return found
 
 
 @contextlib.contextmanager
@@ -122,16 +220,23 @@ class BackendConformance:
         """Extra :class:`kvcore.BackendContext` fields (rank, world_size, namespace...)."""
         return {}
 
+    @pytest.fixture
+    def backend_capacity(self, backend_target: str | type) -> DeclaredCapacity | None:
+        """A small capacity for the oversize-batch test; None skips that test.
+
+        By default, a backend whose config model has a ``capacity_bytes`` field gets
+        ``capacity_bytes=2 MiB``; override this fixture to declare another kind of bound.
+        """
+        model = _backend_class(backend_target).config_model
+        if "capacity_bytes" in model.model_fields:
+            return DeclaredCapacity({"capacity_bytes": 2 << 20}, 2 << 20)
+        return None
+
     # -- fixtures the suite provides -------------------------------------------------------
 
     @pytest.fixture
     def capabilities(self, backend_target: str | type) -> Capabilities:
-        cls = (
-            load_backend_class(backend_target)
-            if isinstance(backend_target, str)
-            else backend_target
-        )
-        return cls.capabilities
+        return _backend_class(backend_target).capabilities
 
     @pytest.fixture(autouse=True)
     def _capability_gate(self, request: pytest.FixtureRequest, capabilities: Capabilities) -> None:
@@ -144,8 +249,19 @@ class BackendConformance:
     def open_harness(
         self, backend_target: str | type, backend_config: dict, backend_context: dict
     ) -> Iterator[Callable[..., Harness]]:
+        """``open_harness(layout=None, *, config=None, **context)``: a strict harness on the
+        configured backend, with config overrides and context fields; closed at the end."""
         with harness_opener(backend_target, backend_config, backend_context) as open_:
-            yield lambda layout=None, **context: open_(None, layout, **context)
+
+            def open_with(
+                layout: CacheLayout | None = None,
+                *,
+                config: dict[str, Any] | None = None,
+                **context: Any,
+            ) -> Harness:
+                return open_(config, layout, **context)
+
+            yield open_with
 
     @pytest.fixture
     def harness(self, open_harness: Callable[..., Harness]) -> Harness:
@@ -154,6 +270,7 @@ class BackendConformance:
     # -- round trips -----------------------------------------------------------------------
 
     @pytest.mark.parametrize("dtype", _DTYPES)
+    @exercises(*DATA_HOOKS)
     def test_round_trip_is_byte_exact(
         self, open_harness: Callable[..., Harness], capabilities: Capabilities, dtype: str
     ) -> None:
@@ -167,12 +284,14 @@ class BackendConformance:
         assert done == 5
         assert blocks_equal(got, h.payload(seq, 0, 5)) == []
 
+    @exercises(*DATA_HOOKS)
     def test_empty_request(self, harness: Harness) -> None:
         seq = harness.new_sequence(2)
         assert harness.query(seq, 0, 0) == 0
         assert harness.write(seq, 0, 0) == 0
         assert harness.read(seq, 0, 0)[0] == 0
 
+    @exercises("kvcore_write", "kvcore_read")
     def test_large_batch(self, harness: Harness) -> None:
         seq = harness.new_sequence(32)
         assert harness.write(seq) == 32
@@ -182,11 +301,38 @@ class BackendConformance:
 
     # -- leading-run semantics -------------------------------------------------------------
 
+    @exercises("kvcore_query", "kvcore_read")
     def test_missing_keys_query_zero_and_read_zero(self, harness: Harness) -> None:
         seq = harness.new_sequence(3)
         assert harness.query(seq) == 0
         assert harness.read(seq)[0] == 0
 
+    @exercises(*DATA_HOOKS)
+    def test_absence_is_not_a_failure(self, harness: Harness) -> None:
+        """``Outcome.failure`` is for failures: a block that is simply not stored is a clean
+        miss, or the engine would count every cold prefix as a backend error."""
+        seq = harness.new_sequence(3)
+        for what, got in (
+            ("query of unwritten blocks", harness.query(seq)),
+            ("read of unwritten blocks", harness.read(seq)[0]),
+        ):
+            assert got == 0
+            assert getattr(got, "failure", None) is None, (
+                f"{what} reported failure {got.failure!r}: absence must be a plain short count"
+            )
+        written = harness.write(seq, 0, 2)
+        assert written == 2
+        assert getattr(written, "failure", None) is None
+        for what, got in (
+            ("query past the stored blocks", harness.query(seq)),
+            ("read past the stored blocks", harness.read(seq)[0]),
+        ):
+            assert got == 2
+            assert getattr(got, "failure", None) is None, (
+                f"{what} reported failure {got.failure!r}: absence must be a plain short count"
+            )
+
+    @exercises(*DATA_HOOKS)
     def test_gap_ends_the_run(self, harness: Harness) -> None:
         seq = harness.new_sequence(5)
         assert harness.write(seq, 0, 2) == 2
@@ -196,12 +342,14 @@ class BackendConformance:
         assert done == 2
         assert blocks_equal(got[:2], harness.payload(seq, 0, 2)) == []
 
+    @exercises(*DATA_HOOKS)
     def test_run_stops_where_stored_blocks_end(self, harness: Harness) -> None:
         seq = harness.new_sequence(6)
         assert harness.write(seq, 0, 4) == 4
         assert harness.query(seq) == 4
         assert harness.read(seq)[0] == 4
 
+    @exercises(*DATA_HOOKS)
     def test_start_index(self, harness: Harness) -> None:
         seq = harness.new_sequence(6)
         assert harness.write(seq, 0, 3) == 3
@@ -213,12 +361,14 @@ class BackendConformance:
         assert blocks_equal(got, harness.payload(seq, 2, 3)) == []
 
     @requires(addressing="token")
+    @exercises("kvcore_write", "kvcore_query")
     def test_trailing_partial_block_is_not_counted(self, harness: Harness) -> None:
         seq = harness.new_sequence(3, extra_tokens=harness.layout.block_size // 2)
         assert harness.write(seq) == 3
         assert harness.query(seq) == 3
 
     @requires(addressing="key", io="host")
+    @exercises(*DATA_HOOKS)
     def test_block_missing_a_part_does_not_count(self, harness: Harness) -> None:
         seq = harness.new_sequence(3)
         assert harness.write(seq, 0, 2) == 2
@@ -241,6 +391,7 @@ class BackendConformance:
         assert harness.read(seq)[0] == 2
 
     @requires(io="host")
+    @exercises("kvcore_write", "kvcore_read")
     def test_size_mismatch_is_a_miss(self, harness: Harness) -> None:
         seq = harness.new_sequence(2)
         assert harness.write(seq) == 2
@@ -248,10 +399,14 @@ class BackendConformance:
         buffers, _ = harness._empty_buffers(2)
         host = buffers["host"]
         shrunk = HostBuffers(ptrs=host.ptrs, nbytes=tuple(n - 8 for n in host.nbytes))
-        assert harness.backend.read(replace(full, host=shrunk)) == 0
+        # straight to the hook: kvcore's facade already refuses regions that differ from the
+        # layout, but a backend must not trust that (another writer may have used another one)
+        got = _hook_caller(harness.backend, "kvcore_read")(request=replace(full, host=shrunk))
+        assert got == 0, f"a read into regions 8 bytes short of the stored objects returned {got!r}"
 
     # -- writes ----------------------------------------------------------------------------
 
+    @exercises(*DATA_HOOKS)
     def test_write_is_idempotent(self, harness: Harness) -> None:
         seq = harness.new_sequence(4)
         assert harness.write(seq) == 4
@@ -261,6 +416,7 @@ class BackendConformance:
         assert done == 4
         assert blocks_equal(got, harness.payload(seq, 0, 4)) == []
 
+    @exercises("kvcore_write", "kvcore_read")
     def test_rewrite_never_mixes_versions(self, harness: Harness) -> None:
         seq = harness.new_sequence(3)
         assert harness.write(seq, version=0) == 3
@@ -272,7 +428,55 @@ class BackendConformance:
             for j in range(len(harness.parts)):
                 assert got[i][j] in (old[i][j], new[i][j]), f"block {i} part {j} is torn"
 
+    @exercises(*DATA_HOOKS)
+    def test_oversize_batch_acknowledges_only_what_it_keeps(
+        self,
+        open_harness: Callable[..., Harness],
+        backend_capacity: DeclaredCapacity | None,
+    ) -> None:
+        """A write larger than the store's capacity must not acknowledge blocks it could not
+        keep (or evicted again within the same batch): a later query counts what write
+        acknowledged. Then batches of a third of the capacity, one after another: each
+        acknowledged run is there right after, while older batches may be evicted."""
+        if backend_capacity is None:
+            pytest.skip(
+                "no declared capacity (config without `capacity_bytes`; override the "
+                "`backend_capacity` fixture to declare one)"
+            )
+        cap = backend_capacity
+        if 2 * cap.nbytes > _CAPACITY_TEST_MAX_BYTES:
+            pytest.fail(
+                f"backend_capacity declares {cap.nbytes} bytes; declare at most "
+                f"{_CAPACITY_TEST_MAX_BYTES // 2} (the test writes twice the capacity)"
+            )
+        layout = capacity_layout()
+        block = layout.block_bytes
+        n = 2 * cap.nbytes // block + 1
+        h = open_harness(capacity_layout(max(n, 16)), config=cap.config)
+        seq = h.new_sequence(n)
+        acked = h.write(seq)
+        kept = h.query(seq)
+        assert kept >= acked, (
+            f"write acknowledged {int(acked)} of {n} blocks ({n * block} bytes, about twice the "
+            f"declared capacity of {cap.nbytes}), but a query right after counts {int(kept)}: "
+            "a write must never acknowledge blocks the store did not keep"
+        )
+        done, got = h.read(seq, 0, int(acked))
+        assert done == acked, f"read restores {int(done)} of the {int(acked)} acknowledged blocks"
+        assert blocks_equal(got, h.payload(seq, 0, int(acked))) == []
+        third = max(1, cap.nbytes // (3 * block))
+        for k in range(6):
+            batch = h.new_sequence(third)
+            acked = h.write(batch)
+            kept = h.query(batch)
+            assert kept >= acked, (
+                f"batch {k} of {third} blocks (a third of the capacity, after "
+                f"{k * third * block + n * block} bytes already written): write acknowledged "
+                f"{int(acked)}, a query right after counts {int(kept)}"
+            )
+
     @requires(persistent=True)
+    @exercises(*DATA_HOOKS, "kvcore_close")
     def test_data_survives_reopen(self, open_harness: Callable[..., Harness]) -> None:
         h = open_harness()
         seq = h.new_sequence(3)
@@ -284,8 +488,62 @@ class BackendConformance:
         assert done == 3
         assert blocks_equal(got, h2.payload(seq, 0, 3)) == []
 
+    # -- ranks and namespaces --------------------------------------------------------------
+
+    @exercises(*DATA_HOOKS)
+    def test_ranks_and_namespaces_sharing_a_store_stay_apart(
+        self,
+        open_harness: Callable[..., Harness],
+        backend_context: dict[str, Any],
+        capabilities: Capabilities,
+    ) -> None:
+        """Two tensor-parallel ranks hold different slices of the same blocks, and two
+        namespaces (models) may hold the same token path: on one store, neither may see,
+        overwrite or skip the other's objects."""
+        world, rank, other_rank, namespace = _rank_layout(backend_context)
+        own = open_harness(rank=rank, world_size=world)
+        twin = open_harness(rank=rank, world_size=world)  # another process, same context
+        other_ns = f"{namespace}-kit-peer"
+        peers = {
+            f"rank {other_rank} of {world}": open_harness(rank=other_rank, world_size=world),
+            f"namespace {other_ns!r}": open_harness(
+                rank=rank, world_size=world, namespace=other_ns
+            ),
+        }
+        seq = own.new_sequence(3)
+        assert own.write(seq, version=0) == 3
+        shared = _sees(twin, seq, 3)
+        if capabilities.shared:
+            assert shared, (
+                "the backend declares shared=True, but a second instance opened with the same "
+                "config and context does not see the blocks the first one wrote"
+            )
+        where = f"rank {rank} of {world} in namespace {namespace!r}"
+        for version, (label, peer) in enumerate(peers.items(), start=1):
+            seen = peer.query(seq)
+            assert seen == 0, (
+                f"{label} finds {int(seen)} blocks that only {where} wrote: object names must "
+                "include rank and namespace (else ranks overwrite each other's slices)"
+            )
+            assert peer.read(seq)[0] == 0, f"{label} reads blocks that only {where} wrote"
+            assert peer.write(seq, version=version) == 3
+            done, got = peer.read(seq)
+            assert done == 3
+            assert blocks_equal(got, peer.payload(seq, 0, 3, version)) == [], (
+                f"{label} reads back other bytes than it wrote (another rank's or namespace's?)"
+            )
+        done, got = own.read(seq)
+        assert done == 3
+        assert blocks_equal(got, own.payload(seq, 0, 3, 0)) == [], (
+            f"{where} reads back bytes another rank or namespace wrote under the same blocks"
+        )
+        if shared:
+            done, got = twin.read(seq)
+            assert done == 3 and blocks_equal(got, own.payload(seq, 0, 3, 0)) == []
+
     # -- deadlines and concurrency ---------------------------------------------------------
 
+    @exercises(*DATA_HOOKS)
     def test_expired_deadline_returns_promptly(self, harness: Harness) -> None:
         seq = harness.new_sequence(8)
         assert harness.write(seq) == 8
@@ -295,6 +553,74 @@ class BackendConformance:
             assert time.monotonic() - t0 < self.deadline_slack_s
             assert 0 <= done <= 8
 
+    @exercises("kvcore_write", "kvcore_read", "kvcore_query")
+    def test_deadline_expiring_mid_operation(self, open_harness: Callable[..., Harness]) -> None:
+        """A deadline that passes while a large batch is in flight: the call returns near the
+        deadline with the run finished so far, not when the whole batch is done.
+
+        The batch grows until the backend's own time for it reaches a quarter second (or
+        64 MiB); the deadline is an eighth of that time, and the call may overrun it by half
+        that time (at most ``deadline_slack_s``). Each check is tried up to three times, each
+        against a fresh measurement, so a loaded machine does not fail a backend that
+        honours deadlines, while one that ignores them overruns every time.
+        """
+        h = open_harness(deadline_layout())
+        n = _grow_until_slow(h)
+        written: list[Sequence_] = []
+        try:
+            self._check_deadline_overrun(h, n, "write", written)
+            self._check_deadline_overrun(h, n, "read", written)
+        finally:
+            _remove_quietly(h, written)
+
+    def _check_deadline_overrun(
+        self, h: Harness, n: int, op: str, written: list[Sequence_]
+    ) -> None:
+        """Time ``op`` on ``n`` blocks in full, then with a deadline at a fraction of that
+        time; pass as soon as one attempt returns within the allowed overrun. ``written``
+        collects the sequences written (a fully written one is what the reads use)."""
+        misses = []
+        for _ in range(_DEADLINE_ATTEMPTS):
+            if op == "write":
+                full = h.new_sequence(n)
+                written.append(full)
+                done, t_full = _timed_call(h, h.backend.write, h.bulk_request(full))
+                assert done == n, (
+                    f"a write of {n} blocks with a {h.timeout_s} s deadline stored {int(done)}"
+                )
+                seq = h.new_sequence(n)
+                written.append(seq)
+            else:
+                seq = written[0]  # written in full by the write check
+                done, t_full = _timed_call(h, h.backend.read, h.bulk_request(seq))
+                assert done == n, f"a read of {n} stored blocks returned {int(done)}"
+            call = h.backend.write if op == "write" else h.backend.read
+            budget = t_full * _DEADLINE_FRACTION
+            allowed = min(self.deadline_slack_s, t_full * _DEADLINE_OVERRUN_FRACTION)
+            request = replace(h.bulk_request(seq), deadline=time.monotonic() + budget)
+            t0 = time.monotonic()
+            done = call(request)
+            elapsed = time.monotonic() - t0
+            h.release()
+            assert 0 <= done <= n
+            if op == "write" and done:
+                stored = h.query(seq, 0, int(done))
+                assert stored == done, (
+                    f"a write cut short by its deadline acknowledged {int(done)} blocks; a "
+                    f"query right after counts {int(stored)}"
+                )
+            if elapsed <= budget + allowed:
+                return
+            misses.append(
+                f"{op} of {n} blocks: deadline {budget * 1e3:.1f} ms after the call, returned "
+                f"after {elapsed * 1e3:.1f} ms with {int(done)} blocks (the whole batch takes "
+                f"{t_full * 1e3:.1f} ms; allowed overrun {allowed * 1e3:.1f} ms)"
+            )
+        pytest.fail(
+            f"the backend kept working past the deadline in every attempt: {'; '.join(misses)}"
+        )
+
+    @exercises("kvcore_write", "kvcore_read")
     def test_concurrent_callers(self, harness: Harness) -> None:
         shared = harness.new_sequence(4)
         errors: list[str] = []
@@ -319,6 +645,107 @@ class BackendConformance:
             t.join(60)
         assert not any(t.is_alive() for t in threads), "a concurrent call hung"
         assert errors == []
+
+    # -- removing data ---------------------------------------------------------------------
+
+    @exercises("kvcore_remove", *DATA_HOOKS)
+    def test_remove_deletes_the_requested_blocks(self, harness: Harness) -> None:
+        backend = harness.backend
+        _require_hook(backend, "kvcore_remove")
+        seq = harness.new_sequence(5)
+        assert harness.write(seq) == 5
+        removed = backend.remove(harness.request(seq, 3, 2))
+        assert removed == 2, f"remove of 2 stored blocks reported {int(removed)}"
+        assert harness.query(seq, 3) == 0, "removed blocks are still found"
+        assert harness.read(seq, 3)[0] == 0, "removed blocks can still be read"
+        assert harness.query(seq) == 3, "remove of blocks 3-4 dropped blocks 0-2"
+        done, got = harness.read(seq)
+        assert done == 3 and blocks_equal(got[:3], harness.payload(seq, 0, 3)) == []
+        again = backend.remove(harness.request(seq, 3, 2))
+        assert again == 0, f"a second remove of the same blocks reported {int(again)}"
+        never = backend.remove(harness.request(harness.new_sequence(2)))
+        assert never == 0, f"remove of never-stored blocks reported {int(never)}"
+        partly = backend.remove(harness.request(seq))
+        assert partly == 3, f"remove of 5 blocks of which 3 were stored reported {int(partly)}"
+        assert harness.query(seq) == 0
+        assert harness.write(seq) == 5, "blocks cannot be written again after a remove"
+        done, got = harness.read(seq)
+        assert done == 5 and blocks_equal(got, harness.payload(seq, 0, 5)) == []
+
+    @requires(addressing="key")
+    @exercises("kvcore_remove", *DATA_HOOKS)
+    def test_remove_of_middle_blocks_keeps_the_others(self, harness: Harness) -> None:
+        backend = harness.backend
+        _require_hook(backend, "kvcore_remove")
+        seq = harness.new_sequence(5)
+        assert harness.write(seq) == 5
+        assert backend.remove(harness.request(seq, 1, 2)) == 2
+        assert harness.query(seq) == 1
+        assert harness.query(seq, 3) == 2, "remove of blocks 1-2 dropped blocks 3-4"
+        done, got = harness.read(seq, 3)
+        assert done == 2 and blocks_equal(got, harness.payload(seq, 3, 2)) == []
+
+    @exercises("kvcore_remove", *DATA_HOOKS)
+    def test_remove_is_per_rank_and_seen_by_every_instance(
+        self,
+        open_harness: Callable[..., Harness],
+        backend_context: dict[str, Any],
+    ) -> None:
+        world, rank, other_rank, _ = _rank_layout(backend_context)
+        own = open_harness(rank=rank, world_size=world)
+        _require_hook(own.backend, "kvcore_remove")
+        twin = open_harness(rank=rank, world_size=world)
+        peer = open_harness(rank=other_rank, world_size=world)
+        seq = own.new_sequence(3)
+        assert own.write(seq) == 3
+        assert peer.write(seq, version=1) == 3
+        assert peer.backend.remove(peer.request(seq)) == 3
+        assert peer.query(seq) == 0
+        assert own.query(seq) == 3, f"rank {other_rank}'s remove dropped rank {rank}'s blocks"
+        if _sees(twin, seq, 3):  # the instances share one store: removal is seen by all
+            removed = twin.backend.remove(twin.request(seq))
+            assert removed == 3
+            left = own.query(seq)
+            assert left == 0, (
+                f"blocks removed through another instance sharing the store are still found "
+                f"by this one ({int(left)} of 3)"
+            )
+            assert own.read(seq)[0] == 0
+
+    @exercises("kvcore_clear", *DATA_HOOKS)
+    def test_clear_empties_the_namespace_for_every_rank_and_no_other(
+        self, open_harness: Callable[..., Harness]
+    ) -> None:
+        # namespaces of the kit's own: a clear must never touch data the kit did not write
+        cleared_ns = f"kvcore-kit-{uuid.uuid4().hex[:12]}"
+        kept_ns = f"{cleared_ns}-kept"
+        own = open_harness(rank=0, world_size=2, namespace=cleared_ns)
+        _require_hook(own.backend, "kvcore_clear")
+        twin = open_harness(rank=0, world_size=2, namespace=cleared_ns)
+        other_rank = open_harness(rank=1, world_size=2, namespace=cleared_ns)
+        other_ns = open_harness(rank=0, world_size=2, namespace=kept_ns)
+        seq = own.new_sequence(3)
+        for version, h in enumerate((own, other_rank, other_ns)):
+            assert h.write(seq, version=version) == 3
+        shared = _sees(twin, seq, 3)
+        objects = 3 * len(own.parts) * (2 if shared else 1)
+        removed = own.backend.clear()
+        assert removed == 0 or removed >= objects, (
+            f"clear reported {int(removed)} objects removed; the namespace held at least "
+            f"{objects} (0 is allowed for stores that cannot count)"
+        )
+        assert own.query(seq) == 0, "blocks are still found after clear"
+        assert own.read(seq)[0] == 0, "blocks can still be read after clear"
+        if shared:
+            assert other_rank.query(seq) == 0, "clear left another rank's blocks in the namespace"
+        done, got = other_ns.read(seq)
+        assert done == 3, "clear removed blocks of another namespace"
+        assert blocks_equal(got, other_ns.payload(seq, 0, 3, 2)) == []
+        assert own.write(seq) == 3, "blocks cannot be written again after clear"
+        done, got = own.read(seq)
+        assert done == 3 and blocks_equal(got, own.payload(seq, 0, 3)) == []
+        own.backend.clear()
+        other_ns.backend.clear()
 
     # -- hostile input and configuration ---------------------------------------------------
 
@@ -347,6 +774,7 @@ class BackendConformance:
             "embedded-dotdot",
         ],
     )
+    @exercises("kvcore_write", "kvcore_read")
     def test_hostile_keys_are_data(self, harness: Harness, key: str) -> None:
         seq = harness.new_sequence(1)
         seq.keys[0] = f"{key}{seq.keys[0][:16]}"  # unique per run, still hostile
@@ -357,20 +785,51 @@ class BackendConformance:
             assert done == 1
             assert blocks_equal(got, harness.payload(seq, 0, 1)) == []
 
+    @exercises()
     def test_unknown_config_field_is_named(
         self, backend_target: str | type, backend_config: dict
     ) -> None:
         with pytest.raises(ConfigError, match="no_such_setting"):
             open_backend(backend_target, {**backend_config, "no_such_setting": 1})
 
+    @exercises()
     def test_bad_config_value_is_named(
         self, backend_target: str | type, backend_config: dict
     ) -> None:
         with pytest.raises(ConfigError, match="default_timeout_s"):
             open_backend(backend_target, {**backend_config, "default_timeout_s": -1})
 
+    @exercises("kvcore_query", "kvcore_close")
+    def test_opens_without_a_layout_for_queries(
+        self,
+        backend_target: str | type,
+        backend_config: dict,
+        backend_context: dict,
+        harness: Harness,
+        capabilities: Capabilities,
+    ) -> None:
+        """Tools that only look up or drop data (``kvcore check``, an operator's script) open
+        a backend with ``layout=None``: it answers queries, or refuses with a ConfigError that
+        says what it needs - never an AttributeError on None."""
+        try:
+            bare = open_backend(
+                backend_target, backend_config, context={**backend_context, "layout": None}
+            )
+        except ConfigError:
+            return
+        with bare:
+            seq = harness.new_sequence(2)
+            missing = bare.query(bare.request("kit-no-layout", seq.keys, token_ids=seq.token_ids))
+            assert missing == 0
+            if capabilities.shared and capabilities.addressing == "key":
+                # same config and context but the layout: the same object names (k and v)
+                assert harness.write(seq) == 2
+                found = bare.query(bare.request("kit-no-layout", seq.keys))
+                assert found == 2, "a backend opened without a layout misses stored blocks"
+
     # -- token index and lifecycle ---------------------------------------------------------
 
+    @exercises("kvcore_flush_token_index", "kvcore_write", "kvcore_query")
     def test_flush_token_index_is_safe(self, harness: Harness, capabilities: Capabilities) -> None:
         seq = harness.new_sequence(3)
         assert harness.write(seq) == 3
@@ -381,13 +840,181 @@ class BackendConformance:
                 assert n == 0
         assert harness.query(seq) == 3, "a flush must not move or drop data"
 
-    def test_stats_are_numbers(self, harness: Harness) -> None:
-        seq = harness.new_sequence(1)
-        harness.write(seq)
-        stats = harness.backend.stats()
-        assert stats["calls.write"] == 1
-        assert all(isinstance(v, float | int) for v in stats.values())
+    @exercises("kvcore_register_buffer", "kvcore_unregister_buffer", *DATA_HOOKS)
+    def test_registered_regions(self, harness: Harness) -> None:
+        """Regions announced with ``register_buffer`` carry requests like any memory; data
+        written from one outlives it (the region is reused once unregistered), and the same
+        address can be registered again (allocators hand addresses out again)."""
+        h, backend = harness, harness.backend
+        seq = h.new_sequence(4)
+        payload = h.payload(seq, 0, 4)
+        src, dst = h.region(4, payload), h.region(4)
+        for region in (src, dst):
+            backend.register_buffer(region.ptr, region.nbytes)
+        if h.io == "host":
+            assert backend.write(h.request(seq, host=src.host())) == 4
+            assert backend.read(h.request(seq, host=dst.host())) == 4
+            assert blocks_equal(dst.blocks(), payload) == []
+            # a request may use part of a region: blocks 1-2 into the region's blocks 2-3
+            middle = h.region(4)
+            backend.register_buffer(middle.ptr, middle.nbytes)
+            assert backend.read(h.request(seq, 1, 2, host=middle.host(2, 2))) == 2
+            assert blocks_equal(middle.blocks(2, 2), payload[1:3]) == []
+            backend.unregister_buffer(middle.ptr)
+        else:
+            assert h.write(seq) == 4
+        for region in (src, dst):
+            backend.unregister_buffer(region.ptr)
+            region.array[:] = 0xA5  # the engine reuses the memory
+        done, got = h.read(seq)
+        assert done == 4
+        assert blocks_equal(got, payload) == [], "stored blocks changed with the freed region"
+        again = h.new_sequence(4)
+        backend.register_buffer(src.ptr, src.nbytes)
+        if h.io == "host":
+            src.array[:] = np.frombuffer(
+                b"".join(b"".join(parts) for parts in h.payload(again, 0, 4)), dtype=np.uint8
+            )
+            assert backend.write(h.request(again, host=src.host())) == 4
+        else:
+            assert h.write(again) == 4
+        backend.unregister_buffer(src.ptr)
+        done, got = h.read(again)
+        assert done == 4 and blocks_equal(got, h.payload(again, 0, 4)) == []
 
+    @requires(io="host", segmented_host=True)
+    @exercises(*DATA_HOOKS)
+    def test_segmented_host_buffers_round_trip(
+        self, open_harness: Callable[..., Harness], capabilities: Capabilities
+    ) -> None:
+        """Objects split into one segment per layer (an engine's host-resident cache) store
+        the same bytes as contiguous staging regions, in both directions."""
+        dtype = "block_wise_fp8" if capabilities.scales else "bfloat16"
+        h = open_harness(small_layout(dtype))
+        seq = h.new_sequence(4)
+        payload = h.payload(seq, 0, 4)
+        source, _ = h.segmented(4, payload)
+        assert h.backend.write(h.request(seq, host=source)) == 4
+        assert h.query(seq) == 4
+        done, got = h.read(seq)  # contiguous
+        assert done == 4
+        assert blocks_equal(got, payload) == [], "segmented write stored other bytes"
+        target, extract = h.segmented(4)
+        assert h.backend.read(h.request(seq, host=target)) == 4
+        assert blocks_equal(extract(), payload) == [], "segmented read returned other bytes"
+        other = h.new_sequence(2)
+        assert h.write(other) == 2  # contiguous
+        target, extract = h.segmented(2)
+        assert h.backend.read(h.request(other, host=target)) == 2
+        assert blocks_equal(extract(), h.payload(other, 0, 2)) == []
+
+    @exercises("kvcore_stats", "kvcore_write", "kvcore_read")
+    def test_stats_are_a_flat_mapping_of_numbers(self, harness: Harness) -> None:
+        seq = harness.new_sequence(2)
+        harness.write(seq)
+        harness.read(seq)
+        backend = harness.backend
+        if backend.implements("kvcore_stats"):
+            own = _hook_caller(backend, "kvcore_stats")()
+            assert isinstance(own, Mapping), f"kvcore_stats returned a {type(own).__name__}"
+            bad = {k: v for k, v in own.items() if not (isinstance(k, str) and _is_number(v))}
+            assert not bad, f"kvcore_stats must map str to numbers; these are not: {bad!r}"
+        stats = backend.stats()
+        assert stats["calls.write"] == 1
+        assert stats["calls.read"] == 1
+        bad = {k: v for k, v in stats.items() if not (isinstance(k, str) and _is_number(v))}
+        assert not bad, f"Backend.stats() must map str to numbers; these are not: {bad!r}"
+
+    @exercises("kvcore_raw_baseline")
+    def test_raw_baseline_reports_speeds(self, harness: Harness) -> None:
+        backend = harness.backend
+        _require_hook(backend, "kvcore_raw_baseline")
+        data = np.frombuffer(bytearray(np.random.default_rng().bytes(4 << 20)), dtype=np.uint8)
+        before = data.copy()
+        figures = backend.raw_baseline(data.ctypes.data, data.nbytes, data.nbytes // 16)
+        assert isinstance(figures, Mapping)
+        bad = {k: v for k, v in figures.items() if not (isinstance(k, str) and _is_number(v))}
+        assert not bad, f"kvcore_raw_baseline must map str to numbers; these are not: {bad!r}"
+        for name in ("write_gbps", "read_gbps"):
+            if name in figures:
+                assert math.isfinite(figures[name]) and figures[name] > 0, (name, figures)
+        if "read_gbps" in figures:
+            assert np.array_equal(data, before), "the raw baseline changed the bytes it was given"
+
+    @exercises("kvcore_close")
     def test_close_is_idempotent(self, harness: Harness) -> None:
         harness.backend.close()
         harness.backend.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _backend_class(target: str | type) -> type:
+    return load_backend_class(target) if isinstance(target, str) else target
+
+
+def _require_hook(backend: Backend, hook: str) -> None:
+    if not backend.implements(hook):
+        pytest.skip(f"backend does not implement {hook}")
+
+
+def _hook_caller(backend: Backend, hook: str) -> Callable[..., Any]:
+    # the raw hook, not the facade: the facade normalises what it returns
+    return getattr(backend._pm.hook, hook)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _rank_layout(context: dict[str, Any]) -> tuple[int, int, int, str]:
+    """(world size, this rank, another rank, namespace) for the configured context, with at
+    least two ranks."""
+    world = max(int(context.get("world_size", 1)), 2)
+    rank = int(context.get("rank", 0)) % world
+    return world, rank, (rank + 1) % world, str(context.get("namespace", "default"))
+
+
+def _sees(h: Harness, seq: Sequence_, n: int) -> bool:
+    """Whether ``h`` finds all ``n`` blocks of ``seq`` (written through another instance)."""
+    return h.query(seq) == n
+
+
+def _timed_call(h: Harness, call: Callable[[BlockRequest], int], request: BlockRequest):
+    t0 = time.monotonic()
+    done = call(request)
+    elapsed = time.monotonic() - t0
+    h.release()
+    return done, elapsed
+
+
+def _grow_until_slow(h: Harness) -> int:
+    """A batch whose write takes about the target time, or the largest one the store takes
+    whole: start at 256 blocks and scale by the measured time, at least doubling each step.
+    A store may refuse a batch too large for it (a short count); the last whole one is used."""
+    n, whole = 256, 0
+    while True:
+        seq = h.new_sequence(n)
+        done, elapsed = _timed_call(h, h.backend.write, h.bulk_request(seq))
+        _remove_quietly(h, [seq])
+        if done < n:
+            assert whole, (
+                f"a write of {n} fresh blocks with a {h.timeout_s} s deadline stored "
+                f"{int(done)} (failure: {getattr(done, 'failure', None)!r})"
+            )
+            return whole
+        whole = n
+        if elapsed >= _DEADLINE_TARGET_S or n >= _DEADLINE_MAX_BLOCKS:
+            return n
+        scale = max(2.0, 1.5 * _DEADLINE_TARGET_S / max(elapsed, 1e-3))
+        n = min(int(n * scale), _DEADLINE_MAX_BLOCKS)
+
+
+def _remove_quietly(h: Harness, seqs: list[Sequence_]) -> None:
+    """Drop what a test wrote in bulk, where the backend can, so shared stores do not fill."""
+    if not h.backend.implements("kvcore_remove"):
+        return
+    for seq in seqs:
+        with contextlib.suppress(Exception):
+            h.backend.remove(h.request(seq))
