@@ -117,7 +117,9 @@ class BackendHandle:
                 )
                 return None
             if self._failures:
-                log.info("kvcore backend %r opened after %d failed tries", self.name, self._failures)
+                log.info(
+                    "kvcore backend %r opened after %d failed tries", self.name, self._failures
+                )
             return self._backend
 
     def close(self) -> None:

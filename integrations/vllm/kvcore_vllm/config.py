@@ -79,6 +79,4 @@ def load_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"]) or "(root)"
             problems.append(f"  {SOURCE}.{where}: {err['msg']}")
-        raise SettingsError(
-            "invalid KVCoreConnector config:\n" + "\n".join(problems)
-        ) from None
+        raise SettingsError("invalid KVCoreConnector config:\n" + "\n".join(problems)) from None

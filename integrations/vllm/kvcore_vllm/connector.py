@@ -88,13 +88,14 @@ class KVCoreConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler().update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

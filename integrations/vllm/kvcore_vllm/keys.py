@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvcore
-
 from kvcore_vllm.config import ConnectorSettings
 
-__all__ = ["KeyChain", "key_scope", "model_identity"]
+__all__ = ["KeyChain", "engine_layout", "engine_object_names", "key_scope", "model_identity"]
 
 
 def model_identity(vllm_config: Any, settings: ConnectorSettings) -> str:
@@ -85,3 +84,47 @@ class KeyChain:
     def truncate(self, num_blocks: int) -> None:
         """Forget keys past ``num_blocks`` (tokens there may change, e.g. after preemption)."""
         del self.keys[num_blocks:]
+
+
+def engine_layout(vllm_config: Any) -> kvcore.CacheLayout:
+    """The layout a running engine's connector uses, from the model config alone.
+
+    The connector itself derives it from vLLM's ``KVCacheConfig``; this version needs only the
+    ``vllm_config`` (``LLM.llm_engine.vllm_config``), for tools that name stored objects.
+    """
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    from kvcore_vllm.layout import kv_dtype_name
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    cache_dtype = getattr(cc, "cache_dtype", "auto")
+    dtype = mc.dtype if cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    return kvcore.CacheLayout(
+        num_layers=mc.get_num_layers(pc),
+        num_heads=mc.get_num_kv_heads(pc),
+        block_size=cc.block_size,
+        head_dim=mc.get_head_size(),
+        dtype=kv_dtype_name(dtype),
+    )
+
+
+def engine_object_names(
+    vllm_config: Any, token_ids: Sequence[int], rank: int = 0
+) -> list[tuple[str, ...]]:
+    """``[block][part]`` names under which a running engine stores ``token_ids``' full blocks."""
+    from kvcore_vllm.config import load_settings
+    from kvcore_vllm.scheduler import engine_world
+
+    settings = load_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    layout = engine_layout(vllm_config)
+    chain = KeyChain(key_scope(vllm_config, settings, layout), layout.block_size)
+    keys = chain.upto(token_ids, len(token_ids) // layout.block_size)
+    names = kvcore.object_names(
+        keys,
+        layout.parts,
+        namespace=settings.namespace,
+        rank=rank,
+        world_size=engine_world(vllm_config),
+        weight_version=settings.weight_version,
+    )
+    return [tuple(n) for n in names]

@@ -170,7 +170,12 @@ def _map_one(
         return t[0], t[1], FORM_SPLIT
     # K and V together: some dimension is the blocks, a block is one dense run of 2 halves.
     block_dims = [d for d, n in enumerate(shape) if n == num_blocks and stride[d] == 2 * half]
-    if block_dims and t.is_contiguous() and block_dims[0] == 0 and t.numel() == num_blocks * 2 * half:
+    if (
+        block_dims
+        and t.is_contiguous()
+        and block_dims[0] == 0
+        and t.numel() == num_blocks * 2 * half
+    ):
         flat = t.view(-1)
         rows = 2 * num_blocks - 1  # row 2b of either view is a half of block b; see docstring
         k = flat[: rows * half].view(rows, half)

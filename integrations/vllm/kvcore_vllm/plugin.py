@@ -6,6 +6,8 @@ builds connectors; registering lazily keeps vLLM from importing the connector un
 
 from __future__ import annotations
 
+import contextlib
+
 from kvcore_vllm import CONNECTOR_NAME
 
 __all__ = ["register"]
@@ -14,9 +16,8 @@ __all__ = ["register"]
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    try:
+    # vLLM loads plugins more than once per process; a second registration raises ValueError
+    with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector(
             CONNECTOR_NAME, "kvcore_vllm.connector", "KVCoreConnector"
         )
-    except ValueError:
-        pass  # already registered in this process: vLLM loads plugins more than once

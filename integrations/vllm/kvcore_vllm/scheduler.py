@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvcore
-
 from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.keys import KeyChain, key_scope
@@ -75,9 +74,7 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(
-        self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings
-    ) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.layout = cache_layout(kv_cache_config)
         self.block_size = self.layout.block_size
@@ -95,11 +92,29 @@ class SchedulerSide:
         ]
         for handle in self.handles:  # open now: bad settings must fail at start-up
             handle.get()
+        self._check_reachable(vllm_config)
         self._kv_cache_manager: Any = None
         self._tracked: dict[str, _Tracked] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (first block, blocks) found
         self._loads: list[BlockRun] = []
         self._final_saves: list[BlockRun] = []
+        self._last_load: dict[str, BlockRun] = {}  # req -> its latest load, to judge failures
+
+    def _check_reachable(self, vllm_config: Any) -> None:
+        """A backend whose data lives inside one process (``memory``) is useful only when the
+        workers run in the scheduler's process: otherwise lookups never see what they stored."""
+        backend = self.handles[0].get()
+        if backend is None or backend.capabilities.shared:
+            return
+        executor = vllm_config.parallel_config.distributed_executor_backend
+        if self.world_size != 1 or executor != "uni":
+            raise ValueError(
+                f"kvcore backend {self.settings.backend!r} keeps its data inside one process, "
+                f"but this engine runs its workers elsewhere (executor {executor!r}, "
+                f"{self.world_size} ranks): use a shared backend (file, mooncake), or one rank "
+                "with distributed_executor_backend='uni' (on CPU also "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -194,15 +209,15 @@ class SchedulerSide:
             n = min(n, found)
         block_ids = list(blocks.get_block_ids()[0])
         keys = tracked.chain.upto(request.all_token_ids, start + n)[start:]
-        self._loads.append(
-            BlockRun(
-                req_id=request.request_id,
-                start_block=start,
-                keys=keys,
-                block_ids=block_ids[start : start + n],
-                token_ids=self._tokens(request, start + n),
-            )
+        run = BlockRun(
+            req_id=request.request_id,
+            start_block=start,
+            keys=keys,
+            block_ids=block_ids[start : start + n],
+            token_ids=self._tokens(request, start + n),
         )
+        self._loads.append(run)
+        self._last_load[request.request_id] = run
         # these blocks are in the store already: saving them again would only re-check them
         if tracked.saved_upto == 0 and start == 0:
             tracked.saved_upto = n
@@ -218,6 +233,7 @@ class SchedulerSide:
         for req_id in so.finished_req_ids:
             self._tracked.pop(req_id, None)
             self._hits.pop(req_id, None)
+            self._last_load.pop(req_id, None)
         spec = so.scheduled_spec_decode_tokens or {}
         scheduled: list[tuple[str, int]] = [
             (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
@@ -230,7 +246,9 @@ class SchedulerSide:
                 continue
             # draft tokens may be rejected: their KV is not the sequence's
             n_new = so.num_scheduled_tokens.get(req_id, 0) - len(spec.get(req_id, ()))
-            run = self._save_run(tracked, computed_before + n_new, lambda r=req_id: self._block_ids(r, so))
+            run = self._save_run(
+                tracked, computed_before + n_new, lambda r=req_id: self._block_ids(r, so)
+            )
             if run is not None:
                 meta.saves.append(run)
         return meta
@@ -242,7 +260,9 @@ class SchedulerSide:
             ids = self._kv_cache_manager.get_block_ids(req_id)
         return list(ids[0]) if ids else []
 
-    def _save_run(self, tracked: _Tracked, computed_tokens: int, block_ids_of: Any) -> BlockRun | None:
+    def _save_run(
+        self, tracked: _Tracked, computed_tokens: int, block_ids_of: Any
+    ) -> BlockRun | None:
         """The blocks that are full once ``computed_tokens`` have KV and are not saved yet."""
         request = tracked.request
         tokens = request.all_token_ids
@@ -269,8 +289,24 @@ class SchedulerSide:
             token_ids=self._tokens(request, full),
         )
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM; save them again afterwards.
+
+        (A backend that found an object corrupt drops it, so the new save heals the store.)
+        """
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for req_id, run in list(self._last_load.items()):
+            bad = [i for i, b in enumerate(run.block_ids) if b in invalid]
+            tracked = self._tracked.get(req_id)
+            if bad and tracked is not None:
+                tracked.saved_upto = min(tracked.saved_upto, run.start_block + bad[0])
+                del self._last_load[req_id]
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         self._hits.pop(request.request_id, None)
+        self._last_load.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None

@@ -10,11 +10,13 @@ an engine without the connector), ``via`` (``"name"``: the registered name, or
 or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_size``,
 ``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``steps``.
 
-Steps (``op``): ``generate`` (``prompts``: token-id lists, ``max_tokens``; returns tokens,
+Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
+for a next chat turn of an earlier step, ``max_tokens``; returns tokens,
 ``num_cached_tokens`` and the wall time), ``reset_prefix_cache`` (drops vLLM's own prefix cache,
 so the next prompt can only hit the connector), ``log_stats`` (forces vLLM's stat log and
-returns the ``KV Transfer metrics`` it printed), ``call`` (``target``: ``"module:function"``
-called with ``args``, e.g. to damage a store between two prompts), ``shutdown`` (closes the
+returns the ``KV Transfer metrics`` it printed since the previous ``log_stats``, summed), ``call`` (``target``: ``"module:function"``
+called with ``args``, and ``engine=`` the ``LLM`` if it takes one, e.g. to damage a store between
+two prompts), ``shutdown`` (closes the
 engine and reports kvcore threads and store files still open), ``sleep``.
 
 Models are written on the spot with random weights (:func:`write_model`): nothing is
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -36,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MODEL_SIZES", "MARKER", "run_session", "write_model"]
+__all__ = ["MARKER", "MODEL_SIZES", "run_session", "write_model"]
 
 #: Prefix of the lines a session prints for its parent.
 MARKER = "KVCORE_SESSION "
@@ -141,19 +144,53 @@ def _parse_metrics(lines: list[str]) -> dict[str, float]:
     return totals
 
 
-def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+def _prompt(item: Any, history: dict[str, tuple[list[int], list[int]]]) -> list[int]:
+    """A token list, or ``{"after": NAME, "extra": [...]}``: a follow-up turn of step NAME's
+    first prompt (its prompt, its output, then ``extra``)."""
+    if isinstance(item, dict):
+        prompt, output = history[item["after"]]
+        return [*prompt, *output, *item.get("extra", [])]
+    return [int(t) for t in item]
+
+
+def _generate(
+    llm: Any, step: dict[str, Any], history: dict[str, tuple[list[int], list[int]]]
+) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), detokenize=False)
-    prompts = [{"prompt_token_ids": list(p)} for p in step["prompts"]]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=step.get("max_tokens", 8),
+        ignore_eos=True,  # random models emit EOS at random: keep every output's length
+        detokenize=False,
+    )
+    token_lists = [_prompt(p, history) for p in step["prompts"]]
+    prompts = [{"prompt_token_ids": p} for p in token_lists]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    history[step.get("name", "generate")] = (token_lists[0], tokens[0])
     return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "prompt_lengths": [len(p) for p in token_lists],
+        "tokens": tokens,
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs],
         "seconds": seconds,
     }
+
+
+def _reset_prefix_cache(llm: Any, in_process: bool, timeout_s: float = 30.0) -> bool:
+    """Drop vLLM's prefix cache. vLLM refuses while finished requests still hold blocks (the
+    connector keeps them until their saves are stored): step the engine until it accepts."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if llm.reset_prefix_cache():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        if in_process:
+            llm.llm_engine.step()  # an empty step collects the workers' finished saves
+        time.sleep(0.02)
 
 
 def _leftovers(store_root: str | None) -> dict[str, Any]:
@@ -185,20 +222,26 @@ def run_session(spec: dict[str, Any], emit: Any = None) -> list[dict[str, Any]]:
     results.append(started)
     if emit:
         emit(started)
+    history: dict[str, tuple[list[int], list[int]]] = {}
     for step in spec.get("steps", []):
         op = step["op"]
         out: dict[str, Any] = {"op": op, "name": step.get("name", op)}
         if op == "generate":
-            out.update(_generate(llm, step))
+            out.update(_generate(llm, step, history))
         elif op == "reset_prefix_cache":
-            out["ok"] = bool(llm.reset_prefix_cache())
+            out["ok"] = _reset_prefix_cache(llm, spec.get("in_process", False))
         elif op == "log_stats":
-            capture.lines.clear()
+            # vLLM also logs on its own every few seconds: sum every line since the last step
             llm.llm_engine.do_log_stats()
             out["metrics"] = _parse_metrics(capture.lines)
+            capture.lines.clear()
         elif op == "call":
             module, _, func = step["target"].partition(":")
-            out["result"] = getattr(importlib.import_module(module), func)(**step.get("args", {}))
+            target = getattr(importlib.import_module(module), func)
+            kwargs = dict(step.get("args", {}))
+            if "engine" in inspect.signature(target).parameters:
+                kwargs["engine"] = llm  # e.g. to name the objects this engine stored
+            out["result"] = target(**kwargs)
         elif op == "sleep":
             time.sleep(float(step["seconds"]))
         elif op == "shutdown":

@@ -17,6 +17,7 @@ the opened backend, so every byte moves through kvcore's swap ops, staging and b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -25,7 +26,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvcore.transfer import DeviceCache, TransferManager
-
 from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.layout import LayerMapping, cache_layout, map_layer_tensors
@@ -188,9 +188,8 @@ class WorkerSide:
                 continue
             with self._lock:
                 self._inflight.setdefault(run.req_id, set()).add(fut)
-            fut.add_done_callback(
-                lambda f, run=run, t0=time.monotonic(): self._save_done(run, f, t0)
-            )
+            submitted = time.monotonic()
+            fut.add_done_callback(lambda f, run=run, t0=submitted: self._save_done(run, f, t0))
 
     def _save_done(self, run: BlockRun, fut: Future, t0: float) -> None:
         written = skipped = 0
@@ -229,10 +228,8 @@ class WorkerSide:
             with self._lock:
                 futures = list(self._inflight.get(req_id, ()))
             for fut in futures:
-                try:
+                with contextlib.suppress(Exception):  # failures are counted by _save_done
                     fut.result()  # answered by its deadline at the latest
-                except Exception:
-                    pass  # counted by _save_done
 
     # -- stats and shutdown ----------------------------------------------------------------
 

@@ -1,0 +1,161 @@
+"""Fixtures for the connector's tests: a tiny random model, engine processes, prompts.
+
+Engine tests start real vLLM engines (``python -m kvcore_vllm.session``), each in a fresh
+process, and compare them with an engine that has no connector. Mooncake tests start a real
+``mooncake_master`` on 127.0.0.1; the whole run moves into a loopback-only network namespace
+first when it can (Mooncake's client listens on the wildcard address), as kv_mooncake's own
+tests do. Set ``KV_MOONCAKE_NETNS=0`` to skip that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvcore_vllm.session import MARKER, write_model
+
+HERE = Path(__file__).resolve().parent
+PACKAGE_ROOT = HERE.parent
+CACHE = PACKAGE_ROOT / ".cache"
+BLOCK_SIZE = 32
+#: One engine start plus a few tiny prompts takes ~25 s on 2 cores; a hung engine fails here.
+ENGINE_TIMEOUT_S = float(os.environ.get("KVCORE_VLLM_ENGINE_TIMEOUT_S", "420"))
+
+_netns_note = "not attempted (KV_MOONCAKE_NETNS=0)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _netns_note
+    if os.environ.get("KV_MOONCAKE_NETNS", "auto") != "0":
+        from kv_mooncake.testing import isolate_loopback
+
+        why_not = isolate_loopback()
+        _netns_note = "private, loopback only" if why_not is None else f"shared ({why_not})"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"kvcore-vllm network namespace: {_netns_note}"
+
+
+@dataclass
+class Prompts:
+    """The token lists every engine test uses (seeded: identical in every process)."""
+
+    a: list[int]  # 600 tokens: 18 full blocks of 32 and a partial one
+    b: list[int]  # shares A's first 500 tokens (15 full blocks), then differs
+    a_new_tokens: int = 40  # A generates into block 18, so a generated block gets stored
+    t2_extra: list[int] = field(default_factory=list)  # a second chat turn after A
+
+    @property
+    def shared_full_blocks(self) -> int:
+        common = 0
+        for x, y in zip(self.a, self.b, strict=False):
+            if x != y:
+                break
+            common += 1
+        return common // BLOCK_SIZE
+
+
+def make_prompts(vocab: int = 512) -> Prompts:
+    rng = random.Random(1234)
+    a = [rng.randrange(1, vocab) for _ in range(600)]
+    b = a[:500] + [(t % (vocab - 1)) + 1 for t in (x + 7 for x in a[500:600])]
+    t2_extra = [rng.randrange(1, vocab) for _ in range(50)]
+    return Prompts(a=a, b=b, t2_extra=t2_extra)
+
+
+@pytest.fixture(scope="session")
+def prompts() -> Prompts:
+    return make_prompts()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The tiny random Llama, written once into the package's (git-ignored) cache."""
+    return write_model(CACHE / "models" / "tiny", "tiny")
+
+
+@dataclass
+class EngineRun:
+    """What one engine process printed: one result per step, and its log."""
+
+    results: list[dict[str, Any]]
+    log: str
+
+    def step(self, name: str) -> dict[str, Any]:
+        for r in self.results:
+            if r.get("name") == name:
+                return r
+        raise KeyError(f"no step named {name!r} in {[r.get('name') for r in self.results]}")
+
+
+def run_engine(spec: dict[str, Any], workdir: Path, label: str) -> EngineRun:
+    """Run one engine process over ``spec`` and return its results (its log is kept in
+    ``workdir/<label>.log`` for a failing test's report)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = {"block_size": BLOCK_SIZE, "sys_path": [str(HERE)], **spec}
+    spec_path = workdir / f"{label}.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = workdir / f"{label}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcore_vllm.session", str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=ENGINE_TIMEOUT_S,
+            cwd=str(workdir),
+        )
+    lines = proc.stdout.splitlines()
+    results = [json.loads(line[len(MARKER) :]) for line in lines if line.startswith(MARKER)]
+    # vLLM logs to stdout: keep it with stderr, without the result lines
+    with open(log_path, "a") as log:
+        log.write("\n".join(line for line in lines if not line.startswith(MARKER)) + "\n")
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"engine {label!r} exited with {proc.returncode}; last log lines:\n"
+            + "\n".join(text.splitlines()[-40:])
+        )
+    return EngineRun(results, text)
+
+
+def chat_steps(prompts: Prompts, prefix: str = "") -> list[dict[str, Any]]:
+    """A, then B, then A's second turn, each from an empty vLLM prefix cache."""
+    return [
+        {
+            "op": "generate",
+            "name": f"{prefix}A",
+            "prompts": [prompts.a],
+            "max_tokens": prompts.a_new_tokens,
+        },
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": f"{prefix}B", "prompts": [prompts.b], "max_tokens": 8},
+        {"op": "reset_prefix_cache"},
+        {
+            "op": "generate",
+            "name": f"{prefix}T2",
+            "prompts": [{"after": f"{prefix}A", "extra": prompts.t2_extra}],
+            "max_tokens": 8,
+        },
+    ]
+
+
+@pytest.fixture(scope="session")
+def baseline(
+    model_dir: Path, prompts: Prompts, tmp_path_factory: pytest.TempPathFactory
+) -> EngineRun:
+    """The same prompts on an engine without the connector: the tokens every run must match."""
+    workdir = tmp_path_factory.mktemp("baseline")
+    return run_engine(
+        {"model": str(model_dir), "connector": None, "steps": chat_steps(prompts)},
+        workdir,
+        "baseline",
+    )

@@ -1,0 +1,38 @@
+"""Functions the engine tests run inside an engine process (``{"op": "call"}`` steps)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+
+def flip_bit_in_file_store(engine: Any, root: str, prompt: list[int], block: int) -> str:
+    """Flip one payload bit of the ``k`` object kv_file holds for ``prompt``'s block ``block``.
+
+    The object is found by its name, computed the way the engine's connector computes it, so
+    this also checks that names are reproducible from the engine's config alone.
+    """
+    from kv_file.objfile import encode_name, header_size
+    from kv_file.paths import name_digest
+    from kvcore_vllm.keys import engine_object_names
+
+    name = engine_object_names(engine.llm_engine.vllm_config, prompt)[block][0]
+    filename = f"{name_digest(encode_name(name)):032x}.kv"
+    matches = list(Path(root).rglob(filename))
+    assert len(matches) == 1, f"expected one file for {name!r} under {root}, found {matches}"
+    path = matches[0]
+    offset = header_size(len(encode_name(name))) + 100  # inside the payload
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    return str(path)
+
+
+def kill(pid: int) -> bool:
+    """SIGKILL a process (a Mooncake master dying mid-run)."""
+    os.kill(pid, signal.SIGKILL)
+    return True
