@@ -196,3 +196,12 @@ def test_bad_arguments_are_sdk_errors() -> None:
             "ns", "pod", "v0", 0, 1, LAYERS, BS, K_BYTES, V_BYTES, 0, 0,
             attention_type="MHA", enable_as_kv_rw=True, gpu_count=0,
         )  # fmt: skip
+
+
+def test_calls_past_their_timeout_stop_between_blocks() -> None:
+    sdk = _sdk()
+    tokens = Tokens(list(range(3 * BS)), BS)
+    k, v = _tensors(seed=8)
+    assert sdk.write([0, 1], tokens, 0, _ptrs(k), _ptrs(v), [0, 1, 2], 0.0, **WRITE_KW) == 0
+    assert sdk.write([0, 1], tokens, 0, _ptrs(k), _ptrs(v), [0, 1, 2], 5.0, **WRITE_KW) == 3
+    assert sdk.read([0, 1], tokens, 0, _ptrs(k), _ptrs(v), [0, 1, 2], 0.0, **READ_KW) == 0

@@ -33,7 +33,10 @@ through its last token, so equal names mean equal prefixes; only full blocks of 
 have names. ``match`` counts consecutive stored blocks from ``start_block_idx``. ``read`` and
 ``write`` copy each listed layer's block ``b`` at ``k_ptrs[i] + b * k_bytes`` (V likewise with
 ``v_bytes``), work through ``min(len(gpu_block_ids), full blocks - start)`` blocks in order and
-return how many leading ones were done; a write keeps bytes already stored for a block.
+return how many leading ones were done; a write keeps bytes already stored for a block. A
+call honours its timeout: past it, ``read`` and ``write`` stop between blocks and answer the
+blocks done (whether the vendor's SDK answers so or raises is not known; FastDeploy handles
+both: a short count, or an AttentionStoreSDKError it logs as 0).
 """
 
 from __future__ import annotations
@@ -158,7 +161,10 @@ class _ReferenceSDK:
         def run() -> int:
             self._check_layers(layer_ids, k_ptrs, v_ptrs)
             hashes = self._hashes(tokens, start)[: len(gpu_block_ids)]
+            stop = time.monotonic() + timeout
             for i, h in enumerate(hashes):
+                if time.monotonic() >= stop:
+                    return i  # out of time: the blocks copied so far
                 with control.STATE.lock:
                     entry = self.store.blocks.get(h)
                 if entry is None or any(lid not in entry for lid in layer_ids):
@@ -185,9 +191,10 @@ class _ReferenceSDK:
         def run() -> int:
             self._check_layers(layer_ids, k_ptrs, v_ptrs)
             hashes = self._hashes(tokens, start)[: len(gpu_block_ids)]
+            stop = time.monotonic() + timeout
             for i, h in enumerate(hashes):
-                if not control.take_write_budget():
-                    return i
+                if time.monotonic() >= stop or not control.take_write_budget():
+                    return i  # out of time or space: the blocks stored so far
                 b = int(gpu_block_ids[i])
                 layers = {
                     lid: (
