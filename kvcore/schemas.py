@@ -401,9 +401,8 @@ class SwapTask(_TaskBase):
 
 
 def _check_keys(keys: list[str]) -> None:
-    for i, key in enumerate(keys):
-        if not key:
-            raise ValueError(f"keys[{i}] is empty")
+    if "" in keys:  # one C-level scan; the index only when it fails
+        raise ValueError(f"keys[{keys.index('')}] is empty")
 
 
 def _check_block_lists(keys: list[str], device_block_ids: list[int]) -> None:
@@ -413,9 +412,9 @@ def _check_block_lists(keys: list[str], device_block_ids: list[int]) -> None:
             "one device block per key"
         )
     _check_keys(keys)
-    for i, b in enumerate(device_block_ids):
-        if b < 0:
-            raise ValueError(f"device_block_ids[{i}] = {b} is negative")
+    if device_block_ids and min(device_block_ids) < 0:
+        i = next(i for i, b in enumerate(device_block_ids) if b < 0)
+        raise ValueError(f"device_block_ids[{i}] = {device_block_ids[i]} is negative")
 
 
 #: Why a task ended as it did (:attr:`TaskResult.outcome`).

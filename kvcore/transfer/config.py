@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from kvcore.errors import ConfigError
-from kvcore.schemas import BackendContext, CacheLayout, EnvConfig, timeout_field
+from kvcore.schemas import BackendContext, ByteSize, CacheLayout, EnvConfig, timeout_field
 
 if TYPE_CHECKING:
     from kvcore.backend import Backend
@@ -64,8 +64,19 @@ class TransferConfig(EnvConfig):
     pipeline_blocks: int = Field(
         default=16,
         ge=1,
-        description="blocks per span: the storage I/O of one span overlaps the device copy of "
-        "the next (writes) or the previous (reads)",
+        description="blocks per span at most: the storage I/O of one span overlaps the device "
+        "copy of the next (writes) or the previous (reads); smaller if the budget says so",
+    )
+    staging_budget_bytes: ByteSize = Field(
+        default=ByteSize(2**30),
+        gt=0,
+        description="host memory the staged path may allocate, both directions together "
+        "(e.g. '1GiB', '512MB'): spans shrink to fit it",
+    )
+    prefault_staging: bool = Field(
+        default=False,
+        description="touch every staging page at construction (first tasks run at full speed; "
+        "the memory is committed whether or not it is ever used)",
     )
     pipeline_depth: int = Field(
         default=2, ge=2, le=8, description="spans in flight per task (staging slots per task)"
@@ -133,18 +144,35 @@ class TransferConfig(EnvConfig):
         """The most blocks one task may carry: the longest sequence, in blocks."""
         return math.ceil(self.max_model_len / self.layout.block_size)
 
-    @property
-    def staging_slots(self) -> int:
-        """Blocks one staging buffer holds: ``pipeline_depth`` spans of ``pipeline_blocks``."""
-        return self.pipeline_depth * min(self.pipeline_blocks, self.max_task_blocks)
-
     def staging_count(self, workers: int) -> int:
         return self.staging_buffers or workers + 1
 
-    def staging_bytes(self) -> int:
-        """Host memory the staged path allocates (both directions), in bytes."""
+    @property
+    def span_blocks(self) -> int:
+        """Blocks per span of the staged path: ``pipeline_blocks``, or fewer so that every
+        staging buffer fits ``staging_budget_bytes``:
+
+            staging bytes = (read buffers + write buffers) x pipeline_depth x span x block bytes
+
+        with ``read_workers + 1`` and ``write_workers + 1`` buffers unless ``staging_buffers``
+        says otherwise. Raises ConfigError when the budget cannot hold a span of one block.
+        """
         count = self.staging_count(self.read_workers) + self.staging_count(self.write_workers)
-        return count * self.staging_slots * self.layout.block_bytes
+        per_block = count * self.pipeline_depth * self.layout.block_bytes
+        fits = self.staging_budget_bytes // per_block
+        if fits < 1:
+            raise ConfigError(
+                f"invalid transfer config:\n  staging_budget_bytes: {self.staging_budget_bytes} "
+                f"bytes cannot hold one task: {count} staging buffers x pipeline_depth "
+                f"{self.pipeline_depth} x one {self.layout.block_bytes}-byte block need "
+                f"{per_block} bytes (raise the budget, or lower the workers or staging_buffers)"
+            )
+        return min(self.pipeline_blocks, self.max_task_blocks, fits)
+
+    @property
+    def staging_slots(self) -> int:
+        """Blocks one staging buffer holds: ``pipeline_depth`` spans."""
+        return self.pipeline_depth * self.span_blocks
 
     def check_backend(self, backend: Backend) -> None:
         """An already-opened backend must have been opened for this engine: its context names

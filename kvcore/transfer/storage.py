@@ -95,12 +95,14 @@ class StagedIO(StorageIO):
     def __init__(self, backend: Backend, config: TransferConfig, io: ThreadPoolExecutor) -> None:
         super().__init__(backend, config)
         self._io = io
-        self.span = min(config.pipeline_blocks, config.max_task_blocks)
+        self.span = config.span_blocks  # within the staging budget (or ConfigError, first)
         self.depth = config.pipeline_depth
-        slots = config.staging_slots
-        layout = config.layout
-        self._read_pool = StagingPool(layout, slots, config.staging_count(config.read_workers))
-        self._write_pool = StagingPool(layout, slots, config.staging_count(config.write_workers))
+        slots, layout, prefault = config.staging_slots, config.layout, config.prefault_staging
+        reads, writes = (
+            config.staging_count(w) for w in (config.read_workers, config.write_workers)
+        )
+        self._read_pool = StagingPool(layout, slots, reads, prefault)
+        self._write_pool = StagingPool(layout, slots, writes, prefault)
         for region in self._regions():
             backend.register_buffer(region.ptr, region.nbytes)
 
