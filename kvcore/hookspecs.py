@@ -19,6 +19,9 @@ existing backends.
 
 Semantics shared by the data hooks:
 
+- The request is well-formed: kvcore checks it once, where it enters the core (see
+  :class:`kvcore.BlockRequest` for what is promised), so a backend need not re-check its shape.
+
 - A request covers blocks ``start_block .. start_block + n`` of one sequence
   (:class:`kvcore.requests.BlockRequest`). Results are counts of *leading* blocks: a prefix
   cache can only use a contiguous run from the first block, so a success after a failure
@@ -81,6 +84,8 @@ def kvcore_query(request: BlockRequest) -> int:
     ``firstresult``: the backend's answer is the result (one backend per plugin manager).
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2 may return :class:`kvcore.Outcome` to report a failure;
+       ``request.object_names`` is a :class:`kvcore.keys.NameRows` (rows as before).
     """
 
 
@@ -99,6 +104,9 @@ def kvcore_read(request: BlockRequest) -> int:
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2 segmented ``request.host`` buffers (per-layer pieces of the
+       engine's own blocks: ``HostBuffers.segments``) for backends declaring
+       ``Capabilities(segmented_host=True)``; may return :class:`kvcore.Outcome`.
     """
 
 
@@ -119,6 +127,8 @@ def kvcore_write(request: BlockRequest) -> int:
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.2 segmented host buffers as for :func:`kvcore_read`; may return
+       :class:`kvcore.Outcome` (e.g. ``Outcome(i, "disk full")``).
     """
 
 
@@ -131,7 +141,7 @@ def kvcore_flush_token_index(request: BlockRequest, resident_on_device: bool) ->
 
     :param request: ``token_ids`` is the full token path from the root (never just the new
         tokens) and ``start_block`` the first block whose residency changed; ``host`` and
-        ``device`` are None.
+        ``device`` are None. ``block_keys`` may be empty: ``num_blocks`` says how many blocks.
     :param resident_on_device: whether the blocks are now held in the engine's device cache.
     :return: the number of blocks whose record was updated. A backend with no token index
         does not implement this hook; kvcore then returns 0.
