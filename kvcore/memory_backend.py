@@ -36,7 +36,6 @@ class MemoryBackend:
 
     def __init__(self, config: MemoryConfig, context: BackendContext) -> None:
         self.config = config
-        self._namespace_prefix = f"{context.namespace}/"
         self._objects: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
@@ -92,11 +91,12 @@ class MemoryBackend:
 
     @hookimpl
     def kvcore_clear(self) -> int:
+        # every object here is this opened backend's (the store lives in it), whatever names
+        # its callers chose (an adapter may keep an engine's own names)
         with self._lock:
-            doomed = [n for n in self._objects if n.startswith(self._namespace_prefix)]
-            for name in doomed:
-                del self._objects[name]
-        return len(doomed)
+            removed = len(self._objects)
+            self._objects.clear()
+        return removed
 
     @hookimpl
     def kvcore_stats(self) -> dict[str, float]:

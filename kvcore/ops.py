@@ -30,8 +30,7 @@ __all__ = [
     "TO_HOST",
     "HostBuffer",
     "LayerSet",
-    "copy_layout",
-    "copy_pairs",
+    "copy_blocks",
     "cuda_available",
     "describe_layers",
     "describe_tensor",
@@ -323,6 +322,19 @@ def describe_layers(cache_tensors: Sequence[Any], name: str = "cache_tensors") -
     )
 
 
+def _id_pairs(
+    device_block_ids: Sequence[int], other_ids: Sequence[int], other_name: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Both id lists as int64 arrays, checked to pair up."""
+    dev_ids = _ids(device_block_ids, "device_block_ids")
+    others = _ids(other_ids, other_name)
+    if len(dev_ids) != len(others):
+        raise ValueError(
+            f"device_block_ids ({len(dev_ids)}) and {other_name} ({len(others)}) differ in length"
+        )
+    return dev_ids, others
+
+
 def _check_mode(mode: int) -> int:
     if mode not in (TO_HOST, TO_DEVICE):
         raise ValueError(f"mode must be 0 (device->host) or 1 (host->device), got {mode}")
@@ -356,10 +368,10 @@ def _p(a: np.ndarray) -> int:
 # --------------------------------------------------------------------------- the ops
 
 
-def copy_pairs(
+def copy_blocks(
     layers: LayerSet,
-    host_arr: np.ndarray,
-    max_host_blocks: int,
+    host: np.ndarray | int,
+    host_blocks: int,
     dev_ids: np.ndarray,
     host_ids: np.ndarray,
     device_id: int,
@@ -368,86 +380,35 @@ def copy_pairs(
     num_threads: int | None = None,
     stream: int | None = None,
 ) -> None:
-    """:func:`swap_cache_all_layers` on described layers and int64 id arrays (no re-checks
-    beyond the ids, which the native code validates)."""
+    """Both swap ops on described layers and int64 id arrays (only the ids are checked, by the
+    native code). ``host`` is an array of per-layer host addresses (``swap_cache_all_layers``:
+    ``host_blocks`` blocks each) or one staging address (``swap_cache_layout``: ``host_blocks``
+    slots, -1 when unknown)."""
+    bb, per_layer = layers.block_bytes, isinstance(host, np.ndarray)
     if not layers.on_gpu:
-        _swap.swap_all_layers(
-            layers.ptrs,
-            host_arr,
-            layers.nblocks,
-            layers.block_bytes,
-            max_host_blocks,
-            dev_ids,
-            host_ids,
-            mode,
-            num_threads or 0,
-        )
+        if per_layer:
+            _swap.swap_all_layers(layers.ptrs, host, layers.nblocks, bb, host_blocks, dev_ids,
+                                  host_ids, mode, num_threads or 0)  # fmt: skip
+        else:
+            _swap.swap_layout(layers.ptrs, layers.nblocks, bb, host, host_blocks, dev_ids,
+                              host_ids, mode, num_threads or 0)  # fmt: skip
         return
-    lib = _require_cuda()
-    s = _current_stream(layers.tensors[0], device_id) if stream is None else stream
-    lib.call(
-        "kvc_cuda_swap_all_layers",
-        int(device_id),
-        s,
-        _p(layers.ptrs),
-        _p(host_arr),
-        _p(layers.nblocks),
-        layers.nlayers,
-        layers.block_bytes,
-        max_host_blocks,
-        _p(dev_ids),
-        _p(host_ids),
-        len(dev_ids),
-        mode,
-        1,
-    )
+    if per_layer:
+        name, head = "kvc_cuda_swap_all_layers", (layers.ptrs, host, layers.nblocks)
+    else:
+        name, head = "kvc_cuda_swap_layout", (layers.ptrs, layers.nblocks)
+    tail = (layers.nlayers, bb) if per_layer else (layers.nlayers, bb, host)
+    _cuda(name, layers, device_id, stream, *head, *tail, host_blocks, dev_ids, host_ids, mode)
 
 
-def copy_layout(
-    layers: LayerSet,
-    staging: int,
-    nslots: int,
-    dev_ids: np.ndarray,
-    slot_ids: np.ndarray,
-    device_id: int,
-    mode: int,
-    *,
-    num_threads: int | None = None,
-    stream: int | None = None,
-) -> None:
-    """:func:`swap_cache_layout` on described layers, a staging address with ``nslots`` slots
-    (-1: unknown) and int64 id arrays."""
-    if not layers.on_gpu:
-        _swap.swap_layout(
-            layers.ptrs,
-            layers.nblocks,
-            layers.block_bytes,
-            staging,
-            nslots,
-            dev_ids,
-            slot_ids,
-            mode,
-            num_threads or 0,
-        )
-        return
-    lib = _require_cuda()
+def _cuda(name: str, layers: LayerSet, device_id: int, stream: int | None, *args: Any) -> None:
+    """Call a CUDA swap entry point: ``(device, stream, *args, n, mode, sync=1)`` where the last
+    three of ``args`` are the two id arrays and the mode; arrays go as pointers."""
+    *head, first_ids, second_ids, mode = args
     s = _current_stream(layers.tensors[0], device_id) if stream is None else stream
-    lib.call(
-        "kvc_cuda_swap_layout",
-        int(device_id),
-        s,
-        _p(layers.ptrs),
-        _p(layers.nblocks),
-        layers.nlayers,
-        layers.block_bytes,
-        staging,
-        nslots,
-        _p(dev_ids),
-        _p(slot_ids),
-        len(dev_ids),
-        mode,
-        1,
-    )
+    pointers = [_p(a) if isinstance(a, np.ndarray) else a for a in head]
+    _require_cuda().call(name, int(device_id), s, *pointers, _p(first_ids), _p(second_ids),
+                         len(first_ids), mode, 1)  # fmt: skip
 
 
 def swap_cache_all_layers(
@@ -488,15 +449,9 @@ def swap_cache_all_layers(
                 f"host_ptrs[{i}] holds {size} bytes < max_host_blocks * {block_bytes} bytes"
             )
         host.append(ptr)
-    dev_ids = _ids(device_block_ids, "device_block_ids")
-    host_ids = _ids(host_block_ids, "host_block_ids")
-    if len(dev_ids) != len(host_ids):
-        raise ValueError(
-            f"device_block_ids ({len(dev_ids)}) and host_block_ids ({len(host_ids)}) "
-            "differ in length"
-        )
+    dev_ids, host_ids = _id_pairs(device_block_ids, host_block_ids, "host_block_ids")
     # The tensors and buffers stay referenced by the caller's frame and these locals until return.
-    copy_pairs(
+    copy_blocks(
         layers,
         np.asarray(host, dtype=np.uint64),
         max_host_blocks,
@@ -546,14 +501,8 @@ def swap_cache_layout(
     nslots = -1 if size is None else size // slot_bytes
     if staging_nslots is not None:
         nslots = int(staging_nslots) if nslots < 0 else min(nslots, int(staging_nslots))
-    dev_ids = _ids(device_block_ids, "device_block_ids")
-    slot_ids = _ids(staging_slot_ids, "staging_slot_ids")
-    if len(dev_ids) != len(slot_ids):
-        raise ValueError(
-            f"device_block_ids ({len(dev_ids)}) and staging_slot_ids ({len(slot_ids)}) "
-            "differ in length"
-        )
-    copy_layout(
+    dev_ids, slot_ids = _id_pairs(device_block_ids, staging_slot_ids, "staging_slot_ids")
+    copy_blocks(
         layers,
         staging,
         nslots,

@@ -128,28 +128,28 @@ class BlockTasks:
         cache.check_ids(task.device_block_ids, "device_block_ids")
         self.check(task.keys, task.start_block, task.token_ids)
         self._policy.used(task.keys)
-        request = self.backend.request(
+        request = self._request(task, timeout_s)
+        ids = np.asarray(task.device_block_ids, dtype=np.int64)
+        return BlockJob(request, list(task.device_block_ids), ids, cache)
+
+    def _request(
+        self, task: ReadTask | WriteTask | QueryTask | FlushTask, timeout_s: float, **more: int
+    ) -> BlockRequest:
+        """The task's request, its object names built here, once."""
+        return self.backend.request(
             task.task_id,
             task.keys,
             start_block=task.start_block,
             token_ids=task.token_ids,
             timeout_s=timeout_s,
+            **more,
         )
-        ids = np.asarray(task.device_block_ids, dtype=np.int64)
-        return BlockJob(request, list(task.device_block_ids), ids, cache)
 
     def query(self, task: QueryTask, timeout_s: float) -> int:
         """Leading blocks of ``task`` stored on this rank, asked synchronously."""
         self.check(task.keys, task.start_block, task.token_ids)
         t0 = time.monotonic()
-        request = self.backend.request(
-            task.task_id,
-            task.keys,
-            start_block=task.start_block,
-            token_ids=task.token_ids,
-            timeout_s=timeout_s,
-        )
-        n = self.backend.query(request)
+        n = self.backend.query(self._request(task, timeout_s))
         misses = len(task.keys) - n
         self.metrics.observe("query", time.monotonic() - t0, tasks=1, blocks=len(task.keys),
                              hits=n, misses=misses, errors=int(n.failure is not None))  # fmt: skip
@@ -159,14 +159,7 @@ class BlockTasks:
         """A flush's request: the blocks of ``token_ids`` from ``start_block`` (no fake keys)."""
         block_size = self.config.layout.block_size
         n_blocks = max(0, len(task.token_ids) // block_size - task.start_block)
-        return self.backend.request(
-            task.task_id,
-            task.keys,
-            start_block=task.start_block,
-            token_ids=task.token_ids,
-            num_blocks=n_blocks,
-            timeout_s=timeout_s,
-        )
+        return self._request(task, timeout_s, num_blocks=n_blocks)
 
     def flush(
         self, request: BlockRequest, resident: bool, fut: TaskFuture, prog: Progress

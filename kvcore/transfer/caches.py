@@ -126,7 +126,7 @@ class DeviceCache:
         part's staging region (``staging[j]``, ``nslots`` slots), or scatter them back (1)."""
         slots = np.arange(first_slot, first_slot + len(ids), dtype=np.int64)
         for part, region in zip(self.layout.parts, staging, strict=True):
-            ops.copy_layout(self.layers[part], region, nslots, ids, slots, device_id, mode)
+            ops.copy_blocks(self.layers[part], region, nslots, ids, slots, device_id, mode)
 
 
 def _check_layer_tensor(layout: CacheLayout, part: str, layer: int, t: Any) -> None:
@@ -194,7 +194,7 @@ class HostCache:
         for part in self.layout.parts:
             layers = cache.layers[part]
             ptrs = self.ptrs[part]
-            ops.copy_pairs(layers, ptrs, self.num_blocks, dev_ids, host_ids, device_id, mode)
+            ops.copy_blocks(layers, ptrs, self.num_blocks, dev_ids, host_ids, device_id, mode)
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         for i, b in enumerate(ids):

@@ -123,21 +123,10 @@ class TransferConfig(EnvConfig):
         assert self.context.layout is not None
         return self.context.layout
 
-    @property
-    def rank(self) -> int:
-        return self.context.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.context.world_size
-
-    @property
-    def namespace(self) -> str:
-        return self.context.namespace
-
-    @property
-    def device_id(self) -> int:
-        return self.context.device_id
+    rank = property(lambda self: self.context.rank, doc="``context.rank``")
+    world_size = property(lambda self: self.context.world_size, doc="``context.world_size``")
+    namespace = property(lambda self: self.context.namespace, doc="``context.namespace``")
+    device_id = property(lambda self: self.context.device_id, doc="``context.device_id``")
 
     @property
     def max_task_blocks(self) -> int:

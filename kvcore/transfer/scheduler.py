@@ -134,17 +134,16 @@ class TaskFuture(Future):
 
     def answer(self, result: Any) -> bool:
         """Resolve with ``result`` unless already answered; False if it was."""
-        with self._lock:
-            if self.done():
-                return False
-            self.set_result(result)
-            return True
+        return self._resolve(self.set_result, result)
 
     def fail(self, exc: BaseException) -> bool:
+        return self._resolve(self.set_exception, exc)
+
+    def _resolve(self, setter: Callable[[Any], None], value: Any) -> bool:
         with self._lock:
             if self.done():
                 return False
-            self.set_exception(exc)
+            setter(value)
             return True
 
     def expire(self, reason: str | None = None) -> None:
