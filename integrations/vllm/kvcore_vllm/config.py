@@ -50,6 +50,11 @@ class ConnectorSettings(BaseModel):
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler-side existence check (it blocks scheduling)"
     )
+    lookup_backoff_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="after a failed or slow lookup, lookups are skipped (misses) this long",
+    )
     save_decode_blocks: bool = Field(
         default=True,
         description="also store blocks filled by generated tokens (multi-turn chats reuse them)",

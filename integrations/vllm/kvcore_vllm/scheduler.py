@@ -19,6 +19,7 @@ Block protocol (vLLM's ``KVConnectorBase_V1``):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,7 @@ class SchedulerSide:
         self._loads: list[BlockRun] = []
         self._final_saves: list[BlockRun] = []
         self._last_load: dict[str, BlockRun] = {}  # req -> its latest load, to judge failures
+        self._lookups_paused_until = 0.0
 
     def _check_reachable(self, vllm_config: Any) -> None:
         """A backend whose data lives inside one process (``memory``) is useful only when the
@@ -139,9 +141,13 @@ class SchedulerSide:
 
     def _lookup(self, request: Any, keys: Sequence[str], start: int) -> int:
         """Leading blocks from ``start`` present on every rank (0 on any failure)."""
+        if time.monotonic() < self._lookups_paused_until:
+            self.counters.add(lookup_requests=1, lookup_blocks=len(keys), lookup_skipped=1)
+            return 0
         run = len(keys)
         token_ids = self._tokens(request, start + len(keys))
         errors = 0
+        t0 = time.monotonic()
         for handle in self.handles:
             backend = handle.get()
             if backend is None:
@@ -162,11 +168,19 @@ class SchedulerSide:
             run = min(run, int(found))
             if run == 0:
                 break
+        elapsed = time.monotonic() - t0
+        # The scheduler waits for every lookup. A backend that fails or answers slowly (a hung
+        # server answers only at the deadline) is not asked again for a while: meanwhile
+        # every lookup is a miss, so a dead tier costs recomputation, not stalled scheduling.
+        if errors or elapsed > self.settings.lookup_timeout_s / 2:
+            self._lookups_paused_until = time.monotonic() + self.settings.lookup_backoff_s
+            self.counters.add(lookup_pauses=1)
         self.counters.add(
             lookup_requests=1,
             lookup_blocks=len(keys),
             lookup_hit_blocks=run,
             lookup_errors=errors,
+            lookup_seconds=elapsed,
         )
         return run
 
