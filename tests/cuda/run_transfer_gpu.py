@@ -29,6 +29,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -309,8 +310,30 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
                 dst.tensors[part], region, dst.block_shape(part), dst_ids, list(range(blocks)), 0, 1
             )
 
-    spans = (8, 16, 32)
+    # (span, depth) of the staged pipeline; the budget is lifted so each runs as configured
+    spans = {"s8d2": (8, 2), "s16d2": (16, 2), "s32d2": (32, 2), "s16d3": (16, 3), "s8d4": (8, 4)}
     stage_s: dict[str, list[float]] = {}
+    # a second staging set, so the two read stages can run at once by hand (what perfect
+    # overlap of "backend read" and "scatter" reaches on this host: they share its memory)
+    staging2 = [ops.HostBuffer(blocks * layout.part_bytes(p), pinned=True) for p in layout.parts]
+    for r in staging2:
+        r.array.fill(0)
+    host2 = kvcore.HostBuffers(
+        ptrs=tuple(
+            tuple(r.ptr + i * s for r, s in zip(staging2, sizes, strict=True))
+            for i in range(blocks)
+        ),
+        nbytes=sizes,
+    )
+
+    def both_read_stages(backend: Any, keys: list[str]) -> None:
+        reader = threading.Thread(
+            target=backend.read, args=(backend.request("bp", keys, timeout_s=600, host=host2),)
+        )
+        reader.start()
+        scatter()
+        reader.join()
+
     with open_file(root, layout) as backend:
         tms = {
             span: manager(
@@ -321,9 +344,11 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
                 read_workers=1,
                 write_workers=1,
                 staging_buffers=1,
-                pipeline_blocks=span,
+                pipeline_blocks=sd[0],
+                pipeline_depth=sd[1],
+                staging_budget_bytes=2**36,
             )
-            for span in spans
+            for span, sd in spans.items()
         }
         for rep in range(repeats + 1):  # the first repetition warms up and is dropped
             keys2 = keys_for(layout, blocks)
@@ -340,6 +365,7 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
                 lambda k=keys2: backend.read(backend.request("br", k, timeout_s=600, host=host)),
             )
             assert got == blocks
+            timed("both_read_stages", lambda k=keys2: both_read_stages(backend, k))
             for span, tm in tms.items():
                 keys = keys_for(layout, blocks)
                 tm.restore_caches(src)
@@ -380,6 +406,7 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
         "swap_layout_scatter_gbps": gbps("scatter"),
         "backend_write_gbps": gbps("backend_write"),
         "backend_read_gbps": gbps("backend_read"),
+        "read_stages_overlapped_by_hand_gbps": gbps("both_read_stages"),
     }
     for span in spans:
         f[f"manager_write_back_span{span}_gbps"] = gbps(f"tm_write_{span}")
@@ -408,14 +435,17 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
         ratios[f"manager_read_span{span}_vs_slower_stage"] = ratio(r, read_slower)
         ratios[f"manager_write_back_span{span}_vs_serial"] = ratio(w, serial_write)
         ratios[f"manager_read_span{span}_vs_serial"] = ratio(r, serial_read)
+        ratios[f"manager_read_span{span}_vs_stages_overlapped_by_hand"] = ratio(
+            r, f["read_stages_overlapped_by_hand_gbps"]
+        )
     return {
         "figures": f,
         "ratios": ratios,
         "goals": {
             "swap_layout_gather_vs_memcpy": ">= 0.85",
             "swap_layout_scatter_vs_memcpy": ">= 0.85",
-            "manager_write_back_span16_vs_slower_stage": ">= 0.7",
-            "manager_read_span16_vs_slower_stage": ">= 0.7",
+            "manager_write_back_spans16d2_vs_slower_stage": ">= 0.7",
+            "manager_read_spans16d2_vs_slower_stage": ">= 0.7",
         },
         "stage_medians_ms": {
             k: round(statistics.median(v) * 1e3, 2) for k, v in sorted(stage_s.items())
