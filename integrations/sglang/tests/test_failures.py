@@ -1,0 +1,133 @@
+"""A backend failure is a miss to SGLang, never an exception into its storage threads, and
+kvcore's counters reach get_stats."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import page_bytes, page_indices, page_keys
+from kvcore_sglang.testing import (
+    create_storage,
+    extra_config,
+    fill_random,
+    mha_host_pool,
+    storage_config,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+
+def filled_pool(seed: int = 1, layout: str = "page_first"):
+    pool = mha_host_pool(layout)
+    fill_random(pool, seed)
+    return pool
+
+
+def test_a_killed_mooncake_master_gives_misses_not_exceptions(
+    mooncake_cluster_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    pool = filled_pool()
+    # short deadlines keep the test quick: a dead master must cost at most one deadline per call
+    config = cluster.config(rpc_timeout_ms=1000, close_timeout_s=0.5)
+    extra = extra_config("mooncake", config, timeout_s=1.0)
+    storage = create_storage("dynamic", storage_config(extra, metrics=True), pool)
+    try:
+        keys = page_keys(4)
+        assert storage.batch_set_v1(keys, page_indices(pool, 0, 4)) == [True] * 4
+        assert storage.batch_exists(keys) == 4
+
+        cluster.master.kill()
+        with caplog.at_level(logging.WARNING):
+            assert storage.batch_exists(keys) == 0
+            assert storage.batch_get_v1(keys, page_indices(pool, 8, 4)) == [False] * 4
+            more = page_keys(2, seed=9)
+            assert storage.batch_set_v1(more, page_indices(pool, 4, 2)) == [False, False]
+            assert storage.exists(keys[0]) is False
+            assert (
+                storage.get(keys[0], torch.empty(pool.get_data_page(0).numel(), dtype=pool.dtype))
+                is None
+            )
+
+        stats = storage.get_stats()
+        assert isinstance(stats, StorageMetrics)
+        counters = stats.kvcore
+        # the misses are counted as failures, not as absent pages
+        assert counters["kv.calls.query"] >= 2
+        assert counters["kv.backend_miss_rpc_failed"] >= 1
+        assert counters["pages_read_ok"] == 0
+        assert stats.backup_pgs == [4]  # the one successful write before the kill
+    finally:
+        storage.close()
+        # Mooncake clients of a dead master take ~20 s to close: let the cluster's own
+        # storage node find its master again before the fixture closes it
+        if cluster.master.process is not None and cluster.master.process.poll() is not None:
+            cluster.master.start()
+
+
+@pytest.mark.parametrize("backend_spec", ["memory"], indirect=True)
+def test_a_full_store_stores_a_leading_run(make_storage) -> None:
+    pool = filled_pool(2)
+    # K and V of 3 pages fit in 6 objects
+    storage = make_storage(pool, extra={"backend_config": {"max_objects": 6}})
+    keys = page_keys(5)
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 5)) == [True] * 3 + [False] * 2
+    assert storage.batch_exists(keys) == 3
+    assert storage.batch_get_v1(keys, page_indices(pool, 10, 5)) == [True] * 3 + [False] * 2
+    assert page_bytes(pool, 10, 3) == page_bytes(pool, 0, 3)
+    stats = storage.get_stats().kvcore
+    assert stats["pages_written"] == 5 and stats["pages_written_ok"] == 3
+    assert stats["kv.blocks_done.write"] == 3
+
+
+@pytest.mark.parametrize("backend_spec", ["memory"], indirect=True)
+def test_bad_calls_are_misses_logged_once(make_storage, caplog: pytest.LogCaptureFixture) -> None:
+    pool = filled_pool(3)
+    storage = make_storage(pool)
+    keys = page_keys(3)
+    with caplog.at_level(logging.WARNING, logger="kvcore_sglang"):
+        # host indices for 2 pages but 3 keys: SGLang never does this; still no exception
+        assert storage.batch_set_v1(keys, page_indices(pool, 0, 2)) == [False] * 3
+        assert storage.batch_set_v1(keys, page_indices(pool, 0, 2)) == [False] * 3
+        assert storage.batch_get_v1(keys, page_indices(pool, 0, 1)) == [False] * 3
+        # a flat page of the wrong size
+        assert storage.set(keys[0], torch.zeros(3, dtype=torch.uint8)) is False
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("set failed: ValueError" in m for m in messages) == 1  # once per kind
+    assert any("get failed: ValueError" in m for m in messages)
+    stats = storage.kvcore_stats()
+    assert stats["errors.set"] == 3 and stats["errors.get"] == 1
+
+
+def test_calls_before_registration_and_after_close_are_misses(tmp_path) -> None:
+    extra = extra_config("file", {"root": str(tmp_path)})
+    storage = create_storage("dynamic", storage_config(extra))  # no pool registered yet
+    keys = page_keys(2)
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_get_v1(keys, torch.arange(32)) == [False, False]
+    assert storage.clear() is False
+
+    pool = filled_pool(4)
+    storage.register_mem_pool_host(pool)
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 2)) == [True, True]
+    storage.close()
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 2)) == [False, False]
+    assert storage.kvcore_stats()["errors.exists"] == 2
+    storage.close()  # twice is fine
+
+
+@pytest.mark.parametrize("backend_spec", ["memory"], indirect=True)
+def test_storage_metrics_report_pages_and_bandwidth(make_storage) -> None:
+    pool = filled_pool(5)
+    storage = make_storage(pool, metrics=True)
+    keys = page_keys(4)
+    storage.batch_set_v1(keys, page_indices(pool, 0, 4))
+    storage.batch_get_v1(keys[:3], page_indices(pool, 8, 3))
+    first = storage.get_stats()
+    assert first.backup_pgs == [4] and first.prefetch_pgs == [3]
+    assert len(first.backup_bandwidth) == 1 and first.backup_bandwidth[0] > 0
+    second = storage.get_stats()  # SGLang drains them at each report
+    assert second.backup_pgs == [] and second.prefetch_pgs == []
+    assert second.kvcore["kv.calls.write"] == 1
