@@ -22,6 +22,7 @@ tests check that together they cover every hook in :mod:`kvcore.hookspecs`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import numbers
 import threading
@@ -69,8 +70,8 @@ _DEADLINE_FRACTION = 1 / 8
 # ...and the call may overrun it by this fraction of that time (capped by deadline_slack_s):
 # a backend that honours deadlines returns near the deadline, one that ignores them near 1.0.
 _DEADLINE_OVERRUN_FRACTION = 1 / 2
-# Timing on a loaded machine is noisy: a backend fails only if every attempt overruns.
-_DEADLINE_ATTEMPTS = 3
+# Timing on a loaded machine is noisy: a backend fails only if no attempt returns in time.
+_DEADLINE_ATTEMPTS = 4
 # Batches larger than this would make the capacity test slow: declare a small capacity.
 _CAPACITY_TEST_MAX_BYTES = 64 << 20
 
@@ -559,10 +560,11 @@ class BackendConformance:
         deadline with the run finished so far, not when the whole batch is done.
 
         The batch grows until the backend's own time for it reaches a quarter second (or
-        64 MiB); the deadline is an eighth of that time, and the call may overrun it by half
-        that time (at most ``deadline_slack_s``). Each check is tried up to three times, each
-        against a fresh measurement, so a loaded machine does not fail a backend that
-        honours deadlines, while one that ignores them overruns every time.
+        64 MiB of 1 KiB objects); the deadline is an eighth of the fastest time measured for
+        the whole batch, and the call may overrun it by half that time (at most
+        ``deadline_slack_s``). Up to four tries, each against the fastest time seen so far,
+        so a loaded machine does not fail a backend that honours deadlines, while one that
+        ignores them overruns every time. Calls run with Python's cyclic collector paused.
         """
         h = open_harness(deadline_layout())
         n = _grow_until_slow(h)
@@ -576,32 +578,28 @@ class BackendConformance:
     def _check_deadline_overrun(
         self, h: Harness, n: int, op: str, written: list[Sequence_]
     ) -> None:
-        """Time ``op`` on ``n`` blocks in full, then with a deadline at a fraction of that
-        time; pass as soon as one attempt returns within the allowed overrun. ``written``
-        collects the sequences written (a fully written one is what the reads use)."""
-        misses = []
+        """Give ``op`` on ``n`` blocks a deadline at a fraction of the fastest full call seen;
+        pass as soon as one call whose deadline passed mid-batch returns within the allowed
+        overrun. ``written`` collects the sequences written (the reads use the first)."""
+        call = h.backend.write if op == "write" else h.backend.read
+
+        def fresh() -> Sequence_:
+            if op == "read":
+                return written[0]  # written in full by the write check
+            written.append(h.new_sequence(n))
+            return written[-1]
+
+        # the fastest call that did the whole batch: noise (a collection, page faults on
+        # fresh memory, a busy machine) only ever adds time
+        done, t_full = _timed_call(h, call, h.bulk_request(fresh()))
+        assert done == n, f"a {op} of {n} blocks with a {h.timeout_s} s deadline did {int(done)}"
+        misses: list[str] = []
         for _ in range(_DEADLINE_ATTEMPTS):
-            if op == "write":
-                full = h.new_sequence(n)
-                written.append(full)
-                done, t_full = _timed_call(h, h.backend.write, h.bulk_request(full))
-                assert done == n, (
-                    f"a write of {n} blocks with a {h.timeout_s} s deadline stored {int(done)}"
-                )
-                seq = h.new_sequence(n)
-                written.append(seq)
-            else:
-                seq = written[0]  # written in full by the write check
-                done, t_full = _timed_call(h, h.backend.read, h.bulk_request(seq))
-                assert done == n, f"a read of {n} stored blocks returned {int(done)}"
-            call = h.backend.write if op == "write" else h.backend.read
             budget = t_full * _DEADLINE_FRACTION
             allowed = min(self.deadline_slack_s, t_full * _DEADLINE_OVERRUN_FRACTION)
+            seq = fresh()
             request = replace(h.bulk_request(seq), deadline=time.monotonic() + budget)
-            t0 = time.monotonic()
-            done = call(request)
-            elapsed = time.monotonic() - t0
-            h.release()
+            done, elapsed = _timed_call(h, call, request)
             assert 0 <= done <= n
             if op == "write" and done:
                 stored = h.query(seq, 0, int(done))
@@ -609,6 +607,10 @@ class BackendConformance:
                     f"a write cut short by its deadline acknowledged {int(done)} blocks; a "
                     f"query right after counts {int(stored)}"
                 )
+            if done == n:
+                t_full = min(t_full, elapsed)
+                if elapsed <= budget:
+                    continue  # done before the deadline: the batch was faster than measured
             if elapsed <= budget + allowed:
                 return
             misses.append(
@@ -617,7 +619,11 @@ class BackendConformance:
                 f"{t_full * 1e3:.1f} ms; allowed overrun {allowed * 1e3:.1f} ms)"
             )
         pytest.fail(
-            f"the backend kept working past the deadline in every attempt: {'; '.join(misses)}"
+            "the backend kept working past the deadline: "
+            + (
+                "; ".join(misses)
+                or f"no {op} ended after its deadline in {_DEADLINE_ATTEMPTS} tries"
+            )
         )
 
     @exercises("kvcore_write", "kvcore_read")
@@ -981,10 +987,25 @@ def _sees(h: Harness, seq: Sequence_, n: int) -> bool:
     return h.query(seq) == n
 
 
+@contextlib.contextmanager
+def _no_gc_pauses() -> Iterator[None]:
+    """Keep Python's cyclic collector out of a timed call: in a big test process one full
+    collection can take longer than the call, and it strikes calls at random."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _timed_call(h: Harness, call: Callable[[BlockRequest], int], request: BlockRequest):
-    t0 = time.monotonic()
-    done = call(request)
-    elapsed = time.monotonic() - t0
+    with _no_gc_pauses():
+        t0 = time.monotonic()
+        done = call(request)
+        elapsed = time.monotonic() - t0
     h.release()
     return done, elapsed
 
