@@ -8,7 +8,8 @@ Spec keys: ``model`` (a directory), ``connector`` (``kv_connector_extra_config``
 an engine without the connector), ``via`` (``"name"``: the registered name, or
 ``"module_path"``), ``executor`` (``"uni"``: scheduler and worker in the engine-core process,
 or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_size``,
-``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``steps``.
+``tensor_parallel_size``, ``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``env`` (variables set before vLLM
+starts), ``steps``.
 
 Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
 for a next chat turn of an earlier step, ``max_tokens``; returns tokens,
@@ -106,6 +107,8 @@ def _engine(spec: dict[str, Any]) -> Any:
         "disable_log_stats": not spec.get("log_stats", True),
         "seed": 0,
     }
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     connector = spec.get("connector")
@@ -210,6 +213,7 @@ def _leftovers(store_root: str | None) -> dict[str, Any]:
 
 def run_session(spec: dict[str, Any], emit: Any = None) -> list[dict[str, Any]]:
     """Run ``spec`` (see the module docstring); return (and ``emit``) one result per step."""
+    os.environ.update({str(k): str(v) for k, v in spec.get("env", {}).items()})
     if spec.get("in_process"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     results: list[dict[str, Any]] = []

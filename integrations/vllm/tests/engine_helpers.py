@@ -36,3 +36,30 @@ def kill(pid: int) -> bool:
     """SIGKILL a process (a Mooncake master dying mid-run)."""
     os.kill(pid, signal.SIGKILL)
     return True
+
+
+def remove_rank_objects(
+    engine: Any, master_address: str, prompt: list[int], rank: int, from_block: int
+) -> int:
+    """Remove one TP rank's Mooncake objects of ``prompt``'s blocks from ``from_block`` on.
+
+    Through Mooncake's own client (forced: a block read moments ago holds a lease), so every
+    client of the cluster sees them gone at once.
+    """
+    from kv_mooncake.connect import import_store_class
+    from kv_mooncake.store_keys import store_key
+    from kvcore_vllm.keys import engine_object_names
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    store = import_store_class()()
+    code = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
+    assert code == 0, f"mooncake setup failed with {code}"
+    removed = 0
+    try:
+        names = engine_object_names(engine.llm_engine.vllm_config, prompt, rank=rank)
+        for block_names in names[from_block:]:
+            for name in block_names:
+                removed += int(store.remove(store_key(name), True) == 0)
+    finally:
+        store.close()
+    return removed

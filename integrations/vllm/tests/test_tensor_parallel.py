@@ -1,0 +1,72 @@
+"""Two tensor-parallel ranks: each stores its own slice, and a block is restored only when
+every rank has it (the scheduler asks the backend for each rank and takes the shortest run).
+
+One TP=2 engine (two CPU workers, one core each) on a real Mooncake master stores prompt A,
+then rank 1's objects from block 10 on are removed from the cluster; with vLLM's prefix cache
+dropped, A is restored for blocks 0-9 only and the tokens match the first, fully computed,
+answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from conftest import BLOCK_SIZE, Prompts, run_engine
+
+A_BLOCKS = (600 - 1) // BLOCK_SIZE
+
+
+def test_a_block_counts_only_when_every_rank_has_it(
+    model_dir: Path, prompts: Prompts, tmp_path: Path, mooncake_cluster_factory: Any
+) -> None:
+    cluster = mooncake_cluster_factory(storage_bytes=128 << 20)
+    backend_config = cluster.config(close_timeout_s=2.0)
+    generate_a = {"op": "generate", "prompts": [prompts.a], "max_tokens": 8}
+    run = run_engine(
+        {
+            "model": str(model_dir),
+            "connector": {
+                "backend": "mooncake",
+                "backend_config": backend_config,
+                "namespace": "tp",
+            },
+            "executor": "mp",
+            "tensor_parallel_size": 2,
+            # one core per worker (vLLM's automatic binding wants a NUMA node per worker)
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            "steps": [
+                {**generate_a, "name": "computed"},
+                {"op": "reset_prefix_cache"},
+                {**generate_a, "name": "both_ranks"},
+                {"op": "reset_prefix_cache"},
+                {
+                    "op": "call",
+                    "name": "remove",
+                    "target": "engine_helpers:remove_rank_objects",
+                    "args": {
+                        "master_address": cluster.master.address,
+                        "prompt": prompts.a,
+                        "rank": 1,
+                        "from_block": 10,
+                    },
+                },
+                {"op": "reset_prefix_cache"},
+                {**generate_a, "name": "rank1_partial"},
+                {"op": "log_stats", "name": "stats"},
+            ],
+        },
+        tmp_path,
+        "tp2",
+    )
+    computed = run.step("computed")
+    assert computed["num_cached_tokens"] == [0]
+    both = run.step("both_ranks")
+    assert both["num_cached_tokens"] == [A_BLOCKS * BLOCK_SIZE]
+    assert both["tokens"] == computed["tokens"]
+    assert run.step("remove")["result"] == (A_BLOCKS - 10) * 2  # k and v of blocks 10..17
+    partial = run.step("rank1_partial")
+    assert partial["num_cached_tokens"] == [10 * BLOCK_SIZE]
+    assert partial["tokens"] == computed["tokens"]
+    # both workers loaded exactly the agreed run: 2 ranks x (18 + 10) blocks
+    assert run.step("stats")["metrics"]["load_done_blocks"] == 2 * (A_BLOCKS + 10)

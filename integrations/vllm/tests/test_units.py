@@ -1,0 +1,268 @@
+"""The connector's parts on vLLM's real config and cache objects, without running an engine.
+
+Settings errors, key determinism across processes, the mapping of vLLM's KV tensors onto
+kvcore's DeviceCache (bytes moved through a real TransferManager and compared), refusals of
+caches the connector cannot store, and the worker's save bookkeeping against a real
+Mooncake master that is paused (a save in flight holds its request's blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import BLOCK_SIZE
+from kvcore_vllm.backends import BackendHandle
+from kvcore_vllm.config import ConnectorSettings, SettingsError, load_settings
+from kvcore_vllm.keys import KeyChain, engine_object_names, key_scope
+from kvcore_vllm.layout import (
+    FORM_JOINED,
+    FORM_SPLIT,
+    UnsupportedCacheError,
+    cache_layout,
+    map_layer_tensors,
+)
+from kvcore_vllm.metadata import BlockRun, StepMetadata
+
+import kvcore
+from kvcore.transfer import DeviceCache, TransferManager
+
+NUM_BLOCKS = 64
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+def test_settings_name_the_bad_key() -> None:
+    with pytest.raises(SettingsError, match=r"kv_connector_extra_config\.backend: Field required"):
+        load_settings({})
+    with pytest.raises(SettingsError, match=r"kv_connector_extra_config\.backedn"):
+        load_settings({"backend": "file", "backedn": "file"})
+    with pytest.raises(SettingsError, match=r"kv_connector_extra_config\.load_timeout_s"):
+        load_settings({"backend": "file", "load_timeout_s": -1})
+    assert load_settings({"backend": "file"}).load_failure_policy == "recompute"
+
+
+def test_unknown_backend_is_an_error_not_a_dead_backend() -> None:
+    context = kvcore.BackendContext(namespace="t")
+    with pytest.raises(kvcore.UnknownBackendError, match="nope"):
+        BackendHandle("nope", {}, context).get()
+
+
+def test_backend_that_cannot_open_is_retried_not_raised(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    handle = BackendHandle("file", {"root": str(not_a_dir)}, kvcore.BackendContext(), retry_s=0)
+    assert handle.get() is None
+    assert handle.open_failures == 1
+    assert handle.get() is None  # retry_s=0: never tried again
+    assert handle.open_failures == 1
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+_KEYS_SCRIPT = """
+import kvcore
+from kvcore_vllm.keys import KeyChain
+chain = KeyChain(kvcore.KeyScope(model="m", namespace="n", extra={"kv_dtype": "bfloat16"}), 32)
+print(",".join(chain.upto(list(range(1, 200)), 6)))
+"""
+
+
+def test_keys_are_the_same_in_fresh_processes_whatever_the_hash_seed() -> None:
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", _KEYS_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outputs.append(proc.stdout.strip())
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0].split(",")) == 6
+
+
+def test_key_chain_grows_like_one_computation() -> None:
+    scope = kvcore.KeyScope(model="m", namespace="n")
+    tokens = list(range(1, 300))
+    chain = KeyChain(scope, 32)
+    chain.upto(tokens, 2)
+    chain.upto(tokens, 5)
+    assert chain.upto(tokens, 9) == kvcore.block_hashes(tokens[: 9 * 32], 32, scope)
+    other = KeyChain(kvcore.KeyScope(model="m", namespace="other"), 32).upto(tokens, 9)
+    assert set(other).isdisjoint(chain.keys)
+    with pytest.raises(ValueError, match="token_ids has 299 tokens; 10 blocks need 320"):
+        chain.upto(tokens, 10)
+
+
+@pytest.fixture(scope="module")
+def vllm_config(model_dir: Path) -> Any:
+    """A real VllmConfig for the tiny model with the connector selected (no engine started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        kv_transfer_config={
+            "kv_connector": "KVCoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backend": "memory", "namespace": "units"},
+        },
+    )
+    return args.create_engine_config()
+
+
+def test_scope_names_model_dtype_block_size_and_namespace(vllm_config: Any) -> None:
+    settings = ConnectorSettings(backend="memory", namespace="units")
+    layout = cache_layout(_kv_cache_config())
+    scope = key_scope(vllm_config, settings, layout)
+    assert scope.model == str(vllm_config.model_config.model)
+    assert scope.namespace == "units"
+    assert scope.extra["kv_dtype"] == "bfloat16"
+    assert scope.extra["block_size"] == str(BLOCK_SIZE)
+    assert scope.extra["engine"].startswith("vllm-0.")
+    named = key_scope(vllm_config, settings.model_copy(update={"model_id": "llama-x"}), layout)
+    assert named.model == "llama-x"
+    # names a tool computes from the config alone are the connector's (rank and TP in them)
+    names = engine_object_names(vllm_config, list(range(1, 100)))
+    assert len(names) == 3 and names[0][0].endswith("/k/r0of1") and names[0][1].endswith("/v/r0of1")
+
+
+# -- the cache layout ----------------------------------------------------------------------
+
+
+def _kv_cache_config(spec: Any = None, num_blocks: int = NUM_BLOCKS) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = spec or FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.bfloat16
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=list(LAYERS), kv_cache_spec=spec)],
+    )
+
+
+def _joined_tensor() -> torch.Tensor:
+    """vLLM's CPU attention cache: [blocks, heads, block_size, K then V of head_size each]."""
+    return torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, 2 * 32).to(torch.bfloat16)
+
+
+def _split_tensor() -> torch.Tensor:
+    """FlashAttention's form: [K or V, blocks, block_size, heads, head_size]."""
+    return torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("make", "form"), [(_joined_tensor, FORM_JOINED), (_split_tensor, FORM_SPLIT)]
+)
+def test_blocks_round_trip_through_kvcore_without_copies(make: Any, form: str) -> None:
+    """Blocks 3 and 5 of one cache, written through kvcore and read into blocks 7 and 9 of
+    another, arrive byte for byte; no other block of either cache changes."""
+    layout = cache_layout(_kv_cache_config())
+    src = {name: make() for name in LAYERS}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    before = {name: t.clone() for name, t in src.items()}
+    block = (lambda t, b: t[b]) if form == FORM_JOINED else (lambda t, b: t[:, b])
+    m_src = map_layer_tensors(src, LAYERS, layout, NUM_BLOCKS)
+    m_dst = map_layer_tensors(dst, LAYERS, layout, NUM_BLOCKS)
+    assert m_src.kv_format == form
+    # views over vLLM's memory, not copies
+    assert m_src.k[0].data_ptr() == src[LAYERS[0]].data_ptr()
+    backend = kvcore.open_backend("memory", {}, context={"layout": layout})
+    config = {"layout": layout, "max_model_len": 2048}
+    keys = ["a" * 64, "b" * 64]
+    with TransferManager(config, DeviceCache(layout, m_src.k, m_src.v), backend) as tm:
+        ids = m_src.to_kvcore([3, 5])
+        result = tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": ids}).result()
+        assert result.num_blocks == 2
+    with TransferManager(config, DeviceCache(layout, m_dst.k, m_dst.v), backend) as tm:
+        ids = m_dst.to_kvcore([7, 9])
+        result = tm.read({"task_id": "r", "keys": keys, "device_block_ids": ids}).result()
+        assert result.num_blocks == 2
+    backend.close()
+    for name in LAYERS:
+        assert torch.equal(block(dst[name], 7), block(src[name], 3))
+        assert torch.equal(block(dst[name], 9), block(src[name], 5))
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 9)]
+        assert all(not block(dst[name], b).any() for b in untouched)
+        assert torch.equal(src[name], before[name])
+
+
+def test_refuses_what_it_cannot_store() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    mla = MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
+    )
+    with pytest.raises(UnsupportedCacheError, match="MLA"):
+        cache_layout(_kv_cache_config(mla))
+    fp32 = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
+    with pytest.raises(UnsupportedCacheError, match=r"float32 has no kvcore CacheDType"):
+        cache_layout(_kv_cache_config(fp32))
+    layout = cache_layout(_kv_cache_config())
+    odd = {
+        name: torch.zeros(NUM_BLOCKS, 3, BLOCK_SIZE, 32, dtype=torch.bfloat16) for name in LAYERS
+    }
+    with pytest.raises(UnsupportedCacheError, match=r"layer 'model\.layers\.0\.self_attn\.attn'"):
+        map_layer_tensors(odd, LAYERS, layout, NUM_BLOCKS)
+    strided = {name: _joined_tensor()[::2] for name in LAYERS}
+    with pytest.raises(UnsupportedCacheError, match="cannot find 64 blocks"):
+        map_layer_tensors(strided, LAYERS, layout, NUM_BLOCKS)
+
+
+# -- the worker's save bookkeeping -----------------------------------------------------------
+
+
+def test_a_save_in_flight_holds_its_request(
+    vllm_config: Any, mooncake_cluster_factory: Any
+) -> None:
+    """vLLM may free a finished request's blocks only once its saves are answered: with the
+    Mooncake master paused, the save cannot finish and get_finished must not report it."""
+    from kvcore_vllm.worker import WorkerSide
+
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    settings = ConnectorSettings(
+        backend="mooncake",
+        backend_config=cluster.config(close_timeout_s=2.0),
+        namespace="units",
+        save_timeout_s=60.0,
+    )
+    worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
+    worker.register_kv_caches({name: _joined_tensor() for name in LAYERS})
+    keys = KeyChain(kvcore.KeyScope(model="m"), BLOCK_SIZE).upto(list(range(1, 200)), 4)
+    save = StepMetadata(saves=[BlockRun("req-1", 0, keys, [4, 5, 6, 7])])
+    try:
+        cluster.master.pause()
+        worker.wait_for_save(save)
+        assert worker.get_finished({"req-1"}) == (None, None)
+        assert worker.get_finished(set()) == (None, None)
+    finally:
+        cluster.master.resume()
+    worker.handle_preemptions(StepMetadata(preempted={"req-1"}))  # waits for the save
+    deadline = time.monotonic() + 60
+    finished = None
+    while finished is None and time.monotonic() < deadline:
+        finished, _ = worker.get_finished(set())
+        time.sleep(0.05)
+    assert finished == {"req-1"}
+    # reported once: vLLM frees the blocks exactly once
+    assert worker.get_finished(set()) == (None, None)
+    stats = worker.take_stats()
+    assert stats["save_blocks"] == 4
+    worker.close()
