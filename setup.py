@@ -19,6 +19,12 @@ BASE_DEPS = [
     "numpy>=1.24",
     "importlib-metadata>=6",
     "typing-extensions>=4.6",
+    # environment overrides of configs (errors name the variable): kvcore.schemas.EnvConfig
+    "pydantic-settings>=2.3",
+    # Prometheus exposition: kvcore.metrics.PrometheusCollector and serve_prometheus
+    "prometheus-client>=0.20",
+    # the CLI's tables and progress bars
+    "rich>=13",
 ]
 
 

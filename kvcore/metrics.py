@@ -1,7 +1,11 @@
-"""Thread-safe counters, log-once, and latency histograms with a Prometheus text exporter.
+"""Thread-safe counters, log-once, latency histograms, and their Prometheus exposition.
 
 :class:`Counters` and :class:`OnceLogger` are what a backend needs for its ``kvcore_stats``
 hook and its failure log; :class:`Metrics` is kvcore's own per-operation accounting.
+
+Prometheus exposition goes through ``prometheus-client``: :class:`PrometheusCollector` is a
+collector an engine registers in its own ``CollectorRegistry`` (beside its other metrics), and
+:func:`serve_prometheus` is the opt-in HTTP endpoint, on 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -10,9 +14,25 @@ import bisect
 import logging
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any
 
-__all__ = ["LATENCY_BUCKETS_S", "Counters", "Metrics", "OnceLogger"]
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "Counters",
+    "Metrics",
+    "OnceLogger",
+    "PrometheusCollector",
+    "serve_prometheus",
+]
 
 
 class Counters:
@@ -123,50 +143,140 @@ class Metrics:
                 out[f"latency_sum_s.{op}"] = h.sum
             return dict(sorted(out.items()))
 
-    def prometheus(self, extra: Mapping[str, float] | None = None) -> str:
-        """Prometheus text exposition (version 0.0.4) of every counter and histogram."""
+    def families(self, extra: Mapping[str, float] | None = None) -> list[Metric]:
+        """The counters, histograms and ``extra`` gauges as prometheus-client metric families.
+
+        Counters become ``<prefix>_<name>_total{<labels>,op}``, latencies one
+        ``<prefix>_latency_seconds`` histogram per op, and each ``extra`` value a gauge
+        ``<prefix>_<name>``.
+        """
         with self._lock:
             counters = dict(self._counters)
-            hists = {op: (list(h.buckets), h.count, h.sum) for op, h in self._latency.items()}
-        lines: list[str] = []
+            hists = {op: (list(h.buckets), h.sum) for op, h in self._latency.items()}
+        names = [*self.labels, "op"]
+        values = list(self.labels.values())
         by_name: defaultdict[str, list[tuple[str, float]]] = defaultdict(list)
         for (name, op), v in counters.items():
             by_name[name].append((op, v))
+        out: list[Metric] = []
         for name in sorted(by_name):
-            metric = f"{self.prefix}_{name}_total"
-            lines.append(f"# TYPE {metric} counter")
+            family = CounterMetricFamily(
+                f"{self.prefix}_{_sanitize(name)}",
+                _COUNTER_HELP.get(name, f"{name.replace('_', ' ')}, per operation"),
+                labels=names,
+            )
             for op, v in sorted(by_name[name]):
-                lines.append(f"{metric}{self._fmt_labels(op=op)} {_num(v)}")
+                family.add_metric([*values, op], v)
+            out.append(family)
         if hists:
-            metric = f"{self.prefix}_latency_seconds"
-            lines.append(f"# TYPE {metric} histogram")
+            family = HistogramMetricFamily(
+                f"{self.prefix}_latency_seconds", "latency of one call, per operation", labels=names
+            )
             for op in sorted(hists):
-                buckets, count, total = hists[op]
-                cumulative = 0
+                buckets, total = hists[op]
+                cumulative, points = 0, []
                 for bound, n in zip((*LATENCY_BUCKETS_S, float("inf")), buckets, strict=True):
                     cumulative += n
-                    le = "+Inf" if bound == float("inf") else repr(bound)
-                    lines.append(f"{metric}_bucket{self._fmt_labels(op=op, le=le)} {cumulative}")
-                lines.append(f"{metric}_sum{self._fmt_labels(op=op)} {_num(total)}")
-                lines.append(f"{metric}_count{self._fmt_labels(op=op)} {count}")
+                    points.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+                family.add_metric([*values, op], points, total)
+            out.append(family)
         for name, v in sorted((extra or {}).items()):
-            metric = f"{self.prefix}_{_sanitize(name)}"
-            lines.append(f"# TYPE {metric} gauge")
-            lines.append(f"{metric}{self._fmt_labels()} {_num(v)}")
-        return "\n".join(lines) + "\n"
+            family = GaugeMetricFamily(
+                f"{self.prefix}_{_sanitize(name)}", name.replace("_", " "), labels=list(self.labels)
+            )
+            family.add_metric(values, float(v))
+            out.append(family)
+        return out
 
-    def _fmt_labels(self, **more: str) -> str:
-        items: Iterable[tuple[str, str]] = [*self.labels.items(), *more.items()]
-        body = ",".join(f'{k}="{_escape(str(v))}"' for k, v in items)
-        return "{" + body + "}" if body else ""
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
+    def prometheus(self, extra: Mapping[str, float] | None = None) -> str:
+        """Prometheus text exposition (version 0.0.4) of every counter, histogram and gauge."""
+        return generate_latest(_Families(lambda: self.families(extra))).decode()
 
 
-def _escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+#: Help text of the counters kvcore itself keeps (others get one derived from their name).
+_COUNTER_HELP = {
+    "calls": "backend calls, per operation",
+    "tasks": "tasks submitted, per operation",
+    "blocks": "blocks moved, per operation",
+    "blocks_done": "blocks the backend answered for, per operation",
+    "hits": "blocks found in storage",
+    "misses": "blocks not found in storage",
+    "errors": "calls or tasks that failed (a failure is answered as a miss), per operation",
+    "invalid_results": "backend answers that broke the hook contract, per operation",
+    "deadline_missed": "calls or tasks answered at their deadline, per operation",
+    "rejected": "tasks refused (queue full, caches cleared, closing), per operation",
+    "bytes": "bytes moved, per operation",
+}
+
+
+class _Families:
+    """A one-shot collector over a function returning metric families."""
+
+    def __init__(self, produce: Callable[[], list[Metric]]) -> None:
+        self._produce = produce
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._produce()
+
+
+class PrometheusCollector:
+    """A prometheus-client collector of kvcore's metrics, for an engine's own registry.
+
+    ``target`` is a :class:`~kvcore.transfer.TransferManager` (its task counters, latencies
+    and memory, and those of its backend) or an opened :class:`~kvcore.Backend` (the facade's
+    per-call counters and the backend's own ``kvcore_stats`` as ``kvcore_backend_backend_*``
+    gauges). Each scrape reads the current values::
+
+        from prometheus_client import CollectorRegistry
+        registry = CollectorRegistry()          # or prometheus_client.REGISTRY
+        registry.register(PrometheusCollector(manager))
+
+    Two targets with the same metric names (two managers of one process) need distinct
+    registries, or one collector per process that the engine labels itself.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def describe(self) -> list[Metric]:
+        # nothing up front: registering must not scrape a backend (it may be remote)
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _target_families(self.target)
+
+
+def _target_families(target: Any) -> list[Metric]:
+    metrics: Metrics | None = getattr(target, "metrics", None)
+    if metrics is None:
+        raise TypeError(f"{target!r} has no kvcore metrics (a TransferManager or a Backend)")
+    out: list[Metric] = []
+    if hasattr(target, "memory_bytes"):  # a transfer manager: its own, then its backend's
+        out += metrics.families(extra=target.memory_bytes())
+        backend = getattr(target, "backend", None)
+        if backend is not None:
+            out += _target_families(backend)
+        return out
+    stats = target.stats() if hasattr(target, "stats") else {}
+    own = {k: v for k, v in stats.items() if k.startswith("backend_")}
+    return metrics.families(extra=own)
+
+
+def serve_prometheus(
+    target: Any, port: int, host: str = "127.0.0.1", registry: CollectorRegistry | None = None
+) -> tuple[Any, threading.Thread]:
+    """Serve ``target``'s metrics over HTTP (``GET /metrics``) from a daemon thread.
+
+    Opt-in: kvcore never opens a port by itself. Binds to 127.0.0.1 unless ``host`` says
+    otherwise (a cache's counters are no business of the network). ``port=0`` picks a free
+    port (``server.server_port``). Returns the server (``server.shutdown()`` stops it) and its
+    thread. Pass ``registry`` to serve an engine's registry with the collector added to it.
+    """
+    if registry is None:
+        registry = CollectorRegistry()
+    registry.register(PrometheusCollector(target))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server, thread
 
 
 def _sanitize(name: str) -> str:

@@ -9,11 +9,22 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
+from pydantic_settings import EnvSettingsSource
 from typing_extensions import Self
 
 __all__ = [
@@ -241,12 +252,28 @@ class BackendContext(StrictModel):
         return self
 
 
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source, reading a given mapping instead of os.environ
+    (so :meth:`EnvConfig.load` can be tested, and called with an engine's own environment)."""
+
+    def __init__(self, model: type[BaseModel], prefix: str, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        # the source only reads the model's fields and config, so any pydantic model will do
+        super().__init__(model, case_sensitive=False, env_prefix=prefix)  # type: ignore[arg-type]
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {name.lower(): value for name, value in self._environ.items()}
+
+
 class EnvConfig(StrictModel):
     """A config whose fields operators can override with environment variables.
 
     Subclasses set ``env_prefix`` (e.g. ``"KVCORE_FILE_"``); :meth:`load` then applies
     ``KVCORE_FILE_ROOT=/data`` as ``root``. Values in the environment override the given config
-    (an operator's knob beats a baked-in file); JSON is accepted for non-string fields.
+    (an operator's knob beats a baked-in file). Variables are read by pydantic-settings'
+    environment source, so they follow its conventions: names are matched case-insensitively,
+    lists, dicts and models are JSON, scalars are coerced by the field's type (``true``,
+    ``42``, ``64GiB`` for a size). An invalid value is an error that names the variable.
     """
 
     env_prefix: ClassVar[str] = ""
@@ -256,37 +283,115 @@ class EnvConfig(StrictModel):
     env_extra_strings: ClassVar[frozenset[str]] = frozenset({"namespace", "weight_version"})
 
     @classmethod
-    def env_overrides(cls, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    def env_overrides(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The values set by ``<env_prefix><FIELD>`` variables, by field name.
+
+        Raises ValidationError naming the variable when a list, dict or model field's value
+        is not JSON.
+        """
         environ = os.environ if environ is None else environ
         found: dict[str, Any] = {}
         if not cls.env_prefix:
             return found
-        names = {n: f.annotation is str for n, f in cls.model_fields.items()}
-        names.update({n: n in cls.env_extra_strings for n in cls.env_extra_fields})
-        for name, is_string in names.items():
-            raw = environ.get(f"{cls.env_prefix}{name.upper()}")
+        source = _EnvironSource(cls, cls.env_prefix, environ)
+        bad: list[InitErrorDetails] = []
+        for name, field in cls.model_fields.items():
+            raw, key, complex_value = source.get_field_value(field, name)
+            try:
+                value = source.prepare_field_value(name, field, raw, complex_value)
+            except ValueError as exc:  # a complex field whose value is not JSON
+                variable = cls.env_variable(name)
+                bad.append(
+                    {
+                        "type": "json_invalid",
+                        "loc": (_env_loc(name, variable),),
+                        "input": raw,
+                        "ctx": {"error": str(exc)},
+                    }
+                )
+                continue
+            if value is not None:
+                found[key] = value
+        if bad:
+            raise ValidationError.from_exception_data(cls.__name__, bad)
+        # names that are not fields (a validator moves them into place): JSON unless a string
+        for name in cls.env_extra_fields:
+            raw = environ.get(cls.env_variable(name))
             if raw is None:
                 continue
-            if is_string:
+            if name in cls.env_extra_strings:
                 found[name] = raw
             else:
                 try:
                     found[name] = json.loads(raw)
                 except json.JSONDecodeError:
-                    found[name] = raw  # let pydantic coerce or report it, naming the field
+                    found[name] = raw  # let pydantic coerce or report it
         return found
 
     @classmethod
+    def env_variable(cls, name: str) -> str:
+        """The variable that overrides field (or extra name) ``name``."""
+        return f"{cls.env_prefix}{name.upper()}"
+
+    @classmethod
+    def env_variables_set(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``{name: variable}`` for the ``<env_prefix><NAME>`` variables present in ``environ``
+        (subclasses that read other variables add theirs, so errors can name them)."""
+        environ = os.environ if environ is None else environ
+        if not cls.env_prefix:
+            return {}
+        present = {k.upper() for k in environ}
+        names = (*cls.model_fields, *cls.env_extra_fields)
+        return {n: cls.env_variable(n) for n in names if cls.env_variable(n) in present}
+
+    @classmethod
     def load(
-        cls, config: BaseModel | dict[str, Any] | None = None, environ: dict[str, str] | None = None
+        cls,
+        config: BaseModel | Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> Self:
-        """Validate ``config`` (a dict, a model or None) with environment overrides applied."""
+        """Validate ``config`` (a dict, a model or None) with environment overrides applied.
+
+        :raises ValidationError: naming each invalid field, and for a value that came from the
+            environment the variable that set it.
+        """
         if isinstance(config, BaseModel):
             data = config.model_dump(exclude_unset=True)
         else:
             data = dict(config or {})
         data.update(cls.env_overrides(environ))
-        return cls.model_validate(data)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            variables = cls.env_variables_set(environ)
+            if not variables:
+                raise
+            raise _name_variables(cls.__name__, exc, variables) from None
+
+
+def _env_loc(name: str, variable: str) -> str:
+    return f"{name} (environment variable {variable})"
+
+
+def _name_variables(
+    title: str, exc: ValidationError, variables: Mapping[str, str]
+) -> ValidationError:
+    """``exc`` with each error caused by an environment value saying which variable set it."""
+    details: list[InitErrorDetails] = []
+    for err in exc.errors(include_url=False):
+        loc = list(err["loc"])
+        for i, part in enumerate(loc):
+            if isinstance(part, str) and part in variables:
+                loc[i] = _env_loc(part, variables[part])
+                break
+        detail: InitErrorDetails = {"type": err["type"], "loc": tuple(loc), "input": err["input"]}
+        if "ctx" in err:
+            detail["ctx"] = err["ctx"]
+        details.append(detail)
+    try:
+        return ValidationError.from_exception_data(title, details)
+    except (KeyError, TypeError, ValueError):  # an error type pydantic cannot rebuild
+        return exc
 
 
 #: The longest timeout anything in kvcore accepts: a week. Longer (or infinite) values would

@@ -15,15 +15,19 @@ from fake_dist import make_dist
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kvcore_cli(*args: str, site: Path | None = None, timeout: int = 300):
-    env = dict(os.environ)
+def kvcore_cli(
+    *args: str, site: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    environ = dict(os.environ)
+    environ.pop("KVCORE_DEBUG", None)
     if site is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "tests")])
+        environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "tests")])
+    environ.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "kvcore", *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=environ,
         timeout=timeout,
     )
 
@@ -36,21 +40,30 @@ def test_backends_json_lists_the_three_backends():
         ("file", "kvcore-file"),
         ("mooncake", "kvcore-mooncake"),
         ("attentionstore", "kvcore-attentionstore"),
+        ("memory", "kvcore"),
     ]:
         assert rows[name]["distribution"] == dist
         assert rows[name]["imports"] is True, rows[name]["error"]
+        assert rows[name]["ok"] is True, rows[name]["error"]
+        assert rows[name]["checked"] == "import, class, hooks (not opened)"
         assert rows[name]["capabilities"]["io"] in ("host", "device")
     text = kvcore_cli("backends")
-    assert re.search(r"^file\s+kvcore-file\s+\S+\s+yes\s+key-addressed", text.stdout, re.M)
+    assert re.search(
+        r"^file\s+kvcore-file\s+\S+\s+ok\s+import, class, hooks \(not opened\)\s+key-addressed",
+        text.stdout,
+        re.M,
+    ), text.stdout
+    assert "Not opened" in text.stdout  # says plainly what was not checked
 
 
 def _table(stdout: str) -> dict[str, str]:
     return dict(re.findall(r"^  (\S[\w /]+?)\s{2,}(.+)$", stdout, re.M))
 
 
-def test_demo_verifies_bytes_and_hits_more_on_a_second_run(tmp_path):
+def test_demo_verifies_bytes_and_a_kept_namespace_hits_on_a_second_run(tmp_path):
     cfg = json.dumps({"root": str(tmp_path / "store")})
-    first = kvcore_cli("demo", "--config", cfg, "--conversations", "3", "--turns", "3")
+    small = ("--conversations", "3", "--turns", "3")
+    first = kvcore_cli("demo", "--config", cfg, *small, "--namespace", "ns-1", "--keep")
     assert first.returncode == 0, first.stderr
     t = _table(first.stdout)
     assert t["turns"] == "9"
@@ -58,12 +71,18 @@ def test_demo_verifies_bytes_and_hits_more_on_a_second_run(tmp_path):
     hit = float(t["storage hit rate"].split()[0])
     assert 0 < hit < 100  # shared system prompt and growing turns hit; new text misses
     assert int(t["blocks read"]) > 0 and int(t["blocks written"].split()[0]) > 0
-    assert t["data lives in"] == str(tmp_path / "store")
-    assert "turns" in first.stderr  # the progress bar
-    second = kvcore_cli("demo", "--json", "--config", cfg, "--conversations", "3", "--turns", "3")
+    assert t["namespace"] == "ns-1"
+    assert t["data"] == f"kept in {tmp_path / 'store' / 'ns-1'}"  # where the objects really are
+    assert any((tmp_path / "store" / "ns-1").iterdir())
+    assert "9/9 turns" in first.stderr  # progress, one line per tenth off a terminal
+    second = kvcore_cli("demo", "--json", "--config", cfg, *small, "--namespace", "ns-1", "--keep")
     s = json.loads(second.stdout)
     assert s["hit_rate"] == 1.0 and s["blocks_written"] == 0 and s["mismatches"] == 0
     assert s["blocks_read"] == s["prompt_blocks"] > 0
+    # a run without --namespace starts from nothing: it never sees another run's data
+    third = kvcore_cli("demo", "--json", "--config", cfg, *small, "--keep")
+    t3 = json.loads(third.stdout)
+    assert t3["namespace"].startswith("kvcore-demo-") and t3["hit_rate"] < 1.0
 
 
 LYING_BACKEND = """
@@ -88,9 +107,31 @@ def test_demo_fails_on_a_byte_mismatch(tmp_path):
     out = kvcore_cli(
         "demo", "--backend", "lying", "--conversations", "2", "--turns", "2", site=site
     )
-    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
     assert int(_table(out.stdout)["byte mismatches"]) > 0
     assert "FAILED" in out.stdout
+
+
+FAILING_BACKEND = """
+import kvcore
+from memory_backend import MemoryBackend
+
+class Backend(MemoryBackend):
+    @kvcore.hookimpl
+    def kvcore_write(self, request):
+        raise RuntimeError("disk on fire")
+"""
+
+
+def test_demo_exits_9_when_the_backend_fails_during_the_run(tmp_path):
+    site = tmp_path / "site"
+    make_dist(site, "failing-kv", "failing_kv", FAILING_BACKEND, {"failing": "Backend"})
+    out = kvcore_cli(
+        "demo", "--backend", "failing", "--conversations", "1", "--turns", "2", site=site
+    )
+    assert out.returncode == 9, out.stdout + out.stderr
+    assert int(_table(out.stdout)["errors"]) > 0
+    assert "disk on fire" in out.stdout  # an error sample in the summary
 
 
 def test_bench_reports_figures_and_ratios(tmp_path):
@@ -103,6 +144,8 @@ def test_bench_reports_figures_and_ratios(tmp_path):
     assert f["write_gbps"] > 0 and f["read_gbps"] > 0 and f["memcpy_gbps"] > 0
     assert data["verified"] is True
     assert data["ratios"]["read_vs_memcpy"] > 0
+    assert data["namespace"].startswith("kvcore-bench-")
+    assert "3/3 steps" in out.stderr  # progress: buffers, one repetition, one raw baseline
     human = kvcore_cli("bench", "--blocks", "1", "--repeats", "1", "--config", cfg)
     assert re.search(r"read\s+\d+\.\d+ GB/s", human.stdout), human.stdout
 
@@ -111,8 +154,10 @@ def test_check_passes_file_and_summarises(tmp_path):
     cfg = json.dumps({"root": str(tmp_path / "store")})
     out = kvcore_cli("check", "file", "--config", cfg, "-k", "round_trip or gap or hostile")
     assert out.returncode == 0, out.stdout[-3000:]
-    m = re.search(r"kvcore check file: (\d+) passed, (\d+) failed, (\d+) skipped", out.stdout)
-    assert m and int(m.group(1)) >= 10 and m.group(2) == "0"
+    m = re.search(
+        r"kvcore check file: (\d+) passed, (\d+) failed, (\d+) errors, (\d+) skipped", out.stdout
+    )
+    assert m and int(m.group(1)) >= 10 and m.group(2) == "0" and m.group(3) == "0"
 
 
 BROKEN = """
@@ -136,8 +181,12 @@ def test_check_fails_a_broken_backend(tmp_path):
     assert "FAILED TestInstalledBackend::test_gap_ends_the_run" in out.stdout
 
 
-@pytest.mark.parametrize("bad", ['{"root": ', '["not", "an", "object"]', "/no/such/file.json"])
-def test_bad_config_argument_is_explained(bad):
+@pytest.mark.parametrize(
+    "bad", ['{"root": ', '["not", "an", "object"]', "/no/such/file.json", '{"rooot": 1}']
+)
+def test_bad_config_argument_is_one_line_with_the_config_exit_code(bad):
     out = kvcore_cli("demo", "--config", bad)
-    assert out.returncode != 0
-    assert "--config" in out.stderr
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.startswith("kvcore: error: ")
+    assert len(out.stderr.strip().splitlines()) <= 2  # the error, and maybe where the log is
+    assert "--config" in out.stderr or "rooot" in out.stderr

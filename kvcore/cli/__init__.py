@@ -1,16 +1,26 @@
-"""The ``kvcore`` command: backends, demo, bench, check."""
+"""The ``kvcore`` command: backends, demo, bench, check.
+
+Errors are one line, ``kvcore: error: <what went wrong>``, with an exit code per kind of error
+(:class:`kvcore.cli.errors.ExitCode`); ``--debug`` or ``KVCORE_DEBUG=1`` adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
+import traceback
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
+from kvcore.cli.console import LOG_DIR_ENV, CommandConsole, make_console, quiet_stderr
+from kvcore.cli.errors import CliError, ExitCode, classify
 from kvcore.schemas import parse_config_arg
 
-__all__ = ["load_config_arg", "main"]
+__all__ = ["DEBUG_ENV", "load_config_arg", "main"]
+
+#: set to 1 for tracebacks on errors (the same as --debug)
+DEBUG_ENV = "KVCORE_DEBUG"
 
 
 def load_config_arg(value: str | None) -> dict[str, Any]:
@@ -18,58 +28,239 @@ def load_config_arg(value: str | None) -> dict[str, Any]:
     try:
         return parse_config_arg(value)
     except ValueError as exc:
-        raise SystemExit(f"kvcore: --config: {exc}") from None
+        raise CliError(f"--config: {exc}", ExitCode.CONFIG) from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvcore", description="Third-tier KV-cache storage for LLM serving engines."
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"kvcore: error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(ExitCode.USAGE)
+
+
+def _int_at_least(minimum: int, maximum: int | None = None) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # what argparse calls the type in its messages
+    return parse
+
+
+def _installed_names() -> str:
+    from kvcore.registry import available_backends
+
+    try:
+        names = sorted({b.name for b in available_backends()})
+    except Exception:  # listing must never stop --help
+        return "see `kvcore backends`"
+    return ", ".join(names) if names else "none installed"
+
+
+def _parser() -> _Parser:
+    installed = _installed_names()
+    p = _Parser(
+        prog="kvcore",
+        description="Third-tier KV-cache storage for LLM serving engines.",
+        epilog=f"Exit codes and environment variables: docs/operator-guide.md. "
+        f"Set {DEBUG_ENV}=1 for tracebacks.",
     )
-    p.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="kvcore's info logs on the terminal (-v), debug logs (-vv) (default: warnings only)",
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of an error (also: {DEBUG_ENV}=1)",
+    )
+    p.add_argument(
+        "--log-file",
+        metavar="PATH",
+        default=None,
+        help="where demo, bench and check send other libraries' output (native log lines, "
+        f"warnings) (default: a new file under ${LOG_DIR_ENV} or "
+        "~/.local/state/kvcore/logs, removed when empty)",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    b = sub.add_parser("backends", help="list installed backends")
+    b = sub.add_parser(
+        "backends",
+        help="list installed backends and check each one's definition",
+        description="List installed backends. Each is imported and its class and hooks are "
+        "checked as opening would check them; --open also opens it with its default config "
+        "(that may contact the server its config or environment names).",
+    )
     b.add_argument("--json", action="store_true", help="machine-readable output")
+    b.add_argument(
+        "--open",
+        action="store_true",
+        help="also open each backend (default config, environment overrides, a small layout) "
+        "and report what opening says, e.g. a missing vendor SDK or an unreachable server",
+    )
 
-    def backend_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--backend", default="file", help="backend name (default: file)")
-        sp.add_argument("--config", default=None, help="backend config: JSON or a JSON file path")
+    def backend_args(sp: argparse.ArgumentParser, what: str) -> None:
+        sp.add_argument(
+            "--backend",
+            default="file",
+            metavar="NAME",
+            help=f"backend to {what}, one of: {installed} (default: %(default)s)",
+        )
+        sp.add_argument(
+            "--config",
+            default=None,
+            metavar="JSON_OR_PATH",
+            help="backend config: a JSON object or the path of a JSON file; environment "
+            "variables override it (default: the backend's defaults)",
+        )
+        sp.add_argument(
+            "--namespace",
+            default=None,
+            help=f"namespace of the keys this run writes (default: a new kvcore-{sp.prog.split()[-1]}"
+            "-<random> per run, so runs never see each other's data)",
+        )
+        sp.add_argument(
+            "--keep",
+            action="store_true",
+            help="keep the data this run wrote (default: remove it at the end through the "
+            "backend's clear hook)",
+        )
+        sp.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
-    d = sub.add_parser("demo", help="replay a multi-turn chat workload through a backend")
-    backend_args(d)
-    d.add_argument("--conversations", type=int, default=8)
-    d.add_argument("--turns", type=int, default=6)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d = sub.add_parser(
+        "demo",
+        help="replay a multi-turn chat workload through a backend, every byte verified",
+        description="Replay conversations that share a system prompt and grow turn by turn "
+        "through the TransferManager: each turn restores the stored prefix, verifies every "
+        "restored byte, computes the rest and writes it back.",
+    )
+    backend_args(d, "run the workload on")
+    d.add_argument(
+        "--conversations",
+        type=_int_at_least(1, 1000),
+        default=8,
+        help="conversations replayed side by side (default: %(default)s)",
+    )
+    d.add_argument(
+        "--turns",
+        type=_int_at_least(1, 100),
+        default=6,
+        help="turns per conversation (default: %(default)s)",
+    )
+    d.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="seed of the token streams (default: 0)"
+    )
+    d.add_argument(
+        "--metrics-port",
+        type=_int_at_least(0, 65535),
+        default=None,
+        metavar="PORT",
+        help="serve the run's Prometheus metrics on 127.0.0.1:PORT/metrics while it runs "
+        "(0: any free port) (default: no endpoint)",
+    )
 
-    bench = sub.add_parser("bench", help="backend throughput through kvcore vs raw baselines")
-    backend_args(bench)
-    bench.add_argument("--blocks", type=int, default=64)
-    bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--json", action="store_true")
+    bench = sub.add_parser(
+        "bench",
+        help="backend throughput through kvcore beside same-run baselines",
+        description="Write, query and read blocks of the typical layout (28 layers x 8 heads x "
+        "64 tokens x 128 dim, bfloat16: 7 MiB per block) through kvcore, beside memcpy and "
+        "the backend's own raw baseline measured in the same run.",
+    )
+    backend_args(bench, "measure")
+    bench.add_argument(
+        "--blocks",
+        type=_int_at_least(1, 4096),
+        default=64,
+        help="blocks per operation, 7 MiB each (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_int_at_least(1, 1000),
+        default=5,
+        help="repetitions; figures are their medians (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also draw the figures against their baselines into FILE.png (needs matplotlib: "
+        "pip install 'kvcore[plot]') (default: no chart)",
+    )
 
-    c = sub.add_parser("check", help="run the conformance kit against an installed backend")
-    c.add_argument("name")
-    c.add_argument("--config", default=None, help="backend config: JSON or a JSON file path")
-    c.add_argument("-k", dest="keyword", default=None, help="only tests matching this expression")
+    c = sub.add_parser(
+        "check",
+        help="run the conformance kit against an installed backend",
+        description="Open the backend once (stopping there, with the reason, if it cannot "
+        "open), then run the conformance kit against it and summarise.",
+    )
+    c.add_argument("name", metavar="NAME", help=f"backend to check, one of: {installed}")
+    c.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON_OR_PATH",
+        help="backend config: a JSON object or the path of a JSON file (default: the "
+        "backend's defaults)",
+    )
+    c.add_argument(
+        "-k",
+        dest="keyword",
+        default=None,
+        metavar="EXPR",
+        help="only the kit's tests matching this pytest -k expression (default: all)",
+    )
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    # Paddle's CPU wheel warns about a missing compiler cache on import: noise for users
-    warnings.filterwarnings("ignore", message="No ccache found")
-    if args.command == "backends":
+def _debug_requested(args: argparse.Namespace | None) -> bool:
+    env = os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return env or bool(args is not None and getattr(args, "debug", False))
+
+
+def _runner(command: str) -> Any:
+    if command == "backends":
         from kvcore.cli.backends import run
-    elif args.command == "demo":
+    elif command == "demo":
         from kvcore.cli.demo import run
-    elif args.command == "bench":
+    elif command == "bench":
         from kvcore.cli.bench import run
     else:
         from kvcore.cli.check import run
-    return run(args)
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Paddle's CPU wheel warns about a missing compiler cache on import: noise for users
+    warnings.filterwarnings("ignore", message="No ccache found")
+    args = _parser().parse_args(argv)
+    console: CommandConsole | None = None
+    try:
+        run = _runner(args.command)
+        if args.command == "backends":
+            console = CommandConsole(out=make_console(sys.stdout), err=make_console(sys.stderr))
+            return int(run(args, console))
+        with quiet_stderr(args.command, args.log_file, args.verbose) as console:
+            code = int(run(args, console))
+        if console.log_has_content():
+            sys.stderr.write(f"kvcore: log of this run: {console.log_path}\n")
+        return code
+    except (Exception, KeyboardInterrupt) as exc:
+        code, message = classify(exc)
+        if _debug_requested(args):
+            traceback.print_exception(exc)
+        sys.stderr.write(f"kvcore: error: {message}\n")
+        if console is not None and console.log_has_content():
+            sys.stderr.write(f"kvcore: log of this run: {console.log_path}\n")
+        return int(code)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,56 @@
-"""``kvcore backends``: what is installed, and whether each one imports."""
+"""``kvcore backends``: what is installed, and what opening each one would say.
+
+Without ``--open`` nothing is opened (no server is contacted): each backend is imported and
+its class checked as :func:`kvcore.open_backend` checks it - ``config_model`` and
+``capabilities``, then its hooks registered with pluggy (a misspelled hook, a missing required
+hook). What only opening can tell (a vendor SDK imported by the constructor, an unreachable
+server) is left to ``--open``, and the table says which of the two was checked.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections import Counter
 from typing import Any
 
-from kvcore.errors import KVCoreError
+import pluggy
+from rich.table import Table
+
+from kvcore import hookspecs
+from kvcore.cli.common import open_for_cli
+from kvcore.cli.console import CommandConsole, print_table
+from kvcore.cli.errors import classify
+from kvcore.errors import BackendImportError, KVCoreError
 from kvcore.registry import available_backends, load_backend_class
+from kvcore.schemas import BackendContext, CacheLayout
+
+#: the layout backends are opened with by ``--open``: tiny, so that opening allocates little
+PROBE_LAYOUT = CacheLayout(num_layers=1, num_heads=1, block_size=16, head_dim=64)
+
+CHECKED_DEFINITION = "import, class, hooks (not opened)"
+CHECKED_OPENED = "opened"
 
 
-def describe() -> list[dict[str, Any]]:
+def check_hooks(name: str, cls: type) -> None:
+    """Register the class itself with pluggy, as opening registers an instance: a hook
+    implementation with no spec (a typo) or a required hook left out fails here, no instance
+    (and so no server or SDK) needed."""
+    # NOTE(kvcore-cli): uses the registry's private _register so the check is the very one
+    # open_backend runs; a public kvcore.registry.check_backend_class(name) is requested.
+    from kvcore.registry import _register
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    try:
+        _register(name, pm, cls)
+    finally:
+        with contextlib.suppress(Exception):
+            pm.unregister(cls)
+
+
+def describe(open_them: bool = False) -> list[dict[str, Any]]:
     infos = available_backends()
     claims = Counter(b.name for b in infos)
     rows = []
@@ -22,42 +61,80 @@ def describe() -> list[dict[str, Any]]:
             "version": info.version,
             "entry_point": info.value,
             "imports": False,
+            "ok": False,
+            "checked": "import",
             "capabilities": None,
             "error": None,
         }
-        if claims[info.name] > 1:
-            row["error"] = "name claimed by several distributions"
-        else:
-            try:
-                cls = load_backend_class(info.name)
-            except KVCoreError as exc:
-                row["error"] = str(exc)
-            else:
-                row["imports"] = True
-                row["capabilities"] = cls.capabilities.model_dump()
         rows.append(row)
+        if claims[info.name] > 1:
+            row["error"] = "name claimed by several distributions (opening it names them)"
+            continue
+        try:
+            cls = load_backend_class(info.name)
+        except KVCoreError as exc:
+            # the import itself succeeded when only the class's definition is wrong
+            row["imports"] = not isinstance(exc, BackendImportError)
+            row["error"] = classify(exc)[1]
+            continue
+        row["imports"] = True
+        row["capabilities"] = cls.capabilities.model_dump()
+        try:
+            check_hooks(info.name, cls)
+        except KVCoreError as exc:
+            row["error"] = classify(exc)[1]
+            continue
+        row["checked"] = CHECKED_DEFINITION
+        row["ok"] = True
+        if open_them:
+            row["checked"] = CHECKED_OPENED
+            try:
+                backend = open_for_cli(info.name, {}, BackendContext(layout=PROBE_LAYOUT))
+            except Exception as exc:  # report it; the next backend is still listed
+                row["ok"] = False
+                row["error"] = classify(exc)[1]
+            else:
+                backend.close()
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    rows = describe()
+def _capabilities(caps: dict[str, Any] | None) -> str:
+    if not caps:
+        return ""
+    flags = [f"{caps['addressing']}-addressed", f"{caps['io']} I/O"]
+    flags += [k for k in ("token_index", "persistent", "shared") if caps[k]]
+    return ", ".join(flags)
+
+
+def run(args: argparse.Namespace, console: CommandConsole) -> int:
+    rows = describe(open_them=args.open)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        console.out.print_json(json.dumps(rows))
         return 0
     if not rows:
-        print("no kvcore backends installed (entry-point group kvcore.backends)")
+        console.out.print("no kvcore backends installed (entry-point group kvcore.backends)")
         return 0
-    print(f"{'NAME':16} {'DISTRIBUTION':24} {'VERSION':9} {'IMPORTS':8} CAPABILITIES")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "DISTRIBUTION", "VERSION", "STATUS", "CHECKED", "CAPABILITIES"):
+        table.add_column(column, no_wrap=column != "CAPABILITIES")
     for r in rows:
-        caps = r["capabilities"]
-        if caps:
-            flags = [f"{caps['addressing']}-addressed", f"{caps['io']} I/O"]
-            flags += [k for k in ("token_index", "persistent", "shared") if caps[k]]
-            desc = ", ".join(flags)
-        else:
-            desc = f"error: {r['error']}"
-        print(
-            f"{r['name']:16} {r['distribution']:24} {r['version']:9} "
-            f"{'yes' if r['imports'] else 'no':8} {desc}"
+        status = "ok" if r["ok"] else "error"
+        table.add_row(
+            r["name"],
+            r["distribution"],
+            r["version"],
+            f"[green]{status}[/]" if r["ok"] else f"[red]{status}[/]",
+            r["checked"],
+            _capabilities(r["capabilities"]),
+        )
+    print_table(console.out, table)
+    for r in rows:
+        if r["error"]:
+            console.out.print(f"{r['name']}: {r['error']}", markup=False)
+    if not args.open:
+        console.out.print(
+            "Not opened: opening can still fail (a vendor SDK, a server); "
+            "`kvcore backends --open` or `kvcore check NAME` tries it.",
+            markup=False,
         )
     return 0

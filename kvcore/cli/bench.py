@@ -3,6 +3,10 @@
 Baselines measured in the same run: memcpy of the same bytes, and the backend's own raw
 figures when it provides them (``kvcore_raw_baseline``: raw disk I/O for ``file``, the raw
 client for ``mooncake``). Each figure is the median of ``--repeats`` repetitions.
+
+Each repetition writes new keys under the run's own namespace; unless ``--keep``, what a
+repetition wrote is removed after it (the backend's remove hook) and the namespace is cleared
+at the end (its clear hook), so a run leaves nothing behind on a backend that has them.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from typing import Any
 import numpy as np
 
 from kvcore.backend import Backend
+from kvcore.cli.common import clear_scratch, open_for_cli, scratch_namespace
+from kvcore.cli.console import CommandConsole, step_progress
+from kvcore.cli.errors import CliError, ExitCode
 from kvcore.keys import KeyScope, block_hashes
 from kvcore.ops import HostBuffer
-from kvcore.registry import open_backend
 from kvcore.requests import HostBuffers
 from kvcore.schemas import BackendContext, CacheLayout
 
@@ -42,7 +48,17 @@ def _staging(layout: CacheLayout, n: int) -> tuple[list[HostBuffer], HostBuffers
     return regions, host
 
 
-def measure(backend: Backend, layout: CacheLayout, blocks: int, repeats: int) -> dict[str, Any]:
+def measure(
+    backend: Backend,
+    layout: CacheLayout,
+    blocks: int,
+    repeats: int,
+    progress: Any = None,
+    keep: bool = True,
+) -> dict[str, Any]:
+    """Figures, ratios and goals of one run (medians of ``repeats``). ``progress.advance()`` is
+    called after each step; unless ``keep``, each repetition's blocks are removed after it."""
+    progress = progress or _NoProgress()
     src, src_host = _staging(layout, blocks)
     dst, dst_host = _staging(layout, blocks)
     rng = np.random.default_rng(0)
@@ -51,6 +67,7 @@ def measure(backend: Backend, layout: CacheLayout, blocks: int, repeats: int) ->
     nbytes = sum(r.nbytes for r in src)
     for r in (*src, *dst):
         backend.register_buffer(r.ptr, r.nbytes)
+    progress.advance(note="buffers filled")
     writes, reads, queries, copies, verified = [], [], [], [], True
     for rep in range(repeats):
         tokens = rng.integers(0, 100_000, blocks * layout.block_size).tolist()
@@ -76,9 +93,11 @@ def measure(backend: Backend, layout: CacheLayout, blocks: int, repeats: int) ->
         got = backend.read(req(dst_host))
         t3 = time.perf_counter()
         if (wrote, found, got) != (blocks, blocks, blocks):
-            raise SystemExit(
-                f"kvcore bench: backend stored {wrote}, found {found}, read {got} "
-                f"of {blocks} blocks; see `kvcore -v bench`"
+            why = "; ".join(o.failure for o in (wrote, found, got) if o.failure)
+            raise CliError(
+                f"backend {backend.name!r} stored {wrote}, found {found}, read {got} of {blocks} "
+                f"blocks{f' ({why})' if why else ''}; its log lines say more (kvcore -v bench)",
+                ExitCode.BACKEND_FAILED,
             )
         verified &= all(np.array_equal(a.array, b.array) for a, b in zip(src, dst, strict=True))
         for a, b in zip(src, dst, strict=True):
@@ -88,11 +107,14 @@ def measure(backend: Backend, layout: CacheLayout, blocks: int, repeats: int) ->
         writes.append(t1 - t0)
         queries.append(t2 - t1)
         reads.append(t3 - t2)
+        if not keep:  # bound the scratch data to one repetition's blocks
+            backend.remove(req())
+        progress.advance(note=f"write {nbytes / GIB / (t1 - t0):.2f} GB/s")
     copy_s = statistics.median(copies) * len(src)
-    raws = [
-        backend.raw_baseline(src[0].ptr, src[0].nbytes, layout.part_bytes("k"))
-        for _ in range(repeats)
-    ]
+    raws = []
+    for _ in range(repeats):
+        raws.append(backend.raw_baseline(src[0].ptr, src[0].nbytes, layout.part_bytes("k")))
+        progress.advance(note="raw baseline")
     raw = {
         k: statistics.median(r[k] for r in raws if k in r)
         for k in ("write_gbps", "read_gbps")
@@ -133,30 +155,56 @@ def measure(backend: Backend, layout: CacheLayout, blocks: int, repeats: int) ->
     }
 
 
-def run(args: argparse.Namespace) -> int:
+class _NoProgress:
+    def advance(self, n: int = 1, note: str = "") -> None:
+        pass
+
+
+def run(args: argparse.Namespace, console: CommandConsole) -> int:
     from kvcore.cli import load_config_arg
 
-    if args.blocks < 1 or args.repeats < 1:
-        raise SystemExit("kvcore bench: --blocks and --repeats must be >= 1")
     config = load_config_arg(args.config)
-    context = BackendContext(layout=TYPICAL, namespace="kvcore-bench")
-    with open_backend(args.backend, config, context=context) as backend:
-        out = measure(backend, TYPICAL, args.blocks, args.repeats)
+    if args.plot:
+        from kvcore.cli.plot import require_matplotlib
+
+        require_matplotlib()  # before the work: a missing extra should not cost a whole run
+    namespace = scratch_namespace("bench", args.namespace)
+    context = BackendContext(layout=TYPICAL, namespace=namespace)
+    backend = open_for_cli(args.backend, config, context)
+    try:
+        steps = 1 + 2 * args.repeats  # buffers, the repetitions, then the raw baselines
+        with step_progress(console.err, "bench", steps, "steps") as progress:
+            out = measure(backend, TYPICAL, args.blocks, args.repeats, progress, args.keep)
+        out["namespace"] = namespace
+        out["data"] = clear_scratch(backend, args.keep)
+    finally:
+        backend.close()
+    if args.plot:
+        from kvcore.cli.plot import plot_report
+
+        plot_report(out, args.plot, title=f"kvcore bench --backend {out['backend']}")
     if args.json:
-        print(json.dumps(out))
-        return 0 if out["verified"] else 2
+        console.out.print_json(json.dumps(out))
+        return ExitCode.OK if out["verified"] else ExitCode.FAILED
     f, r = out["figures"], out["ratios"]
-    print(
-        f"kvcore bench: backend {out['backend']!r}, {args.blocks} blocks of the typical "
-        f"layout ({f['bytes_per_op'] / 2**20:.0f} MiB per op), median of {args.repeats}"
-    )
-    print(f"  write   {f['write_gbps']:7.2f} GB/s")
-    print(f"  read    {f['read_gbps']:7.2f} GB/s")
-    print(f"  query   {f['query_ms']:7.2f} ms for {args.blocks} blocks")
-    print(f"  memcpy  {f['memcpy_gbps']:7.2f} GB/s (baseline)")
+    lines = [
+        f"kvcore bench: backend {out['backend']!r}, {args.blocks} blocks of the typical layout "
+        f"({f['bytes_per_op'] / 2**20:.0f} MiB per op), median of {args.repeats}",
+        f"  write   {f['write_gbps']:7.2f} GB/s",
+        f"  read    {f['read_gbps']:7.2f} GB/s",
+        f"  query   {f['query_ms']:7.2f} ms for {args.blocks} blocks",
+        f"  memcpy  {f['memcpy_gbps']:7.2f} GB/s (baseline)",
+    ]
     if "raw_write_gbps" in f:
-        print(f"  raw write {f['raw_write_gbps']:5.2f} GB/s -> ratio {r['write_vs_raw']:.2f}")
+        lines.append(
+            f"  raw write {f['raw_write_gbps']:5.2f} GB/s -> ratio {r['write_vs_raw']:.2f}"
+        )
     if "raw_read_gbps" in f:
-        print(f"  raw read  {f['raw_read_gbps']:5.2f} GB/s -> ratio {r['read_vs_raw']:.2f}")
-    print("  bytes verified" if out["verified"] else "  BYTES DIFFER")
-    return 0 if out["verified"] else 2
+        lines.append(f"  raw read  {f['raw_read_gbps']:5.2f} GB/s -> ratio {r['read_vs_raw']:.2f}")
+    lines.append("  bytes verified" if out["verified"] else "  BYTES DIFFER")
+    lines.append(f"  data: {out['data']}")
+    if args.plot:
+        lines.append(f"  chart: {args.plot}")
+    for line in lines:
+        console.out.print(line, markup=False, highlight=False)
+    return ExitCode.OK if out["verified"] else ExitCode.FAILED

@@ -12,15 +12,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
+from kvcore.backend import Backend
+from kvcore.cli.common import clear_scratch, data_location, open_for_cli, scratch_namespace
+from kvcore.cli.console import CommandConsole, print_table, step_progress
+from kvcore.cli.errors import ExitCode
 from kvcore.keys import KeyScope, block_hashes
-from kvcore.registry import open_backend
+from kvcore.metrics import serve_prometheus
 from kvcore.schemas import BackendContext, CacheLayout
 from kvcore.transfer import DeviceCache, TransferManager
 
@@ -57,22 +62,20 @@ def expected_block(key: str, part: str) -> np.ndarray:
 
 
 class Engine:
-    """The engine side: Paddle cache tensors, a block allocator, fill and verify."""
+    """The engine side: per-layer cache arrays, a block allocator, fill and verify.
+
+    numpy has no bfloat16, so the bfloat16 cache is held as uint16 arrays: kvcore moves whole
+    blocks and checks only the element size (2 bytes), never the element type.
+    """
 
     def __init__(self) -> None:
-        import paddle
-
-        shape = list(LAYOUT.kv_shape)
-        self.k = [paddle.zeros(shape, dtype="bfloat16") for _ in range(LAYOUT.total_layers)]
-        self.v = [paddle.zeros(shape, dtype="bfloat16") for _ in range(LAYOUT.total_layers)]
+        shape = LAYOUT.kv_shape
+        self.k = [np.zeros(shape, dtype=np.uint16) for _ in range(LAYOUT.total_layers)]
+        self.v = [np.zeros(shape, dtype=np.uint16) for _ in range(LAYOUT.total_layers)]
         self.cache = DeviceCache(LAYOUT, self.k, self.v)
         self.views = {
-            "k": [
-                np.from_dlpack(t.view(paddle.uint8)).reshape(LAYOUT.num_blocks, -1) for t in self.k
-            ],
-            "v": [
-                np.from_dlpack(t.view(paddle.uint8)).reshape(LAYOUT.num_blocks, -1) for t in self.v
-            ],
+            "k": [t.view(np.uint8).reshape(LAYOUT.num_blocks, -1) for t in self.k],
+            "v": [t.view(np.uint8).reshape(LAYOUT.num_blocks, -1) for t in self.v],
         }
         self.rng = np.random.default_rng(1234)
 
@@ -105,85 +108,94 @@ def conversation_tokens(seed: int, conv: int, turn: int, kind: str, n: int) -> l
     return rng.integers(0, 100_000, n).tolist()
 
 
-def progress(done: int, total: int, totals: Totals, started: float) -> None:
-    """A bar redrawn in place on a terminal; in a log, one line per tenth of the run."""
-    tty = sys.stderr.isatty()
-    if not tty and done != total and done % max(total // 10, 1):
-        return
-    width = 30
-    filled = width * done // max(total, 1)
-    hit = 100 * totals.blocks_read / max(totals.prompt_blocks, 1)
-    sys.stderr.write(
-        f"{chr(13) if tty else ''}  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-        f"turns, hit rate {hit:5.1f} %, {time.monotonic() - started:5.1f} s"
-        + (" " if tty else "\n")
-    )
-    sys.stderr.flush()
+@dataclass
+class Workload:
+    """The conversations: a shared system prompt, then per turn a user message and an answer."""
+
+    seed: int
+    conversations: int
+    turns: int
+    scope: KeyScope = field(default_factory=lambda: KeyScope(model="kvcore-demo"))
+
+    def histories(self) -> dict[int, list[int]]:
+        system = conversation_tokens(self.seed, -1, 0, "user", SYSTEM_PROMPT_TOKENS)
+        return {c: list(system) for c in range(self.conversations)}
 
 
-def run_workload(tm: TransferManager, engine: Engine, args: argparse.Namespace) -> Totals:
+def run_workload(
+    tm: TransferManager, engine: Engine, workload: Workload, console: CommandConsole
+) -> Totals:
     totals = Totals()
-    scope = KeyScope(model="kvcore-demo", namespace="demo")
-    system = conversation_tokens(args.seed, -1, 0, "user", SYSTEM_PROMPT_TOKENS)
-    histories = {c: list(system) for c in range(args.conversations)}
-    total_turns = args.conversations * args.turns
-    started = time.monotonic()
-    bs = LAYOUT.block_size
-    for turn in range(args.turns):
-        for conv in range(args.conversations):
-            rng = np.random.default_rng([args.seed, conv + 1, turn, 2])
-            user = conversation_tokens(args.seed, conv, turn, "user", int(rng.integers(60, 240)))
-            prompt = histories[conv] + user
-            answer = conversation_tokens(args.seed, conv, turn, "bot", int(rng.integers(40, 160)))
-            full = (prompt + answer)[:MAX_MODEL_LEN]
-            keys = block_hashes(full, bs, scope)
-            n_prompt = min(len(prompt) // bs, len(keys))
-            ids = engine.allocate(len(keys))
-            engine.scrub(ids)
-            tid = f"c{conv}t{turn}"
-
-            res = tm.read(
-                {
-                    "task_id": f"{tid}-read",
-                    "keys": keys[:n_prompt],
-                    "device_block_ids": ids[:n_prompt],
-                    "token_ids": full,
-                }
-            ).result()
-            restored = res.num_blocks
-            totals.read_s += res.timings_s.get("total", 0.0)
-            totals.bytes_read += res.bytes
-            totals.blocks_read += restored
-            if res.error:
-                _error(totals, f"{tid} read: {res.error}")
-            for j in range(restored):
-                if not engine.verify(ids[j], keys[j]):
-                    totals.mismatches += 1
-            for j in range(restored, len(keys)):  # prefill and decode "compute" the rest
-                engine.compute(ids[j], keys[j])
-
-            wres = tm.write_back(
-                {
-                    "task_id": f"{tid}-write",
-                    "keys": keys,
-                    "device_block_ids": ids,
-                    "token_ids": full,
-                }
-            ).result()
-            totals.write_s += wres.timings_s.get("total", 0.0)
-            totals.blocks_written += wres.num_blocks
-            totals.blocks_skipped += wres.skipped_blocks
-            totals.bytes_written += wres.bytes
-            if wres.error:
-                _error(totals, f"{tid} write: {wres.error}")
-            totals.turns += 1
-            totals.prompt_tokens += len(prompt)
-            totals.prompt_blocks += n_prompt
-            histories[conv] = full
-            progress(totals.turns, total_turns, totals, started)
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")
+    histories = workload.histories()
+    total_turns = workload.conversations * workload.turns
+    with step_progress(console.err, "demo", total_turns, "turns") as progress:
+        for turn in range(workload.turns):
+            for conv in range(workload.conversations):
+                histories[conv] = one_turn(
+                    tm, engine, workload, totals, histories[conv], turn, conv
+                )
+                hit = 100 * totals.blocks_read / max(totals.prompt_blocks, 1)
+                progress.advance(note=f"hit rate {hit:.1f} %")
     return totals
+
+
+def one_turn(
+    tm: TransferManager,
+    engine: Engine,
+    workload: Workload,
+    totals: Totals,
+    history: list[int],
+    turn: int,
+    conv: int,
+) -> list[int]:
+    """One turn of one conversation: restore the stored prefix, verify it, compute the rest,
+    write it all back. Returns the conversation's tokens after the turn."""
+    bs = LAYOUT.block_size
+    seed = workload.seed
+    rng = np.random.default_rng([seed, conv + 1, turn, 2])
+    user = conversation_tokens(seed, conv, turn, "user", int(rng.integers(60, 240)))
+    prompt = history + user
+    answer = conversation_tokens(seed, conv, turn, "bot", int(rng.integers(40, 160)))
+    full = (prompt + answer)[:MAX_MODEL_LEN]
+    keys = block_hashes(full, bs, workload.scope)
+    n_prompt = min(len(prompt) // bs, len(keys))
+    ids = engine.allocate(len(keys))
+    engine.scrub(ids)
+    tid = f"c{conv}t{turn}"
+
+    res = tm.read(
+        {
+            "task_id": f"{tid}-read",
+            "keys": keys[:n_prompt],
+            "device_block_ids": ids[:n_prompt],
+            "token_ids": full,
+        }
+    ).result()
+    restored = res.num_blocks
+    totals.read_s += res.timings_s.get("total", 0.0)
+    totals.bytes_read += res.bytes
+    totals.blocks_read += restored
+    if res.error:
+        _error(totals, f"{tid} read: {res.error}")
+    for j in range(restored):
+        if not engine.verify(ids[j], keys[j]):
+            totals.mismatches += 1
+    for j in range(restored, len(keys)):  # prefill and decode "compute" the rest
+        engine.compute(ids[j], keys[j])
+
+    wres = tm.write_back(
+        {"task_id": f"{tid}-write", "keys": keys, "device_block_ids": ids, "token_ids": full}
+    ).result()
+    totals.write_s += wres.timings_s.get("total", 0.0)
+    totals.blocks_written += wres.num_blocks
+    totals.blocks_skipped += wres.skipped_blocks
+    totals.bytes_written += wres.bytes
+    if wres.error:
+        _error(totals, f"{tid} write: {wres.error}")
+    totals.turns += 1
+    totals.prompt_tokens += len(prompt)
+    totals.prompt_blocks += n_prompt
+    return full
 
 
 def _error(totals: Totals, msg: str) -> None:
@@ -192,23 +204,13 @@ def _error(totals: Totals, msg: str) -> None:
         totals.error_samples.append(msg)
 
 
-def where_data_lives(backend: Any) -> str:
-    root = getattr(backend.config, "root", None)
-    if root is not None:
-        return str(root)
-    # the settings that say where the data is: whatever was set, secrets left out
-    shown = {
-        k: v
-        for k, v in backend.config.model_dump(mode="json", exclude_defaults=True).items()
-        if "password" not in k and "secret" not in k
-    }
-    return f"backend {backend.name!r} ({json.dumps(shown)})"
-
-
-def summary(totals: Totals, backend: Any, elapsed: float) -> dict[str, Any]:
+def summary(
+    totals: Totals, backend: Backend, elapsed: float, data: str, staging_bytes: int
+) -> dict[str, Any]:
     gib = 1024**3
     return {
         "backend": backend.name,
+        "namespace": backend.context.namespace,
         "turns": totals.turns,
         "prompt_tokens": totals.prompt_tokens,
         "prompt_blocks": totals.prompt_blocks,
@@ -224,11 +226,13 @@ def summary(totals: Totals, backend: Any, elapsed: float) -> dict[str, Any]:
         "errors": totals.errors,
         "error_samples": totals.error_samples,
         "elapsed_s": elapsed,
-        "data_location": where_data_lives(backend),
+        "staging_bytes": staging_bytes,
+        "data_location": data_location(backend),
+        "data": data,
     }
 
 
-def print_table(s: dict[str, Any]) -> None:
+def print_summary(s: dict[str, Any], console: Console) -> None:
     mib = 1024**2
     rows = [
         ("turns", f"{s['turns']}"),
@@ -243,41 +247,64 @@ def print_table(s: dict[str, Any]) -> None:
         ("byte mismatches", f"{s['mismatches']}"),
         ("errors", f"{s['errors']}"),
         ("elapsed", f"{s['elapsed_s']:.1f} s"),
-        ("data lives in", s["data_location"]),
+        ("staging memory", f"{s['staging_bytes'] / mib:.0f} MiB"),
+        ("namespace", s["namespace"]),
+        ("data", s["data"]),
     ]
-    print(f"kvcore demo on backend {s['backend']!r}")
+    table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 2))
+    table.add_column(no_wrap=True)
+    table.add_column()
     for name, value in rows:
-        print(f"  {name:18} {value}")
+        table.add_row(f"  {name}", value)
+    console.print(f"kvcore demo on backend {s['backend']!r}", markup=False)
+    print_table(console, table)
     for sample in s["error_samples"]:
-        print(f"  error: {sample}")
+        console.print(f"  error: {sample}", markup=False)
     if s["mismatches"]:
-        print("FAILED: restored bytes differ from what was stored")
+        console.print("FAILED: restored bytes differ from what was stored")
+    elif s["errors"]:
+        console.print(f"FAILED: the backend failed {s['errors']} times (see the errors above)")
     else:
-        print("OK: every restored byte matched")
+        console.print("OK: every restored byte matched")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, console: CommandConsole) -> int:
     from kvcore.cli import load_config_arg
 
     config = load_config_arg(args.config)
-    context = BackendContext(layout=LAYOUT, namespace="kvcore-demo")
-    backend = open_backend(args.backend, config, context=context)
-    engine = Engine()
+    namespace = scratch_namespace("demo", args.namespace)
+    context = BackendContext(layout=LAYOUT, namespace=namespace)
+    backend = open_for_cli(args.backend, config, context)
+    workload = Workload(args.seed, args.conversations, args.turns)
     tm_config = {
         "layout": LAYOUT,
         "max_model_len": MAX_MODEL_LEN,
-        "namespace": "kvcore-demo",
+        "namespace": namespace,
         "default_timeout_s": 30.0,
     }
     t0 = time.monotonic()
+    server = None
     try:
+        engine = Engine()
         with TransferManager(tm_config, engine.cache, backend) as tm:
-            totals = run_workload(tm, engine, args)
+            if args.metrics_port is not None:
+                server, _ = serve_prometheus(tm, args.metrics_port)
+                console.err.print(
+                    f"metrics: http://127.0.0.1:{server.server_port}/metrics", markup=False
+                )
+            totals = run_workload(tm, engine, workload, console)
+            staging = tm.memory_bytes()["staging_bytes"]
+        elapsed = time.monotonic() - t0
+        data = clear_scratch(backend, args.keep)
     finally:
+        if server is not None:
+            server.shutdown()
         backend.close()
-    s = summary(totals, backend, time.monotonic() - t0)
+    s = summary(totals, backend, elapsed, data, staging)
     if args.json:
-        print(json.dumps(s))
+        console.out.print_json(json.dumps(s))
     else:
-        print_table(s)
-    return 2 if totals.mismatches else 0
+        print_summary(s, console.out)
+    if totals.mismatches:
+        return ExitCode.FAILED
+    return ExitCode.BACKEND_FAILED if totals.errors else ExitCode.OK
