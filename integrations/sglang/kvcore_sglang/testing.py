@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "controller_for",
     "create_storage",
     "extra_config",
     "fill_random",
@@ -251,3 +252,30 @@ def create_storage(backend_name: str, config: Any, pool: Any | None = None) -> A
     if pool is not None:
         storage.register_mem_pool_host(pool)
     return storage
+
+
+def controller_for(storage: Any, pool: Any, *, zero_copy: bool) -> Any:
+    """SGLang's ``HiCacheController``, set up for its storage-thread methods only.
+
+    Its constructor needs a GPU device pool, so it is bypassed; ``_page_backup``,
+    ``_storage_hit_query`` and ``_page_transfer`` read only the attributes set here, which are
+    the ones ``attach_storage_backend`` sets, including its choice of page functions: the
+    zero-copy pair (``batch_get_v1``/``batch_set_v1``) for its own zero-copy backends and for
+    ``dynamic`` with ``interface_v1``, the generic pair (flat page copies through
+    ``batch_get``/``batch_set``) for every other backend, HiCacheFile included.
+    """
+    import queue
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    ctrl = HiCacheController.__new__(HiCacheController)
+    ctrl.storage_backend = storage
+    ctrl.storage_config = storage.storage_config if hasattr(storage, "storage_config") else None
+    ctrl.mem_pool_host = ctrl.storage_host_pool = pool
+    ctrl.page_size = pool.page_size
+    ctrl.prefetch_sync_queue = queue.Queue()
+    if zero_copy:
+        ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
+    else:
+        ctrl.page_get_func, ctrl.page_set_func = ctrl._generic_page_get, ctrl._generic_page_set
+    return ctrl

@@ -26,12 +26,21 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   # Mooncake's wheel needs libibverbs at import time (installed when we may: as root, via apt)
   bash "$repo/plugins/kv_mooncake/scripts/ensure_system_deps.sh" ||
     echo "warning: could not install Mooncake's system libraries; its tests will fail" >&2
-  pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-  "${pip[@]}" --upgrade "pip>=23" wheel "setuptools>=77"
-  "${pip[@]}" -r requirements-test.txt -c requirements-test.txt
-  "${pip[@]}" --no-deps "sglang==$SGLANG_VERSION"
-  # (setuptools' advice about editable installs is noise here: the venv is ours)
-  PYTHONWARNINGS=ignore "${pip[@]}" -c requirements-test.txt \
+  log="$venv/install.log"
+  : >"$log"
+  pip() {
+    # pip's resolver lists sglang's declared (CUDA) requirements as conflicts on every later
+    # install: expected here, so the output goes to a log shown only when a step fails
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check "$@" >>"$log" 2>&1; then
+      tail -n 40 "$log" >&2
+      echo "kvcore-sglang: pip install $* failed (log: $log)" >&2
+      exit 1
+    fi
+  }
+  pip --upgrade "pip>=23" wheel "setuptools>=77"
+  pip -r requirements-test.txt -c requirements-test.txt
+  pip --no-deps "sglang==$SGLANG_VERSION"
+  PYTHONWARNINGS=ignore pip -c requirements-test.txt \
     -e "$repo" -e "$repo/plugins/kv_file" -e "$repo/plugins/kv_mooncake" -e "$here"
   echo "$want" >"$stamp"
 fi

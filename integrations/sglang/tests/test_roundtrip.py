@@ -14,8 +14,10 @@ POOLS = [
     ("mha", "page_first"),
     ("mha", "layer_first"),
     ("mha", "page_first_direct"),
+    ("mha", "page_head"),
     ("mla", "page_first"),
     ("mla", "layer_first"),
+    ("mla", "page_first_direct"),
 ]
 
 
