@@ -265,6 +265,19 @@ class _EnvironSource(EnvSettingsSource):
         return {name.lower(): value for name, value in self._environ.items()}
 
 
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source, reading a given mapping instead of os.environ
+    (so :meth:`EnvConfig.load` can be tested, and called with an engine's own environment)."""
+
+    def __init__(self, model: type[BaseModel], prefix: str, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        # the source only reads the model's fields and config, so any pydantic model will do
+        super().__init__(model, case_sensitive=False, env_prefix=prefix)  # type: ignore[arg-type]
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {name.lower(): value for name, value in self._environ.items()}
+
+
 class EnvConfig(StrictModel):
     """A config whose fields operators can override with environment variables.
 
@@ -387,11 +400,17 @@ def _name_variables(
         detail: InitErrorDetails = {"type": err["type"], "loc": tuple(loc), "input": err["input"]}
         if "ctx" in err:
             detail["ctx"] = err["ctx"]
+        try:  # a custom error type (ByteSize's) cannot be rebuilt: keep its message
+            ValidationError.from_exception_data(title, [detail])
+        except (KeyError, TypeError, ValueError):
+            detail = {
+                "type": "value_error",
+                "loc": tuple(loc),
+                "input": err["input"],
+                "ctx": {"error": ValueError(err["msg"])},
+            }
         details.append(detail)
-    try:
-        return ValidationError.from_exception_data(title, details)
-    except (KeyError, TypeError, ValueError):  # an error type pydantic cannot rebuild
-        return exc
+    return ValidationError.from_exception_data(title, details)
 
 
 #: The longest timeout anything in kvcore accepts: a week. Longer (or infinite) values would

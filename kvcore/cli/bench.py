@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,11 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
         from kvcore.cli.plot import require_matplotlib
 
         require_matplotlib()  # before the work: a missing extra should not cost a whole run
+        folder = Path(args.plot).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise CliError(
+                f"--plot: cannot write the chart: no directory {str(folder)!r}", ExitCode.USAGE
+            )
     namespace = scratch_namespace("bench", args.namespace)
     context = BackendContext(layout=TYPICAL, namespace=namespace)
     backend = open_for_cli(args.backend, config, context)

@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from kvcore.backend import Backend
 from kvcore.cli.common import clear_scratch, data_location, open_for_cli, scratch_namespace
-from kvcore.cli.console import CommandConsole, print_table, step_progress
+from kvcore.cli.console import CommandConsole, step_progress
 from kvcore.cli.errors import ExitCode
 from kvcore.keys import KeyScope, block_hashes
 from kvcore.metrics import serve_prometheus
@@ -251,13 +250,10 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
         ("namespace", s["namespace"]),
         ("data", s["data"]),
     ]
-    table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 2))
-    table.add_column(no_wrap=True)
-    table.add_column()
-    for name, value in rows:
-        table.add_row(f"  {name}", value)
     console.print(f"kvcore demo on backend {s['backend']!r}", markup=False)
-    print_table(console, table)
+    width = max(len(name) for name, _ in rows) + 2
+    for name, value in rows:  # plain lines: a long value never wraps into the next row
+        console.print(f"  {name:<{width}}{value}", markup=False, soft_wrap=True)
     for sample in s["error_samples"]:
         console.print(f"  error: {sample}", markup=False)
     if s["mismatches"]:
