@@ -265,19 +265,6 @@ class _EnvironSource(EnvSettingsSource):
         return {name.lower(): value for name, value in self._environ.items()}
 
 
-class _EnvironSource(EnvSettingsSource):
-    """pydantic-settings' environment source, reading a given mapping instead of os.environ
-    (so :meth:`EnvConfig.load` can be tested, and called with an engine's own environment)."""
-
-    def __init__(self, model: type[BaseModel], prefix: str, environ: Mapping[str, str]) -> None:
-        self._environ = environ
-        # the source only reads the model's fields and config, so any pydantic model will do
-        super().__init__(model, case_sensitive=False, env_prefix=prefix)  # type: ignore[arg-type]
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return {name.lower(): value for name, value in self._environ.items()}
-
-
 class EnvConfig(StrictModel):
     """A config whose fields operators can override with environment variables.
 
