@@ -34,13 +34,22 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MARKER", "MODEL_SIZES", "run_session", "write_model"]
+__all__ = [
+    "MARKER",
+    "MODEL_SIZES",
+    "EngineRun",
+    "run_in_subprocess",
+    "run_session",
+    "write_model",
+]
 
 #: Prefix of the lines a session prints for its parent.
 MARKER = "KVCORE_SESSION "
@@ -263,6 +272,52 @@ def run_session(spec: dict[str, Any], emit: Any = None) -> list[dict[str, Any]]:
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()
     return results
+
+
+@dataclass
+class EngineRun:
+    """What one engine process printed: one result per step, and its log."""
+
+    results: list[dict[str, Any]]
+    log: str
+
+    def step(self, name: str) -> dict[str, Any]:
+        for r in self.results:
+            if r.get("name") == name:
+                return r
+        raise KeyError(f"no step named {name!r} in {[r.get('name') for r in self.results]}")
+
+
+def run_in_subprocess(
+    spec: dict[str, Any], workdir: Path, label: str, timeout_s: float = 600.0
+) -> EngineRun:
+    """Run ``spec`` in a fresh Python process; its log is kept in ``workdir/<label>.log``.
+
+    Raises RuntimeError with the log's tail when the engine process fails.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / f"{label}.json"
+    spec_path.write_text(json.dumps(spec))
+    log_path = workdir / f"{label}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcore_vllm.session", str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=timeout_s,
+            cwd=str(workdir),
+        )
+    lines = proc.stdout.splitlines()
+    results = [json.loads(line[len(MARKER) :]) for line in lines if line.startswith(MARKER)]
+    # vLLM logs to stdout: keep it with stderr, without the result lines
+    with open(log_path, "a") as log:
+        log.write("\n".join(line for line in lines if not line.startswith(MARKER)) + "\n")
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0:
+        tail = "\n".join(text.splitlines()[-40:])
+        raise RuntimeError(f"engine {label!r} exited with {proc.returncode}; log tail:\n{tail}")
+    return EngineRun(results, text)
 
 
 def _print(result: dict[str, Any]) -> None:

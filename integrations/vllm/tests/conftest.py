@@ -9,17 +9,14 @@ tests do. Set ``KV_MOONCAKE_NETNS=0`` to skip that.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kvcore_vllm.session import MARKER, write_model
+from kvcore_vllm.session import EngineRun, run_in_subprocess, write_model
 
 HERE = Path(__file__).resolve().parent
 PACKAGE_ROOT = HERE.parent
@@ -82,49 +79,13 @@ def model_dir() -> Path:
     return write_model(CACHE / "models" / "tiny", "tiny")
 
 
-@dataclass
-class EngineRun:
-    """What one engine process printed: one result per step, and its log."""
-
-    results: list[dict[str, Any]]
-    log: str
-
-    def step(self, name: str) -> dict[str, Any]:
-        for r in self.results:
-            if r.get("name") == name:
-                return r
-        raise KeyError(f"no step named {name!r} in {[r.get('name') for r in self.results]}")
-
-
 def run_engine(spec: dict[str, Any], workdir: Path, label: str) -> EngineRun:
-    """Run one engine process over ``spec`` and return its results (its log is kept in
-    ``workdir/<label>.log`` for a failing test's report)."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    """Run one engine process over ``spec``; a failure fails the test with the log's tail."""
     spec = {"block_size": BLOCK_SIZE, "sys_path": [str(HERE)], **spec}
-    spec_path = workdir / f"{label}.json"
-    spec_path.write_text(json.dumps(spec))
-    log_path = workdir / f"{label}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvcore_vllm.session", str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            timeout=ENGINE_TIMEOUT_S,
-            cwd=str(workdir),
-        )
-    lines = proc.stdout.splitlines()
-    results = [json.loads(line[len(MARKER) :]) for line in lines if line.startswith(MARKER)]
-    # vLLM logs to stdout: keep it with stderr, without the result lines
-    with open(log_path, "a") as log:
-        log.write("\n".join(line for line in lines if not line.startswith(MARKER)) + "\n")
-    text = log_path.read_text(errors="replace")
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"engine {label!r} exited with {proc.returncode}; last log lines:\n"
-            + "\n".join(text.splitlines()[-40:])
-        )
-    return EngineRun(results, text)
+    try:
+        return run_in_subprocess(spec, workdir, label, timeout_s=ENGINE_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def chat_steps(prompts: Prompts, prefix: str = "") -> list[dict[str, Any]]:

