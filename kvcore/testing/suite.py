@@ -1031,7 +1031,7 @@ def _timed_call(h: Harness, call: Callable[[BlockRequest], int], request: BlockR
 
 def _grow_until_slow(h: Harness) -> int:
     """A batch whose write takes about the target time, or the largest one the store takes
-    whole: start at 256 blocks and scale by the measured time, at least doubling each step.
+    whole: start at 256 blocks and scale by the measured time, 2-4x a step.
     A store may refuse a batch too large for it (a short count); the last whole one is used."""
     n, whole = 256, 0
     while True:
@@ -1047,7 +1047,9 @@ def _grow_until_slow(h: Harness) -> int:
         whole = n
         if elapsed >= _DEADLINE_TARGET_S or n >= _DEADLINE_MAX_BLOCKS:
             return n
-        scale = max(2.0, 1.5 * _DEADLINE_TARGET_S / max(elapsed, 1e-3))
+        # at most 4x a step: a backend whose cost grows faster than the batch (work per
+        # slice that depends on the whole token path) must not jump far past the target
+        scale = min(4.0, max(2.0, 1.5 * _DEADLINE_TARGET_S / max(elapsed, 1e-3)))
         n = min(int(n * scale), _DEADLINE_MAX_BLOCKS)
 
 
