@@ -63,3 +63,24 @@ def remove_rank_objects(
     finally:
         store.close()
     return removed
+
+
+def scramble_memory_store() -> int:
+    """Overwrite every object of this process's opened ``memory`` backends with random bytes
+    of the same size (so reads still succeed): restored KV is then garbage."""
+    import random
+
+    from kvcore_vllm import backends
+
+    rng = random.Random(0)
+    scrambled = 0
+    with backends._registry_lock:
+        opened = [entry[0] for entry in backends._registry.values()]
+    for backend in opened:
+        objects = getattr(backend.plugin, "_objects", None)
+        if objects is None:
+            continue
+        for name, data in list(objects.items()):
+            objects[name] = rng.randbytes(len(data))
+            scrambled += 1
+    return scrambled

@@ -147,6 +147,14 @@ def _memory_runs(workdir: Path, model: str, prompts: Prompts) -> BackendRuns:
                 {"op": "reset_prefix_cache"},
                 *chat_steps(prompts),
                 *_stats_steps("stats"),
+                # the check that the comparisons above can fail: garbage KV changes the tokens
+                {
+                    "op": "call",
+                    "name": "scramble",
+                    "target": "engine_helpers:scramble_memory_store",
+                },
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "A_scrambled", "prompts": [prompts.a], "max_tokens": 40},
                 {"op": "shutdown"},
             ],
         },
@@ -294,3 +302,14 @@ def test_no_master_at_start_costs_recomputation(
     assert metrics["lookup_errors"] >= 1
     assert metrics["backend_open_failures"] >= 1
     assert "could not be opened" in run.log
+
+
+def test_token_comparison_detects_wrong_kv(runs: BackendRuns, baseline: EngineRun) -> None:
+    """Restored garbage (random bytes of the right size) changes the tokens, so the equality
+    checks above would catch a connector that restored the wrong bytes."""
+    if runs.backend != "memory":
+        pytest.skip("done once, on the backend whose objects the test process can reach")
+    assert runs.restore.step("scramble")["result"] >= 2 * A_STORED_BLOCKS
+    scrambled = runs.restore.step("A_scrambled")
+    assert scrambled["num_cached_tokens"] == [A_BLOCKS * BLOCK_SIZE]
+    assert scrambled["tokens"] != _tokens(baseline, "A")
