@@ -50,6 +50,8 @@ T = TypeVar("T")
 #: Part names of a KV page: MHA stores K and V, MLA one latent row per token.
 MHA_PARTS = ("k", "v")
 MLA_PARTS = ("kv",)
+#: Host layouts whose pages are K/V (or latent) parts, one region each or one per layer.
+KV_LAYOUTS = ("page_first", "page_first_direct", "page_head", "layer_first")
 
 
 class _Tier:
@@ -126,9 +128,20 @@ class KVCoreHiCacheStorage(HiCacheStorage):
                 f"{type(mem_pool_host).__name__} holds no KV bytes (a logical anchor pool); "
                 "kvcore storage needs a materialised host KV pool"
             )
+        layout_name = getattr(mem_pool_host, "layout", None)
+        if layout_name not in KV_LAYOUTS:
+            raise NotImplementedError(
+                f"kvcore storage does not store the {layout_name!r} host layout; use one of "
+                f"{', '.join(KV_LAYOUTS)} (--hicache-mem-layout)"
+            )
         parts = MLA_PARTS if self.identity.is_mla else MHA_PARTS
         kind = "mla" if self.identity.is_mla else "mha"
         fmt = describe_pool(mem_pool_host, parts, kind)
+        if (fmt.segments > 1) != (layout_name == "layer_first"):
+            raise NotImplementedError(
+                f"{type(mem_pool_host).__name__} ({layout_name}) describes a page as "
+                f"{fmt.regions} regions, not as the {len(parts)} part(s) {parts} kvcore stores"
+            )
         layout = None if self.identity.is_mla else kv_cache_layout(mem_pool_host, fmt)
         if self._kv is not None:
             self._close_tier(self._kv)

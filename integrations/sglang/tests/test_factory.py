@@ -101,3 +101,14 @@ def test_namespaces_are_safe_for_every_backend() -> None:
     assert safe_namespace("../../etc") == "etc"
     long = safe_namespace("m" * 300)
     assert len(long) == 128 and long != safe_namespace("m" * 299)
+
+
+@pytest.mark.parametrize("layout", ["page_unified", "page_first_kv_split"])
+def test_unsupported_host_layouts_fail_the_attach(layout) -> None:
+    pool = mha_host_pool("page_first")
+    pool.layout = layout  # what SGLang's pools of those layouts report
+    storage = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra_config("memory")), None
+    )
+    with pytest.raises(NotImplementedError, match=layout):
+        storage.register_mem_pool_host(pool)
