@@ -134,3 +134,17 @@ def test_unaligned_layer_first_pages_are_staged_correctly(make_storage) -> None:
     flat = [pool.get_data_page(start + i * pool.page_size).contiguous() for i in range(2)]
     assert storage.batch_get_v1(keys, page_indices(pool, 12, 2)) == [True, True]
     assert page_bytes(pool, 12, 2) == [bytes(f.view(torch.uint8).numpy()) for f in flat]
+
+
+@pytest.mark.parametrize("backend_spec", ALL_BACKENDS, indirect=True)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_layer_first_goes_in_place_when_the_backend_takes_segments(make_storage, kind) -> None:
+    pool = build(kind, "layer_first", seed=15)
+    storage = make_storage(pool, is_mla=kind == "mla")
+    keys = page_keys(3, seed=16)
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 3)) == [True] * 3
+    assert storage.batch_get_v1(keys, page_indices(pool, 4, 3)) == [True] * 3
+    assert page_bytes(pool, 4, 3) == page_bytes(pool, 0, 3)
+    segmented = storage._kv.backend.capabilities.segmented_host
+    # segmented: kvcore gets the per-layer regions themselves; otherwise one staging copy
+    assert storage.kvcore_stats().get("pages_staged", 0) == (0 if segmented else 6)
