@@ -19,6 +19,12 @@ __all__ = ["parse_goal", "plot_report", "require_matplotlib", "unit_of"]
 
 #: figure-name suffixes and the unit they stand for, most telling first
 UNITS = {"_gbps": "GB/s", "_ms": "ms", "_us": "µs", "_s": "s"}
+#: names of baseline figures in the benchmarks' reports (drawn grey): the raw store or client,
+#: a plain copy, a stage measured alone, a call made directly
+BASELINE = re.compile(
+    r"^(raw|memcpy|np_copyto|gather|scatter|backend)_|_(direct|alone|baseline|by_hand)_"
+    r"|serial_combination"
+)
 _GOAL = re.compile(r"^\s*(<=|>=|<|>|==)\s*([0-9.]+)")
 
 
@@ -88,9 +94,7 @@ def plot_report(report: Mapping[str, Any], path: str | Path, title: str | None =
     if shown:
         ax = axes[0][col]
         names = list(shown)
-        # kvcore's own figures in one colour, baselines (raw, memcpy, copy, alone) in another
-        baseline = re.compile(r"raw|memcpy|copyto|alone|baseline|direct|serial|by_hand")
-        colours = ["#9e9e9e" if baseline.search(n) else "#1f77b4" for n in names]
+        colours = ["#9e9e9e" if BASELINE.search(n) else "#1f77b4" for n in names]
         ax.barh([_label(n) for n in names], [shown[n] for n in names], color=colours)
         ax.invert_yaxis()
         ax.set_xlabel(unit)
