@@ -115,8 +115,14 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
         console.out.print("no kvcore backends installed (entry-point group kvcore.backends)")
         return 0
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("NAME", "DISTRIBUTION", "VERSION", "STATUS", "CHECKED", "CAPABILITIES"):
-        table.add_column(column, no_wrap=column != "CAPABILITIES")
+    # names and versions are never cut or wrapped, however long: a narrow terminal wraps the
+    # descriptive columns instead
+    for column, key in (("NAME", "name"), ("DISTRIBUTION", "distribution"), ("VERSION", "version")):
+        width = max(len(column), *(len(str(r[key])) for r in rows))
+        table.add_column(column, no_wrap=True, min_width=width)
+    table.add_column("STATUS", no_wrap=True, min_width=len("STATUS"))
+    table.add_column("CHECKED")
+    table.add_column("CAPABILITIES")
     for r in rows:
         status = "ok" if r["ok"] else "error"
         table.add_row(
