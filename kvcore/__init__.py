@@ -19,7 +19,7 @@ from kvcore.errors import (
 from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.keys import KeyScope, block_hashes, object_names
 from kvcore.metrics import Counters, OnceLogger
-from kvcore.registry import available_backends, open_backend
+from kvcore.registry import available_backends, check_backend_config, open_backend
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome, leading_run
 from kvcore.schemas import (
     BackendConfig,
@@ -67,6 +67,7 @@ __all__ = [
     "WriteTask",
     "available_backends",
     "block_hashes",
+    "check_backend_config",
     "hookimpl",
     "hookspec",
     "leading_run",

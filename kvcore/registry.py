@@ -31,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "BackendInfo",
     "available_backends",
+    "check_backend_config",
     "load_backend_class",
     "open_backend",
 ]
@@ -155,6 +156,21 @@ def validate_config(
         return model.load(dict(config or {}))
     except ValidationError as exc:
         raise ConfigError.from_validation(f"config for backend {name!r}", exc) from None
+
+
+def check_backend_config(
+    name: str, config: BaseModel | Mapping[str, Any] | str | None = None
+) -> BackendConfig:
+    """Validate ``config`` for the backend published as ``name`` without opening it.
+
+    For adapters and operators that want a bad config to fail where it is read (an engine's
+    startup) rather than when the backend is first opened. Imports the backend's class (as
+    opening would) but constructs nothing and connects to nothing.
+
+    :raises UnknownBackendError, DuplicateBackendError, BackendImportError,
+        BackendDefinitionError, ConfigError: as :func:`open_backend` would.
+    """
+    return validate_config(name, load_backend_class(name), config)
 
 
 def open_backend(

@@ -188,9 +188,9 @@ def test_a_hanging_backend_is_answered_at_the_deadline_after_a_huge_timeout_else
     tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": [0, 1]}).result()
     big = tm.read({"task_id": "big", "keys": ks, "device_block_ids": [2, 3], "timeout_s": 6e5})
     t0 = time.monotonic()
-    r = tm.read(
-        {"task_id": "r", "keys": ks, "device_block_ids": [4, 5], "timeout_s": 0.3}
-    ).result(timeout=10)
+    r = tm.read({"task_id": "r", "keys": ks, "device_block_ids": [4, 5], "timeout_s": 0.3}).result(
+        timeout=10
+    )
     assert r.deadline_missed and r.outcome == "deadline"
     assert time.monotonic() - t0 < 1.2
     assert big.result(timeout=10).num_blocks == 0
@@ -231,7 +231,7 @@ def test_backend_configs_may_be_json_strings_or_files(tmp_path):
         tm = TransferManager({"layout": layout, "max_model_len": 8}, None, "memory", given)
         assert tm.backend.config.max_objects == 7
         tm.close()
-    with pytest.raises(kvcore.ConfigError, match="'memory'.*neither a JSON object nor a file"):
+    with pytest.raises(kvcore.ConfigError, match=r"'memory'.*neither a JSON object nor a file"):
         kvcore.open_backend("memory", "no-such-file.json")
 
 
@@ -342,3 +342,11 @@ def test_a_weight_update_never_serves_or_stores_across_versions():
     with pytest.raises(ValueError, match="weight_version"):
         tm.set_weight_version("../etc")
     close(tm)
+
+
+def test_a_backend_config_can_be_checked_without_opening_the_backend():
+    assert kvcore.check_backend_config("memory", {"max_objects": 3}).max_objects == 3
+    with pytest.raises(kvcore.ConfigError, match="max_objects"):
+        kvcore.check_backend_config("memory", {"max_objects": 0})
+    with pytest.raises(kvcore.UnknownBackendError, match="installed backends"):
+        kvcore.check_backend_config("nosuch", {})

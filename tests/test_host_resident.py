@@ -106,9 +106,9 @@ def test_a_backend_that_breaks_the_fence_is_reported_and_loses_direct_access(slo
     tm.restore_caches(dst)
     slow.read_s = 1.0
     t0 = time.monotonic()
-    r = tm.read(
-        {"task_id": "r", "keys": ks, "device_block_ids": [4, 5], "timeout_s": 0.1}
-    ).result(timeout=10)
+    r = tm.read({"task_id": "r", "keys": ks, "device_block_ids": [4, 5], "timeout_s": 0.1}).result(
+        timeout=10
+    )
     assert time.monotonic() - t0 < 0.9  # answered at deadline + grace, not after the call
     assert r.outcome == "deadline" and "still using the engine's blocks" in r.error
     time.sleep(1.2)  # the call ends; the manager stops trusting the backend with its blocks

@@ -47,7 +47,7 @@ def test_a_larger_budget_allows_the_configured_span():
 
 
 def test_a_budget_too_small_for_one_task_is_refused_before_allocating():
-    with pytest.raises(kvcore.ConfigError, match="staging_budget_bytes.*cannot hold one task"):
+    with pytest.raises(kvcore.ConfigError, match=r"staging_budget_bytes.*cannot hold one task"):
         staged(staging_budget_bytes="64MiB")
 
 
