@@ -246,3 +246,14 @@ def test_the_default_log_goes_under_kvcore_log_dir_and_an_empty_one_is_removed(s
     assert [p.name.split("-")[1] for p in written] == ["demo"]
     assert "log of this run" not in quiet.stderr
     assert noisy.stderr.strip().splitlines()[-1] == f"kvcore: log of this run: {written[0]}"
+
+
+def test_an_unwritable_log_location_does_not_stop_the_command(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = kvcore_cli(
+        "--log-file", str(blocker / "x.log"), "demo", "--backend", "memory", "--turns", "1"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("kvcore: warning: no log file (")
+    assert "OK: every restored byte matched" in out.stdout

@@ -109,12 +109,21 @@ def quiet_stderr(command: str, log_file: str | None, verbose: int) -> Iterator[C
 
     An empty log file is removed at the end, so nothing is left when nothing was said.
     """
-    path = Path(log_file).expanduser() if log_file else _new_log_path(command)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path = Path(log_file).expanduser() if log_file else _new_log_path(command)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log_stream = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    except OSError as exc:
+        # a read-only home must not stop the command: the output just stays on the terminal
+        sys.stderr.write(
+            f"kvcore: warning: no log file ({exc}); other libraries' output stays on the "
+            f"terminal (set --log-file or {LOG_DIR_ENV})\n"
+        )
+        yield CommandConsole(out=make_console(sys.stdout), err=make_console(sys.stderr))
+        return
     sys.stderr.flush()
     saved_fd = os.dup(2)
     terminal = os.fdopen(saved_fd, "w", buffering=1, encoding="utf-8", errors="replace")
-    log_stream = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
     os.dup2(log_stream.fileno(), 2)
     handlers = _route_logging(terminal, log_stream, verbose)
     try:
