@@ -3,6 +3,7 @@ HTTP endpoint on 127.0.0.1, and the text every exporter path produces parsed bac
 
 from __future__ import annotations
 
+import re
 import urllib.request
 
 import numpy as np
@@ -101,3 +102,15 @@ def test_metrics_prometheus_text_parses_back():
 def test_a_collector_refuses_what_has_no_metrics():
     with pytest.raises(TypeError, match="no kvcore metrics"):
         list(PrometheusCollector(object()).collect())
+
+
+def test_demo_serves_its_metrics_on_loopback_only_when_asked(tmp_path):
+    from test_cli import kvcore_cli
+
+    small = ("demo", "--backend", "memory", "--turns", "1", "--conversations", "1")
+    env = {"KVCORE_LOG_DIR": str(tmp_path)}
+    served = kvcore_cli(*small, "--metrics-port", "0", env=env)
+    assert served.returncode == 0, served.stderr
+    assert re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics$", served.stderr, re.M)
+    plain = kvcore_cli(*small, env=env)
+    assert plain.returncode == 0 and "metrics:" not in plain.stderr
