@@ -207,12 +207,35 @@ class Backend:
         self._lifecycle("unregister_buffer", self._pm.hook.kvcore_unregister_buffer, ptr=ptr)
 
     def stats(self) -> dict[str, float]:
-        """kvcore's per-op counters for this backend plus the backend's own ``backend_*``."""
+        """kvcore's per-op counters for this backend plus the backend's own ``backend_*``.
+
+        A backend's entry that is not a number (a nested mapping, a bool, a string) is dropped,
+        counted (``invalid_results.stats``) and logged once, never raised: stats are read by
+        monitoring, which must not fail because one gauge is malformed.
+        """
         out = self.metrics.snapshot()
         own = self._lifecycle("stats", self._pm.hook.kvcore_stats) or {}
-        if isinstance(own, Mapping):
-            out.update({f"backend_{k}": float(v) for k, v in own.items()})
+        if not isinstance(own, Mapping):
+            own = {"(not a mapping)": own}
+        bad = []
+        for name, value in own.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"backend_{name}"] = float(value)
+            else:
+                bad.append(name)
+        if bad:
+            msg = f"backend {self.name!r} stats: {bad} are not numbers; dropped"
+            if self.strict:
+                raise BackendContractError(msg)
+            self.metrics.add("stats", invalid_results=len(bad))
+            self._failures.warning(("stats", "invalid"), "%s", msg)
         return out
+
+    @property
+    def hook(self) -> Any:
+        """The backend's hooks as pluggy calls them (``backend.hook.kvcore_read(request=...)``),
+        bypassing the facade: for conformance tests that must see a hook's raw answer."""
+        return self._pm.hook
 
     def raw_baseline(self, ptr: int, nbytes: int, object_nbytes: int) -> dict[str, float]:
         """The backend's own raw-speed figures (see ``kvcore_raw_baseline``); {} if none."""

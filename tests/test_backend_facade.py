@@ -84,3 +84,22 @@ def test_flush_is_zero_without_a_token_index_and_close_is_final():
     be.close()
     with pytest.raises(RuntimeError, match="closed"):
         be.query(be.request("t", ["a"]))
+
+
+class _OddStats(MemoryBackend):
+    @hookimpl
+    def kvcore_stats(self):
+        return {"objects": 3, "ops": {"read": 1}, "healthy": True, "name": "x"}
+
+
+def test_malformed_stats_entries_are_dropped_counted_and_logged_once(caplog):
+    be = kvcore.open_backend(_OddStats, context={"layout": LAYOUT})
+    with caplog.at_level(logging.WARNING, logger="kvcore.backend"):
+        stats = be.stats()
+        be.stats()
+    assert stats["backend_objects"] == 3.0
+    assert not any(k.startswith("backend_ops") or k == "backend_healthy" for k in stats)
+    assert be.stats()["invalid_results.stats"] == 2 * 3  # counted by the two calls before
+    assert sum("are not numbers" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(BackendContractError, match="not numbers"):
+        kvcore.open_backend(_OddStats, context={"layout": LAYOUT}, strict=True).stats()

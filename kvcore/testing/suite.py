@@ -989,7 +989,7 @@ def _require_hook(backend: Backend, hook: str) -> None:
 
 def _hook_caller(backend: Backend, hook: str) -> Callable[..., Any]:
     # the raw hook, not the facade: the facade normalises what it returns
-    return getattr(backend._pm.hook, hook)
+    return getattr(backend.hook, hook)
 
 
 def _is_number(value: object) -> bool:
