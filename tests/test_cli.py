@@ -190,3 +190,26 @@ def test_bad_config_argument_is_one_line_with_the_config_exit_code(bad):
     assert out.stderr.startswith("kvcore: error: ")
     assert len(out.stderr.strip().splitlines()) <= 2  # the error, and maybe where the log is
     assert "--config" in out.stderr or "rooot" in out.stderr
+
+
+CLOSE_FAILS = """
+import kvcore
+from memory_backend import MemoryBackend
+
+class Backend(MemoryBackend):
+    @kvcore.hookimpl
+    def kvcore_close(self):
+        raise RuntimeError("close fails")
+"""
+
+
+def test_check_counts_errors_apart_from_failures(tmp_path):
+    site = tmp_path / "site"
+    make_dist(site, "closeboom-kv", "closeboom_kv", CLOSE_FAILS, {"closeboom": "Backend"})
+    out = kvcore_cli("check", "closeboom", "-k", "round_trip_is_byte_exact", site=site)
+    assert out.returncode == 1, out.stdout[-3000:]
+    m = re.search(r"closeboom: (\d+) passed, (\d+) failed, (\d+) errors", out.stdout)
+    assert m and m.group(2) == "0" and int(m.group(3)) == int(m.group(1)) > 0  # every teardown
+    assert "  ERROR TestInstalledBackend::test_round_trip_is_byte_exact[float16] (teardown)" in (
+        out.stdout
+    )
