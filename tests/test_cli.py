@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ def kvcore_cli(
 ) -> subprocess.CompletedProcess:
     environ = dict(os.environ)
     environ.pop("KVCORE_DEBUG", None)
+    # the CLI's per-run logs go to a scratch directory, not the user's state directory
+    environ.setdefault("KVCORE_LOG_DIR", os.path.join(tempfile.gettempdir(), "kvcore-test-logs"))
     if site is not None:
         environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "tests")])
     environ.update(env or {})
