@@ -1,23 +1,33 @@
 """The ``file`` backend: kvcore's embedded default store, one file per object under a root.
 
 Batches fan out over a small thread pool (the calling thread works too): each object is one
-``open``/``preadv``/``close`` straight into the caller's buffer on reads (``O_DIRECT`` when
+``open``/``preadv``/``close`` straight into the caller's memory on reads (``O_DIRECT`` when
 the page cache does not hold it, see :class:`~kv_file.objio.DirectReads`), and one
-``writev`` of header and buffer to a temp file plus a ``rename`` on writes. ``preadv``,
+``writev`` of header and payload to a temp file plus a ``rename`` on writes. The caller's
+memory is a staging region per object, or the engine's own host-resident cache blocks, one
+piece per layer (segmented host buffers): the vectored calls take either as it is. ``preadv``,
 ``writev`` and xxhash release the GIL, so threads overlap the copies and checksums.
+
+The index is a cache of what is on disk, never trusted alone where it is cheap to check: a
+write skips an object only after an ``lstat`` shows a regular file of the right size; a query
+counts a name only for a file of the size the layout gives it; a read verifies everything and
+removes what is not the object its name promises (a torn or damaged file, an object of another
+size or at another object's place, a symlink, a directory, a FIFO), so a rewrite lands.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import kvcore
@@ -25,9 +35,10 @@ from kv_file.config import FileConfig, safe_namespace
 from kv_file.index import Index
 from kv_file.names import load_names, save_names
 from kv_file.objfile import encode_name, header_size
-from kv_file.objio import DirectReads, ReadOutcome, read_object, write_object
-from kv_file.paths import StoreDir, name_digest
-from kvcore import BlockRequest, leading_run
+from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, write_object
+from kv_file.paths import StoreDir, discard, name_digest
+from kv_file.removals import RemovalCounter
+from kvcore import BlockRequest, Outcome, leading_run
 
 __all__ = ["FileBackend"]
 
@@ -44,8 +55,17 @@ _READ_COUNTERS = {
     ReadOutcome.OK: "read_hits",
     ReadOutcome.MISSING: "read_missing",
     ReadOutcome.WRONG_SIZE: "read_wrong_size",
-    ReadOutcome.COLLISION: "read_collisions",
+    ReadOutcome.MISNAMED: "read_misnamed",
+    ReadOutcome.FOREIGN: "foreign_removed",
     ReadOutcome.CORRUPT: "corrupt_removed",
+}
+#: Per-object outcomes that store or find the object.
+_GOOD = frozenset(("read_hits", "write_stored", "write_skipped"))
+#: Per-object outcomes that are failures rather than absence (reported in ``Outcome.failure``).
+_FAILURES = {
+    "io_errors": "I/O error",
+    "write_errors": "write failed",
+    "corrupt_removed": "corrupt object (checksum mismatch), removed",
 }
 
 
@@ -54,26 +74,46 @@ class FileBackend:
 
     config_model = FileConfig
     capabilities = kvcore.Capabilities(
-        addressing="key", io="host", persistent=True, shared=True, token_index=False
+        addressing="key",
+        io="host",
+        persistent=True,
+        shared=True,
+        token_index=False,
+        segmented_host=True,  # preadv/pwritev take an engine's per-layer pieces as they are
     )
 
     def __init__(self, config: FileConfig, context: kvcore.BackendContext) -> None:
         self.config = config
-        namespace = config.namespace or safe_namespace(context.namespace, "context namespace")
-        self._dir = StoreDir(config.root, namespace)
+        directory = config.namespace or safe_namespace(context.namespace, "context namespace")
+        self._dir = StoreDir(config.root, directory)
         self._dir.create()
+        # every object name starts with the engine's namespace; a directory may hold several
+        # (a configured `namespace` puts engines of any namespace into one directory)
+        self._name_prefix = encode_name(f"{context.namespace}/")
+        layout = context.layout
+        #: payload bytes of each part, when the layout is known: an object of its name's part
+        #: has exactly this many, anything else under that name is not the object
+        self._payload = {p: layout.part_bytes(p) for p in layout.parts} if layout else None
         self._sync = config.fsync != "none"
         self._sync_dirs = config.fsync == "data_and_dir"
-        self._index = Index(config.capacity_bytes, config.high_watermark, config.low_watermark)
-        self._counts: Counter[str] = Counter()
-        self._counts_lock = threading.Lock()
+        self._counters = kvcore.Counters()
+        self._failures = kvcore.OnceLogger(log)
+        self._index = Index(
+            config.capacity_bytes, config.high_watermark, config.low_watermark, self._delete
+        )
         self._direct = DirectReads(config.direct_reads)
         self._cpus = _usable_cpus()
-        self._count(temps_removed=self._dir.remove_stale_temps())
-        self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan())
-        self._index.name_all(load_names(self._dir.names_path))
+        self._removals = RemovalCounter(self._dir.removals_path)
+        self._removals_seen = self._removals.value()  # read before the scan: it sees them all
+        self._resync_lock = threading.Lock()
+        self._counters.add("temps_removed", self._dir.remove_stale_temps())
+        strays: list[str] = []
+        self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan(strays=strays))
+        self._discard_strays(strays)
+        fits = None if self._payload is None else self._fits_some_part
+        self._index.name_all(load_names(self._dir.names_path), fits)
         self._names_saved = self._index.names_changed
-        self._delete(self._index.reserve(0)[1])  # the capacity may have been lowered
+        self._index.reserve(0)  # the capacity may have been lowered
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv_file-io")
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
@@ -95,6 +135,7 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_query(self, request: BlockRequest) -> int:
+        self._see_removals()
         by_name = self._index.by_name  # probed without the lock: a dict probe is atomic
         for i, names in enumerate(request.object_names):
             for name in names:
@@ -107,115 +148,194 @@ class FileBackend:
     def _query_unlearned(self, request: BlockRequest, start: int) -> int:
         """The rest of a query from block ``start``, whose names the index has not all learned.
 
-        Names are hashed a chunk at a time and learned under one lock; the first digest the
-        index lacks is looked for on disk (another process may have written it since the last
-        scan) before it ends the run.
+        Names are hashed a chunk at a time and learned under one lock (with the layout, only
+        for files of the size the name's part has); the first one that does not qualify is
+        looked for on disk (another process may have written it since the last scan) before
+        it ends the run.
         """
-        parts = len(request.parts)
+        parts = request.parts
+        nparts = len(parts)
+        payload = self._payload
         index = self._index
         i = start
         while i < request.num_blocks:
             chunk = [n for block in request.object_names[i : i + _QUERY_HASH_CHUNK] for n in block]
-            digests = [name_digest(encode_name(n)) for n in chunk]
-            known = index.learn_many(chunk, digests)
+            raws = [encode_name(n) for n in chunk]
+            digests = [name_digest(r) for r in raws]
+            sizes = None
+            if payload is not None:
+                sizes = [
+                    header_size(len(r)) + payload.get(parts[k % nparts], -1)
+                    for k, r in enumerate(raws)
+                ]
+            known = index.learn_many(chunk, digests, sizes)
             if known < len(chunk):
-                name, digest = chunk[known], digests[known]
-                if not self._adopt(self._dir.object_path(digest), digest, name):
-                    return i + known // parts
-                i += known // parts  # adopted: go on from its block
+                size = None if sizes is None else sizes[known]
+                if not self._adopt(digests[known], chunk[known], size):
+                    return i + known // nparts
+                i += known // nparts  # adopted: go on from its block
             else:
-                i += len(chunk) // parts
+                i += len(chunk) // nparts
             if request.expired():
                 return i
         return request.num_blocks
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
-        host = _host_buffers(request)
-        names = request.object_names
-        parts = len(request.parts)
+        host = request.host
+        assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
 
         def read_one(k: int) -> str:
-            i, j = divmod(k, parts)
-            name = names[i][j]
-            raw = encode_name(name)
-            digest = self._digest(name, raw)
+            i, j, name, raw, digest = self._locate(request, k)
+            expected = self._payload_bytes(request.parts[j])
             outcome = read_object(
                 self._dir.object_path(digest),
                 raw,
-                host.memoryview(i, j),
+                host.views(i, j),
+                digest=digest,
+                expected_len=expected,
                 direct=self._direct,
             )
             if outcome is ReadOutcome.OK:
                 if not index.learn(name, digest):  # written by another process: adopt it
-                    index.add(digest, header_size(len(raw)) + host.nbytes[j], name, reserved=False)
+                    named = name if expected in (None, host.nbytes[j]) else None
+                    index.add(digest, header_size(len(raw)) + host.nbytes[j], named, reserved=False)
                 index.touch(digest, time.time_ns())
-            elif outcome in (ReadOutcome.MISSING, ReadOutcome.CORRUPT):
+            elif outcome is ReadOutcome.MISNAMED:
+                index.unname(name)
+            elif outcome is not ReadOutcome.WRONG_SIZE:  # the file is gone or was removed
                 index.drop(digest)
             return _READ_COUNTERS[outcome]
 
-        outcomes = self._run(request, read_one, host.nbytes, self._read_workers(request))
-        return leading_run([o == "read_hits" for o in outcomes], parts)
+        workers = self._read_workers(request)
+        outcomes, errors = self._run(request, read_one, host.nbytes, workers, "io_errors")
+        return self._answer(outcomes, errors, len(request.parts))
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
-        host = _host_buffers(request)
-        names = request.object_names
-        parts = len(request.parts)
+        """Objects already on disk are skipped (and pinned, so this write cannot evict what
+        it acknowledges); the others' bytes are reserved in order, as one run: when the batch
+        does not fit, the leading run that fits is stored and acknowledged, the rest refused.
+        """
+        host = request.host
+        assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
+        planned: dict[int, tuple[bytes, int, int, str | None]] = {}
+        before: list[str | None] = [None] * (request.num_blocks * len(request.parts))
+        pinned: list[int] = []  # acknowledged objects: evictions pass them over until we return
         written_dirs: dict[str, list[int]] = {}
+        for k in range(len(before)):
+            if k % len(request.parts) == 0 and request.expired():
+                before[k] = "deadline"
+                break
+            _, j, name, raw, digest = self._locate(request, k)
+            size = header_size(len(raw)) + host.nbytes[j]
+            # named only as an object of its part's size (the core checks buffers against the
+            # layout; this keeps any other object from ever being counted by its name)
+            named = (
+                name if self._payload_bytes(request.parts[j]) in (None, host.nbytes[j]) else None
+            )
+            if self._hold_stored(digest, named, size):
+                pinned.append(digest)
+                before[k] = "write_skipped"  # names are content-derived: same name, same bytes
+            else:
+                planned[k] = (raw, digest, size, named)
+        order = list(planned)
+        admitted = index.reserve_run([planned[k][2] for k in order])
+        for k in order[admitted:]:
+            before[k] = "write_refused"
+            del planned[k]
+        reserved = dict(planned)  # reservations not yet turned into files or given back
 
         def write_one(k: int) -> str:
-            i, j = divmod(k, parts)
-            name = names[i][j]
-            if name in index.by_name:
-                return "write_skipped"  # names are content-derived: same name, same bytes
-            raw = encode_name(name)
-            digest = name_digest(raw)
-            path = self._dir.object_path(digest)
-            if index.learn(name, digest) or self._adopt(path, digest, name):
-                return "write_skipped"
-            size = header_size(len(raw)) + host.nbytes[j]
-            fits, victims = index.reserve(size)
-            self._delete(victims)
-            if not fits:
-                return "write_refused"
+            if k not in planned:
+                return before[k] or "deadline"
+            raw, digest, size, named = planned[k]
+            i, j = divmod(k, len(request.parts))
+            del reserved[k]
             try:
                 write_object(
-                    path,
+                    self._dir.object_path(digest),
                     self._dir.temp_path(digest),
                     raw,
-                    host.memoryview(i, j),
+                    host.views(i, j),
                     sync=self._sync,
                 )
-            except OSError as exc:
+            except OSError:
                 index.release(size)
-                log.debug("kv_file write of %r failed: %s", name, exc)
-                return "write_errors"
-            index.add(digest, size, name, reserved=True)
+                raise
+            index.add(digest, size, named, reserved=True, pin=True)
+            pinned.append(digest)
             if self._sync_dirs:
                 written_dirs.setdefault(self._dir.subdir(digest), []).append(k)
             return "write_stored"
 
         # Synced writes wait on the disk; unsynced ones are copies into the page cache.
         workers = self.config.io_threads if self._sync else min(self.config.io_threads, self._cpus)
-        outcomes = self._run(request, write_one, host.nbytes, workers)
-        for d, ks in written_dirs.items():  # one directory fsync per batch, not per object
-            try:
-                _fsync_dir(d)
+        try:
+            outcomes, errors = self._run(request, write_one, host.nbytes, workers, "write_errors")
+            for d, ks in written_dirs.items():  # one directory fsync per batch, not per object
+                try:
+                    _fsync_dir(d)
+                except OSError as exc:
+                    for k in ks:
+                        outcomes[k], errors[k] = "write_errors", exc
+        finally:
+            for _, _, size, _ in reserved.values():  # stopped before they were written
+                index.release(size)
+            index.unpin(pinned)
+        return self._answer(outcomes, errors, len(request.parts))
+
+    @kvcore.hookimpl
+    def kvcore_remove(self, request: BlockRequest) -> int:
+        """Unlink this rank's objects of the request's blocks. Durable as the rename of a
+        write is (with ``fsync=data_and_dir``, the directories are synced); processes sharing
+        the directory see it at their next query (see :mod:`kv_file.removals`)."""
+        removed = 0
+        failure: OSError | None = None
+        for names in request.object_names:
+            gone = False
+            for name in names:
+                digest = self._digest(name)
+                try:
+                    gone |= self._unlink_object(digest)
+                except OSError as exc:
+                    failure = failure or exc
+            removed += gone
+        if removed:
+            self._removed(len(request.object_names))
+        if failure is not None:
+            return Outcome(removed, f"remove failed: {_describe(failure)}")
+        return removed
+
+    @kvcore.hookimpl
+    def kvcore_clear(self) -> int:
+        """Unlink every object of this engine's namespace in the directory, of every rank
+        (whose header names it: a directory may be shared with other namespaces)."""
+        strays: list[str] = []
+        removed = 0
+        failure: OSError | None = None
+        for found in self._dir.scan(strays=strays):
+            path = self._dir.object_path(found.digest)
+            name = read_name(path)
+            if name is not None and not name.startswith(self._name_prefix):
+                continue  # another namespace's object
+            try:  # ours, or no valid object of anyone's
+                removed += self._unlink_object(found.digest)
             except OSError as exc:
-                log.debug("kv_file fsync of directory %s failed: %s", d, exc)
-                for k in ks:
-                    outcomes[k] = "write_errors"
-        ok = ("write_stored", "write_skipped")
-        return leading_run([o in ok for o in outcomes], parts)
+                failure = failure or exc
+        self._discard_strays(strays)
+        self._removed(removed)
+        self._counters.add("objects_cleared", removed)
+        if failure is not None:
+            return Outcome(removed, f"clear failed: {_describe(failure)}")
+        return removed
 
     @kvcore.hookimpl
     def kvcore_stats(self) -> dict[str, float]:
         index = self._index
-        with self._counts_lock:
-            out = {k: float(v) for k, v in self._counts.items()}
+        out = self._counters.snapshot()
         with index.lock:
             out.update(
                 objects=float(len(index.lru)),
@@ -259,6 +379,7 @@ class FileBackend:
         self._pool.shutdown(wait=True)
         self.save_recency()
         self.save_names()
+        self._removals.close()
 
     # -- what a restart rebuilds from ------------------------------------------------------
 
@@ -289,22 +410,25 @@ class FileBackend:
     # -- cross-process visibility ----------------------------------------------------------
 
     def rescan(self) -> None:
-        """Pick up objects other processes wrote and forget those they evicted."""
+        """Pick up objects other processes wrote and forget those they evicted or removed."""
         index = self._index
         started = index.stamp()
         with index.lock:
             known = set(index.lru)
         seen: set[int] = set()
         fresh = []
-        for f in self._dir.scan(skip=known):
+        strays: list[str] = []
+        for f in self._dir.scan(skip=known, strays=strays):
             seen.add(f.digest)
             if f.size >= 0:
                 fresh.append((f.digest, f.size, f.mtime_ns))
         index.load(fresh)
         for digest in known - seen:
             index.drop(digest, older_than=started)
-        self._delete(index.reserve(0)[1])
-        self._count(rescans=1, adopted=len(fresh))
+        self._discard_strays(strays)
+        index.reserve(0)
+        self._counters.add("rescans")
+        self._counters.add("adopted", len(fresh))
 
     def _rescan_loop(self) -> None:
         while not self._stop.wait(self.config.rescan_interval_s):
@@ -315,17 +439,125 @@ class FileBackend:
             except Exception as exc:  # keep scanning later; a failed scan only delays adoption
                 log.warning("kv_file rescan of %s failed: %r", self._dir.path, exc)
 
-    def _adopt(self, path: str, digest: int, name: str) -> bool:
-        """Index a file another process wrote (its header is verified when it is read)."""
+    def _see_removals(self) -> None:
+        """Forget files other processes removed, before a query could count them."""
+        if self._removals.value() == self._removals_seen:
+            return
+        with self._resync_lock:
+            now = self._removals.value()  # read before the scan, which then sees its removals
+            if now != self._removals_seen:
+                self.rescan()
+                self._removals_seen = now
+
+    def _removed(self, count: int) -> None:
+        """Tell every process sharing the directory that objects were removed."""
+        if count == 0:
+            return
+        before, after = self._removals.bump()
+        with self._resync_lock:
+            if self._removals_seen == before:  # else another process removed some meanwhile
+                self._removals_seen = after
+
+    def _look(self, digest: int, size: int | None) -> os.stat_result | None:
+        """The ``lstat`` of ``digest``'s object file if it is a regular file (of ``size`` bytes,
+        when given): as far as metadata tells, the object its name promises (the header is
+        verified when it is read). Otherwise None, and the index forgets the digest after
+        whatever else is there was removed."""
+        path = self._dir.object_path(digest)
         try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self._index.drop(digest)  # evicted or removed by another process
+            return None
+        if stat.S_ISREG(st.st_mode) and size in (None, st.st_size):
+            return st
+        self._discard(path, st, digest)
+        return None
+
+    def _adopt(self, digest: int, name: str, size: int | None) -> bool:
+        """Index the file at ``digest``'s path for ``name`` if :meth:`_look` finds the object
+        there (another process may have written it)."""
+        st = self._look(digest, size)
+        if st is None:
             return False
         self._index.add(digest, st.st_size, name, reserved=False)
-        self._count(adopted=1)
+        self._counters.add("adopted")
         return True
 
+    def _hold_stored(self, digest: int, name: str | None, size: int) -> bool:
+        """Whether a write may skip this object: :meth:`_look` finds it, ``size`` bytes (names
+        are content-derived, so it holds the same bytes). It is then pinned until the write
+        returns, so no eviction removes it before the write acknowledges it."""
+        if self._look(digest, size) is None:
+            return False
+        self._index.hold(digest, size, name)
+        if os.path.lexists(self._dir.object_path(digest)):  # pinned: no eviction of ours now
+            return True
+        self._index.unpin([digest])  # an eviction deleted it between the two looks
+        return False
+
+    # -- removing --------------------------------------------------------------------------
+
+    def _unlink_object(self, digest: int) -> bool:
+        """Delete the object file of ``digest``; whether there was one (a regular file)."""
+        if self._look(digest, None) is None:
+            return False
+        try:
+            os.unlink(self._dir.object_path(digest))
+        except FileNotFoundError:
+            return False
+        finally:
+            self._index.drop(digest)
+        if self._sync_dirs:
+            _fsync_dir(self._dir.subdir(digest))
+        return True
+
+    def _discard(self, path: str, seen: os.stat_result, digest: int) -> None:
+        """Remove what is at an object's path that is not the object, then forget it."""
+        try:
+            if discard(path, seen):
+                self._counters.add("foreign_removed")
+        except OSError as exc:
+            self._failures.warning(
+                ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
+            )
+        self._index.drop(digest)
+
+    def _discard_strays(self, paths: Iterable[str]) -> None:
+        """Remove non-files a scan found under object names (never objects of anyone's)."""
+        for path in paths:
+            try:
+                if discard(path):
+                    self._counters.add("foreign_removed")
+            except OSError as exc:
+                self._failures.warning(
+                    ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
+                )
+
+    def _delete(self, digests: list[int]) -> None:
+        """Delete evicted objects' files (the index calls this before it frees their bytes)."""
+        for digest in digests:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._dir.object_path(digest))
+
     # -- plumbing --------------------------------------------------------------------------
+
+    def _locate(self, request: BlockRequest, k: int) -> tuple[int, int, str, bytes, int]:
+        """Object ``k`` of a request (flat ``[block][part]`` order): its block and part
+        index, name, encoded name and file digest."""
+        i, j = divmod(k, len(request.parts))
+        name = request.object_names[i][j]
+        raw = encode_name(name)
+        return i, j, name, raw, self._digest(name, raw)
+
+    def _payload_bytes(self, part: str) -> int | None:
+        """Bytes an object of ``part`` holds by the layout (None: no layout, or no such part)."""
+        return None if self._payload is None else self._payload.get(part)
+
+    def _fits_some_part(self, name: str, size: int) -> bool:
+        """Whether a file of ``size`` bytes can be an object named ``name`` (of some part)."""
+        assert self._payload is not None
+        return size - header_size(len(encode_name(name))) in self._payload.values()
 
     def _digest(self, name: str, raw: bytes | None = None) -> int:
         """The file digest of ``name``: from the index when learned, else hashed."""
@@ -349,25 +581,27 @@ class FileBackend:
         one: Callable[[int], str],
         nbytes: tuple[int, ...],
         workers: int,
-    ) -> list[str]:
+        error_outcome: str,
+    ) -> tuple[list[str], dict[int, OSError]]:
         """Call ``one(k)`` for every object ``k`` (flat ``[block][part]`` order) in parallel.
 
         Workers pull the next object from a shared counter, stop at the deadline, and skip
         objects past the first failed block (they could not count). The call returns only
         when no worker touches the caller's buffers any more: abandoning in-flight I/O would
         let it write into memory the caller already reuses. Each worker finishes at most the
-        one object it holds when the deadline passes.
+        one object it holds when the deadline passes. Returns every object's outcome, and the
+        error of each one that raised (its outcome is then ``error_outcome``).
         """
         parts = len(request.parts)
         total = request.num_blocks * parts
         outcomes = ["skipped"] * total
+        errors: dict[int, OSError] = {}
         if total == 0:
-            return outcomes
+            return outcomes, errors
         counter = itertools.count()
         stop = [total]  # objects from here on cannot count: their block or an earlier failed
         deadline = request.deadline
         clock = time.monotonic
-        good = ("read_hits", "write_stored", "write_skipped")
 
         def worker() -> None:
             for k in counter:
@@ -380,10 +614,18 @@ class FileBackend:
                 try:
                     outcome = one(k)
                 except OSError as exc:
-                    log.debug("kv_file I/O error on %r: %s", request.object_names[k // parts], exc)
-                    outcome = "io_errors"
+                    errors[k] = exc
+                    outcome = error_outcome
+                    self._failures.warning(
+                        (error_outcome, exc.errno),
+                        "kv_file %s of %r failed: %s (further errors like it are logged at "
+                        "debug level)",
+                        "write" if error_outcome == "write_errors" else "read",
+                        request.object_names[k // parts][k % parts],
+                        _describe(exc),
+                    )
                 outcomes[k] = outcome
-                if outcome not in good:
+                if outcome not in _GOOD:
                     stop[0] = min(stop[0], k - k % parts)
 
         workers = min(workers, total)
@@ -396,39 +638,26 @@ class FileBackend:
             finally:
                 for f in futures:
                     f.result()
-        self._count(**Counter(o for o in outcomes if o != "skipped"))
-        return outcomes
+        for outcome, count in Counter(o for o in outcomes if o != "skipped").items():
+            self._counters.add(outcome, count)
+        return outcomes, errors
 
-    def _delete(self, digests: list[int]) -> None:
-        for digest in digests:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._dir.object_path(digest))
+    @staticmethod
+    def _answer(outcomes: list[str], errors: dict[int, OSError], parts: int) -> int:
+        """The leading run, as an Outcome that says why when a failure (not absence) ended it."""
+        n = leading_run([o in _GOOD for o in outcomes], parts)
+        for k in range(n * parts, min((n + 1) * parts, len(outcomes))):
+            why = _FAILURES.get(outcomes[k])
+            if why is not None:
+                exc = errors.get(k)
+                return Outcome(n, f"{why}: {_describe(exc)}" if exc is not None else why)
+        return n
 
-    def _count(self, **amounts: int) -> None:
-        with self._counts_lock:
-            self._counts.update(amounts)
 
-
-def _host_buffers(request: BlockRequest) -> kvcore.HostBuffers:
-    host = request.host
-    if host is None:
-        raise ValueError("request.host is None: the file backend reads and writes host buffers")
-    if len(host.nbytes) != len(request.parts):
-        raise ValueError(
-            f"request.host.nbytes has {len(host.nbytes)} sizes for {len(request.parts)} parts"
-        )
-    if len(host.ptrs) != request.num_blocks or len(request.object_names) != request.num_blocks:
-        raise ValueError(
-            f"request.host.ptrs has {len(host.ptrs)} blocks and request.object_names "
-            f"{len(request.object_names)} for {request.num_blocks} block keys"
-        )
-    for i, (ptrs, names) in enumerate(zip(host.ptrs, request.object_names, strict=True)):
-        if len(ptrs) != len(request.parts) or len(names) != len(request.parts):
-            raise ValueError(
-                f"request.host.ptrs[{i}] / object_names[{i}] must have one entry per part "
-                f"({len(request.parts)})"
-            )
-    return host
+def _describe(exc: OSError) -> str:
+    """``[Errno 28] No space left on device`` style, with the errno's name."""
+    code = errno.errorcode.get(exc.errno or 0, "")
+    return f"{exc.strerror or exc} ({code})" if code else str(exc)
 
 
 def _usable_cpus() -> int:

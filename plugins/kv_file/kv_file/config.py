@@ -5,18 +5,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 import kvcore
 
-__all__ = ["FileConfig", "default_root", "parse_size", "safe_namespace"]
+__all__ = ["FileConfig", "default_root", "safe_namespace"]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
@@ -24,16 +20,6 @@ def default_root() -> str:
     """``$XDG_CACHE_HOME/kvcore``, else ``~/.cache/kvcore``: works with no settings at all."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "kvcore")
-
-
-def parse_size(value: object) -> object:
-    """Accept ``64GiB``/``500MB``-style strings (handy in env vars); leave other values to pydantic."""
-    if not isinstance(value, str):
-        return value
-    m = _SIZE_RE.match(value)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size: use bytes or a number with B/KiB/MiB/GiB/TiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def safe_namespace(value: str, field: str = "namespace") -> str:
@@ -53,8 +39,11 @@ class FileConfig(kvcore.BackendConfig):
     namespace: str = Field(
         default="", description="subdirectory of root; empty: the engine context's namespace"
     )
-    capacity_bytes: Annotated[int, BeforeValidator(parse_size)] = Field(
-        default=16 * 2**30, gt=0, description="bytes kept on disk, headers included"
+    capacity_bytes: kvcore.ByteSize = Field(
+        default=kvcore.ByteSize(16 * 2**30),
+        gt=0,
+        description="bytes kept on disk, headers included: an int, or a string such as "
+        "'64GiB' (binary) or '500GB' (decimal)",
     )
     fsync: Literal["none", "data", "data_and_dir"] = Field(
         default="none",

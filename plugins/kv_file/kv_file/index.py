@@ -5,14 +5,19 @@ an object to the recent end here and records when; the backend writes those time
 mtimes later in one batch (:meth:`Index.take_touched`), so recency survives a restart without a
 metadata write on every read. Names are learned as they are used: after the first
 lookup a query is one dict probe per name, with no hashing and no system call.
+
+The byte budget holds at every moment, not just on average: ``used`` counts every indexed
+file and every write in flight, and an evicted file's bytes leave ``used`` only once the file
+is deleted. Admissions are serialised (:meth:`Index.reserve`), so no write starts while the
+files that make room for it still exist.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["Entry", "Index"]
@@ -26,20 +31,28 @@ class Entry:
 
 
 class Index:
-    """Thread-safe; ``by_name`` may be probed without the lock (a dict probe is atomic)."""
+    """Thread-safe; ``by_name`` may be probed without the lock (a dict probe is atomic).
 
-    def __init__(self, capacity: int, high: float, low: float) -> None:
+    ``delete_files(digests)`` deletes evicted objects' files; it is called without the lock.
+    """
+
+    def __init__(
+        self, capacity: int, high: float, low: float, delete_files: Callable[[list[int]], None]
+    ) -> None:
         self.capacity = capacity
         self.high_bytes = int(capacity * high)
         self.low_bytes = int(capacity * low)
         self.lock = threading.Lock()
         self.lru: OrderedDict[int, Entry] = OrderedDict()  # oldest first
         self.by_name: dict[str, int] = {}
-        self.used = 0  # bytes of indexed files plus reservations for writes in flight
+        self.used = 0  # bytes of indexed files, writes in flight and victims not yet deleted
         self.evictions = 0
         self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit
         self.names_changed = 0  # bumped whenever by_name changes: when to save a snapshot
         self._stamps = itertools.count(1)
+        self._pinned: Counter[int] = Counter()  # objects a write in progress acknowledges
+        self._admission = threading.Lock()
+        self._delete_files = delete_files
 
     def stamp(self) -> int:
         return next(self._stamps)
@@ -73,26 +86,37 @@ class Index:
                 self.lru[digest] = Entry(size, None, self.stamp())
                 self.used += size
 
-    def name_all(self, names: dict[int, str]) -> int:
-        """Give names to indexed digests that have none (from a snapshot); returns how many."""
+    def name_all(self, names: dict[int, str], fits: Callable[[str, int], bool] | None) -> int:
+        """Give names (from a snapshot) to indexed digests that have none, where ``fits(name,
+        size)`` says the file's size is one the name can have; returns how many were named."""
         named = 0
         with self.lock:
             for digest, entry in self.lru.items():
                 if entry.name is None:
                     name = names.get(digest)
-                    if name is not None and name not in self.by_name:
+                    if (
+                        name is not None
+                        and name not in self.by_name
+                        and (fits is None or fits(name, entry.size))
+                    ):
                         entry.name = name
                         self.by_name[name] = digest
                         named += 1
             self.names_changed += named
         return named
 
-    def learn_many(self, names: list[str], digests: list[int]) -> int:
-        """:meth:`learn` in order under one lock; returns how many leading names are indexed."""
+    def learn_many(
+        self, names: list[str], digests: list[int], sizes: list[int] | None = None
+    ) -> int:
+        """:meth:`learn` in order under one lock; returns how many leading names are indexed.
+
+        With ``sizes``, a digest indexed with another size than ``sizes[k]`` also ends the run
+        (the file there is not the object the name promises: the caller checks the disk).
+        """
         with self.lock:
             for k, (name, digest) in enumerate(zip(names, digests, strict=True)):
                 entry = self.lru.get(digest)
-                if entry is None:
+                if entry is None or (sizes is not None and entry.size != sizes[k]):
                     return k
                 if entry.name is None:
                     entry.name = name
@@ -100,24 +124,51 @@ class Index:
                     self.names_changed += 1
         return len(names)
 
+    def unname(self, name: str) -> None:
+        """Forget that ``name`` is stored at the digest it was learned with (it was wrong)."""
+        with self.lock:
+            digest = self.by_name.pop(name, None)
+            if digest is not None:
+                entry = self.lru.get(digest)
+                if entry is not None and entry.name == name:
+                    entry.name = None
+                self.names_changed += 1
+
     def named(self) -> list[tuple[int, str]]:
         with self.lock:
             return [(d, e.name) for d, e in self.lru.items() if e.name is not None]
 
-    def add(self, digest: int, size: int, name: str | None, *, reserved: bool) -> None:
-        """Index a file now on disk. ``reserved``: its bytes were counted by :meth:`reserve`."""
+    def add(
+        self, digest: int, size: int, name: str | None, *, reserved: bool, pin: bool = False
+    ) -> None:
+        """Index a file now on disk. ``reserved``: its bytes were counted by :meth:`reserve`.
+        ``pin``: also pin it (see :meth:`pin`), atomically, so no eviction comes between."""
         with self.lock:
-            old = self.lru.pop(digest, None)
-            if old is not None:  # replaced in place (a concurrent writer of the same name)
-                self.used -= old.size
-                if old.name is not None and old.name != name:
-                    self.by_name.pop(old.name, None)
-            if not reserved:
-                self.used += size
-            self.lru[digest] = Entry(size, name, self.stamp())
-            if name is not None:
+            self._add(digest, size, name, reserved=reserved)
+            if pin:
+                self._pinned[digest] += 1
+
+    def hold(self, digest: int, size: int, name: str | None) -> None:
+        """Pin a file found on disk with ``size`` bytes, indexing it first if needed."""
+        with self.lock:
+            entry = self.lru.get(digest)
+            if entry is None or entry.size != size:
+                self._add(digest, size, name, reserved=False)
+            elif entry.name is None and name is not None and name not in self.by_name:
+                entry.name = name
                 self.by_name[name] = digest
                 self.names_changed += 1
+            self._pinned[digest] += 1
+
+    def unpin(self, digests: Iterable[int]) -> None:
+        """Let objects pinned by :meth:`add` or :meth:`hold` be evicted again."""
+        with self.lock:
+            for digest in digests:
+                left = self._pinned[digest] - 1
+                if left > 0:
+                    self._pinned[digest] = left
+                else:
+                    del self._pinned[digest]
 
     def drop(self, digest: int, older_than: int | None = None) -> Entry | None:
         """Forget a file that is gone (or corrupt). ``older_than``: only if stamped before."""
@@ -127,37 +178,87 @@ class Index:
                 return None
             return self._forget(digest)
 
-    def reserve(self, size: int) -> tuple[bool, list[int]]:
-        """Count ``size`` bytes for a write about to start, evicting LRU entries if needed.
+    def reserve(self, size: int) -> bool:
+        """:meth:`reserve_run` of one object: whether ``size`` bytes were reserved."""
+        return self.reserve_run([size]) == 1
 
-        Returns whether the bytes fit and the digests evicted (the caller deletes their files
-        either way). It does not fit when it is larger than the budget or writes in flight
-        hold the rest. Keeps ``used <= capacity`` at all times.
+    def reserve_run(self, sizes: list[int]) -> int:
+        """Count bytes for writes about to start: the leading run of ``sizes`` that fits.
+
+        Eviction is as if the objects were written one by one: whenever the next one would pass
+        the high watermark, LRU objects that no write in progress holds (pinned) are evicted
+        down to the low watermark. Victims leave the index at once (no query counts them, no
+        read finds them), their files are deleted, and only then do their bytes leave ``used``. Admissions wait
+        for each other, so bytes on disk never exceed the capacity: nothing is admitted
+        against room that victims' files still take. Returns how many sizes were reserved.
         """
-        if size > self.capacity:
-            return False, []
-        victims: list[int] = []
-        with self.lock:
-            if self.used + size > self.high_bytes:
-                while self.lru and self.used + size > self.low_bytes:
-                    digest = next(iter(self.lru))
-                    self._forget(digest)
-                    victims.append(digest)
-                self.evictions += len(victims)
-            if self.used + size > self.capacity:
-                return False, victims
-            self.used += size
-        return True, victims
+        if not sizes:
+            return 0
+        with self._admission:
+            with self.lock:
+                victims = self._pick_victims(sizes)
+            if victims:
+                self._delete_files([digest for digest, _ in victims])
+                with self.lock:
+                    self.used -= sum(nbytes for _, nbytes in victims)
+                    self.evictions += len(victims)
+            admitted = 0
+            with self.lock:
+                for size in sizes:
+                    if self.used + size > self.capacity:
+                        break  # pinned objects and writes in flight hold the rest
+                    self.used += size
+                    admitted += 1
+        return admitted
 
     def release(self, size: int) -> None:
-        """Give back a reservation whose write failed."""
+        """Give back a reservation whose write failed (its temp file is already gone)."""
         with self.lock:
             self.used -= size
 
-    def _forget(self, digest: int) -> Entry:
+    # -- internals (lock held) -------------------------------------------------------------
+
+    def _add(self, digest: int, size: int, name: str | None, *, reserved: bool) -> None:
+        old = self.lru.pop(digest, None)
+        if old is not None:  # replaced in place (a concurrent writer of the same name)
+            self.used -= old.size
+            if old.name is not None and old.name != name:
+                self.by_name.pop(old.name, None)
+        if not reserved:
+            self.used += size
+        self.lru[digest] = Entry(size, name, self.stamp())
+        if name is not None:
+            self.by_name[name] = digest
+            self.names_changed += 1
+
+    def _pick_victims(self, sizes: list[int]) -> list[tuple[int, int]]:
+        """Unpinned LRU entries to evict before writing objects of ``sizes`` one by one;
+        forgotten here, their bytes still counted in ``used`` until their files are gone."""
+        projected = self.used
+        if projected + sizes[0] <= self.high_bytes and projected + sum(sizes) <= self.high_bytes:
+            return []
+        candidates = ((d, e.size) for d, e in self.lru.items() if d not in self._pinned)
+        victims: list[tuple[int, int]] = []
+        for size in sizes:
+            if projected + size > self.high_bytes:
+                while projected + size > self.low_bytes:
+                    victim = next(candidates, None)
+                    if victim is None:
+                        break
+                    victims.append(victim)
+                    projected -= victim[1]
+            projected += size
+            if projected > self.capacity:
+                break  # this one will not be admitted, nor any after it
+        for digest, _ in victims:
+            self._forget(digest, keep_bytes=True)
+        return victims
+
+    def _forget(self, digest: int, *, keep_bytes: bool = False) -> Entry:
         entry = self.lru.pop(digest)
         self.touched.pop(digest, None)
-        self.used -= entry.size
+        if not keep_bytes:
+            self.used -= entry.size
         if entry.name is not None:
             self.by_name.pop(entry.name, None)
             self.names_changed += 1

@@ -21,6 +21,7 @@ unpickled: it is bytes in, bytes out.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -55,17 +56,22 @@ def header_size(name_len: int) -> int:
     return -(-(HEADER.size + name_len) // PAGE) * PAGE
 
 
-def checksum(name: bytes, payload: memoryview | bytes) -> bytes:
+def checksum(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
+    """The checksum of an object whose payload is the concatenation of ``payload``'s pieces
+    (one piece, or one per layer of an engine's own cache block: the same bytes, the same
+    checksum)."""
     h = xxhash.xxh3_128()
     h.update(name)
-    h.update(_LEN.pack(len(payload)))
-    h.update(payload)
+    h.update(_LEN.pack(sum(len(piece) for piece in payload)))
+    for piece in payload:
+        h.update(piece)
     return h.digest()
 
 
-def pack_header(name: bytes, payload: memoryview | bytes) -> bytes:
-    """Header, name and padding, ready to be written in front of ``payload``."""
-    head = HEADER.pack(MAGIC, VERSION, 0, len(name), len(payload), checksum(name, payload))
+def pack_header(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
+    """Header, name and padding, ready to be written in front of ``payload``'s pieces."""
+    length = sum(len(piece) for piece in payload)
+    head = HEADER.pack(MAGIC, VERSION, 0, len(name), length, checksum(name, payload))
     return head + name + bytes(header_size(len(name)) - len(head) - len(name))
 
 

@@ -10,6 +10,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -24,22 +25,38 @@ from kv_file.objfile import (
     header_size,
     pack_header,
 )
+from kv_file.paths import discard, name_digest
 
-__all__ = ["DirectReads", "ReadOutcome", "read_object", "write_object", "write_then_rename"]
+__all__ = [
+    "DirectReads",
+    "ReadOutcome",
+    "read_name",
+    "read_object",
+    "write_object",
+    "write_then_rename",
+]
 
 T = TypeVar("T")
 
 log = logging.getLogger("kvcore.file")
 
-_O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+# O_NONBLOCK: opening a FIFO left where an object belongs must not wait for a writer
+_O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: iovecs one preadv/writev takes at most (Linux's IOV_MAX; a segmented object has one per
+#: layer, plus the header)
+_IOV_MAX = 1024
 _O_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 class ReadOutcome(enum.Enum):
     OK = "ok"
     MISSING = "missing"  # no file (never written, or evicted by someone)
-    WRONG_SIZE = "wrong_size"  # a valid object of another size than the buffer: a plain miss
-    COLLISION = "collision"  # a valid object of another name with the same hash
+    WRONG_SIZE = "wrong_size"  # a valid object of the expected size, but the buffer differs
+    MISNAMED = "misnamed"  # a valid object stored where its own name belongs: the lookup
+    # used a wrong digest for this name (a lying name snapshot, or a real hash collision)
+    FOREIGN = "foreign"  # not this name's object (another size, misplaced, not a regular
+    # file): removed, so a rewrite lands
     CORRUPT = "corrupt"  # failed verification: the file was removed
 
 
@@ -77,12 +94,11 @@ class DirectReads:
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    def usable(self, hsize: int, view: memoryview) -> bool:
+    def usable(self, hsize: int, pieces: list[memoryview]) -> bool:
         return (
             self.enabled
-            and len(view) % PAGE == 0
             and hsize % PAGE == 0
-            and _address(view) % PAGE == 0
+            and all(len(p) % PAGE == 0 and _address(p) % PAGE == 0 for p in pieces)
         )
 
     def head_buffer(self, hsize: int) -> memoryview:
@@ -125,76 +141,156 @@ class DirectReads:
 
 
 def read_object(
-    path: str, name: bytes, view: memoryview, *, direct: DirectReads | None = None
+    path: str,
+    name: bytes,
+    pieces: list[memoryview],
+    *,
+    digest: int,
+    expected_len: int | None = None,
+    direct: DirectReads | None = None,
 ) -> ReadOutcome:
-    """Fill ``view`` with the object stored at ``path`` under ``name``, verified.
+    """Fill ``pieces`` with the object stored at ``path`` (the file of ``digest``) under
+    ``name``, verified: the payload's bytes in order, split over the pieces (one staging
+    region, or an engine's own cache block, one piece per layer).
 
-    One vectored read puts the header in a small buffer and the payload directly in ``view``
-    (from the page cache, or with ``O_DIRECT`` when ``direct`` allows and the page cache does
-    not hold it); the checksum is then computed over ``view`` itself.
+    One vectored read puts the header in a small buffer and the payload directly in the
+    pieces (from the page cache, or with ``O_DIRECT`` when ``direct`` allows and the page cache
+    does not hold it); the checksum is then computed over the pieces themselves. ``expected_len``: the
+    payload size an object of this name must have (None: unknown); a stored object of another
+    size is foreign and removed.
     """
     try:
         fd = os.open(path, _O_READ)
     except FileNotFoundError:
         return ReadOutcome.MISSING
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        return ReadOutcome.FOREIGN if discard(path) else ReadOutcome.MISSING  # a symlink
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory or a FIFO
+            return ReadOutcome.FOREIGN if discard(path, st) else ReadOutcome.MISSING
+        want = sum(len(p) for p in pieces)
+        check = _Check(fd, path, st, name, want, digest, expected_len)
         hsize = header_size(len(name))
-        total = hsize + len(view)
+        total = hsize + want
         if st.st_size != total:
-            return _classify(fd, path, st, name, len(view))
-        if direct is not None and direct.usable(hsize, view):
+            return check.classify()
+        if direct is not None and direct.usable(hsize, pieces):
             head = direct.head_buffer(hsize)
             if not direct.cached(fd, total):
-                got = _read_direct(fd, head, view, direct)
-                return _verify(fd, path, st, name, head, view, got == total)
+                got = _read_direct(fd, [head, *pieces], direct)
+                return check.verify(head, pieces, got == total)
         else:
             head = memoryview(bytearray(hsize))
-        got = os.preadv(fd, [head, view], 0)
-        return _verify(fd, path, st, name, head, view, got == total)
+        got = _preadv_all(fd, [head, *pieces])
+        return check.verify(head, pieces, got == total)
     finally:
         os.close(fd)
 
 
-def _verify(
-    fd: int,
-    path: str,
-    st: os.stat_result,
-    name: bytes,
-    head: memoryview,
-    view: memoryview,
-    complete: bool,
-) -> ReadOutcome:
-    header = Header.parse(head)
-    if (
-        not complete
-        or header is None
-        or header.name_len != len(name)
-        or header.length != len(view)
-        or head[HEADER.size : HEADER.size + len(name)] != name
-    ):
-        return _classify(fd, path, st, name, len(view))
-    if checksum(name, view) != header.digest:
-        return _remove_corrupt(fd, path, st)
-    return ReadOutcome.OK
+class _Check:
+    """Verification of one opened object file, and what to do with it when it fails."""
+
+    def __init__(
+        self,
+        fd: int,
+        path: str,
+        st: os.stat_result,
+        name: bytes,
+        want: int,
+        digest: int,
+        expected_len: int | None,
+    ) -> None:
+        self.fd, self.path, self.st, self.name = fd, path, st, name
+        self.want, self.digest, self.expected_len = want, digest, expected_len
+
+    def verify(self, head: memoryview, pieces: list[memoryview], complete: bool) -> ReadOutcome:
+        header = Header.parse(head)
+        name = self.name
+        if (
+            not complete
+            or header is None
+            or header.name_len != len(name)
+            or header.length != self.want
+            or head[HEADER.size : HEADER.size + len(name)] != name
+        ):
+            return self.classify()
+        if checksum(name, pieces) != header.digest:
+            return self.remove(ReadOutcome.CORRUPT)
+        return ReadOutcome.OK
+
+    def classify(self) -> ReadOutcome:
+        """Why the file is not the object this read expects: another object, or a torn one."""
+        fd = self.fd
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & _O_DIRECT:  # rechecks read small unaligned buffers: through the cache
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        header = Header.parse(os.pread(fd, HEADER.size, 0))
+        if header is None or self.st.st_size != header.size + header.length:
+            return self.remove(ReadOutcome.CORRUPT)  # bad magic, truncated, or a wrong length
+        stored = os.pread(fd, header.name_len, HEADER.size)
+        if stored == self.name and header.length != self.want:
+            if self.expected_len is None or header.length == self.expected_len:
+                return ReadOutcome.WRONG_SIZE  # the buffer is not of the object's size
+            return self.remove(ReadOutcome.FOREIGN)  # the object is not of its name's size
+        payload = os.pread(fd, header.length, header.size)
+        if stored != self.name and checksum(stored, [payload]) == header.digest:
+            if name_digest(stored) == self.digest:
+                return ReadOutcome.MISNAMED  # its rightful place: the lookup was wrong
+            return self.remove(ReadOutcome.FOREIGN)  # a valid object, in another's place
+        return self.remove(ReadOutcome.CORRUPT)
+
+    def remove(self, outcome: ReadOutcome) -> ReadOutcome:
+        """Unlink the file if it is still the one verified (not a fresh one renamed over it)."""
+        discard(self.path, self.st)
+        return outcome
 
 
-def _read_direct(fd: int, head: memoryview, view: memoryview, direct: DirectReads) -> int:
+def _read_direct(fd: int, buffers: list[memoryview], direct: DirectReads) -> int:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as exc:  # O_DIRECT refused (some FUSE and network file systems)
         direct.disable(exc)
-        return os.preadv(fd, [head, view], 0)
+        return _preadv_all(fd, buffers)
     try:
-        got = os.preadv(fd, [head, view], 0)
+        got = _preadv_all(fd, buffers)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         direct.disable(exc)  # accepted at open, refused on read (alignment rules of the fs)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        return os.preadv(fd, [head, view], 0)
+        return _preadv_all(fd, buffers)
     direct.counted()
     return got
+
+
+def _preadv_all(fd: int, buffers: list[memoryview]) -> int:
+    """Read the file from its start into ``buffers`` in order, ``IOV_MAX`` at a time; the
+    bytes read (fewer only at the end of the file)."""
+    done = 0
+    for lo in range(0, len(buffers), _IOV_MAX):
+        chunk = buffers[lo : lo + _IOV_MAX]
+        got = os.preadv(fd, chunk, done)
+        done += got
+        if got < sum(len(b) for b in chunk):
+            break
+    return done
+
+
+def _writev_all(fd: int, buffers: list[memoryview]) -> None:
+    """Write ``buffers`` in order, ``IOV_MAX`` at a time, through short writes (rare, legal)."""
+    pending = list(buffers)
+    while pending:
+        n = os.writev(fd, pending[:_IOV_MAX])
+        k = 0
+        while k < len(pending) and n >= len(pending[k]):
+            n -= len(pending[k])
+            k += 1
+        pending = pending[k:]
+        if n:
+            pending[0] = pending[0][n:]
 
 
 def _address(view: memoryview) -> int:
@@ -202,8 +298,9 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def write_object(path: str, temp: str, name: bytes, view: memoryview, *, sync: bool) -> int:
-    """Write ``view`` under ``name`` to a temp file, sync it if asked, rename it to ``path``.
+def write_object(path: str, temp: str, name: bytes, pieces: list[memoryview], *, sync: bool) -> int:
+    """Write the payload ``pieces`` (in order) under ``name`` to a temp file, sync it if
+    asked, rename it to ``path``.
 
     Readers see the old file or the new one, never a partial one. Returns the file's size.
     Raises OSError (the temp file is removed first).
@@ -212,17 +309,11 @@ def write_object(path: str, temp: str, name: bytes, view: memoryview, *, sync: b
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
 
     def fill(fd: int) -> int:
-        header = pack_header(name, view)
-        total = len(header) + len(view)
-        done = os.writev(fd, [header, view])
-        while done < total:  # short writes: rare, but legal
-            if done < len(header):
-                done += os.write(fd, header[done:])
-            else:
-                done += os.write(fd, view[done - len(header) :])
+        header = pack_header(name, pieces)
+        _writev_all(fd, [memoryview(header), *pieces])
         if sync:
             os.fdatasync(fd)
-        return total
+        return len(header) + sum(len(p) for p in pieces)
 
     return write_then_rename(temp, path, fill)
 
@@ -247,24 +338,19 @@ def write_then_rename(temp: str, path: str, fill: Callable[[int], T]) -> T:
     return out
 
 
-def _classify(fd: int, path: str, st: os.stat_result, name: bytes, want: int) -> ReadOutcome:
-    """Why a file is not the object this read expects: another object, or a torn one."""
-    header = Header.parse(os.pread(fd, HEADER.size, 0))
-    if header is None or st.st_size != header.size + header.length:
-        return _remove_corrupt(fd, path, st)  # bad magic, truncated, or a wrong length field
-    stored = os.pread(fd, header.name_len, HEADER.size)
-    if stored == name and header.length != want:
-        return ReadOutcome.WRONG_SIZE  # a valid object, just not of the buffer's size
-    payload = os.pread(fd, header.length, header.size)
-    if stored != name and checksum(stored, payload) == header.digest:
-        return ReadOutcome.COLLISION  # a valid object of another name with the same hash
-    return _remove_corrupt(fd, path, st)
-
-
-def _remove_corrupt(fd: int, path: str, st: os.stat_result) -> ReadOutcome:
-    """Unlink ``path`` if it is still the file we verified (not a fresh one renamed over it)."""
-    with contextlib.suppress(OSError):
-        now = os.stat(path, follow_symlinks=False)
-        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-            os.unlink(path)
-    return ReadOutcome.CORRUPT
+def read_name(path: str) -> bytes | None:
+    """The name in an object file's header; None when the file is not a valid object file."""
+    try:
+        fd = os.open(path, _O_READ)
+    except OSError:
+        return None
+    try:
+        header = Header.parse(os.pread(fd, HEADER.size, 0))
+        if header is None:
+            return None
+        name = os.pread(fd, header.name_len, HEADER.size)
+        return name if len(name) == header.name_len else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-__all__ = ["FANOUT", "StoreDir", "name_digest"]
+__all__ = ["FANOUT", "StoreDir", "discard", "name_digest"]
 
 FANOUT = 256
 SUFFIX = ".kv"
@@ -60,6 +62,11 @@ class StoreDir:
         """The snapshot of learned names (see :mod:`kv_file.names`)."""
         return os.path.join(self.path, "names.idx")
 
+    @property
+    def removals_path(self) -> str:
+        """The counter of removals every process sharing the namespace watches."""
+        return os.path.join(self.path, "removals")
+
     def names_temp_path(self) -> str:
         return self._temp(self.path, "names")
 
@@ -81,8 +88,14 @@ class StoreDir:
             f"{self._seq}{TMP_SUFFIX}"
         )
 
-    def scan(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[Found]:
-        """Every object file (stat'ed unless its digest is in ``skip``, then size -1)."""
+    def scan(
+        self, skip: set[int] | frozenset[int] = frozenset(), strays: list[str] | None = None
+    ) -> Iterator[Found]:
+        """Every regular object file (stat'ed unless its digest is in ``skip``, then size -1).
+
+        Anything else under an object's name (a symlink, a directory, a FIFO) is never an
+        object: its path goes to ``strays``, for the caller to remove.
+        """
         for d in self._subdirs:
             try:
                 it = os.scandir(d)
@@ -95,7 +108,12 @@ class StoreDir:
                         continue
                     try:
                         digest = int(name[:32], 16)
-                    except ValueError:
+                        regular = entry.is_file(follow_symlinks=False)  # d_type: no syscall
+                    except (ValueError, OSError):
+                        continue
+                    if not regular:
+                        if strays is not None:
+                            strays.append(entry.path)
                         continue
                     if digest in skip:
                         yield Found(digest, -1, 0)
@@ -122,6 +140,23 @@ class StoreDir:
                         os.unlink(path)
                         removed += 1
         return removed
+
+
+def discard(path: str, seen: os.stat_result | None = None) -> bool:
+    """Remove whatever is at ``path`` (a directory with its contents; a symlink, never its
+    target). With ``seen``, only if it is still that file, not a fresh object renamed over it.
+    Returns whether something was removed."""
+    try:
+        now = os.lstat(path)
+        if seen is not None and (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+            return False
+        if stat.S_ISDIR(now.st_mode):
+            shutil.rmtree(path)  # never follows symlinks inside it
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _temp_is_stale(name: str, path: str, now: float) -> bool:

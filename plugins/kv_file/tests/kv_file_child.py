@@ -44,9 +44,19 @@ def share(root: str, worker: int, workers: int, capacity: int) -> None:
     print(json.dumps(stats), flush=True)
 
 
+def remove(root: str, keys: list[str]) -> None:
+    """Remove blocks from a store another process has open, and say how many were removed."""
+    store = open_store(root)
+    removed = store.remove(store.request("child-remove", keys))
+    store.close()
+    print(json.dumps({"removed": int(removed)}), flush=True)
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "crash":
         crash(args[0], args[1], int(args[2]))
+    elif mode == "remove":
+        remove(args[0], json.loads(args[1]))
     else:
         share(args[0], int(args[1]), int(args[2]), int(args[3]))

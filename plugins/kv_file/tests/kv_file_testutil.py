@@ -8,6 +8,8 @@ import os
 from typing import Any
 
 import numpy as np
+from kv_file.objfile import encode_name
+from kv_file.paths import name_digest
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers
@@ -17,9 +19,24 @@ from kvcore.testing import payload_for
 LAYOUT = CacheLayout(num_layers=4, num_heads=4, block_size=16, head_dim=128)
 
 
-def open_store(root: str, layout: CacheLayout = LAYOUT, **config: Any) -> kvcore.Backend:
+def open_store(
+    root: str,
+    layout: CacheLayout = LAYOUT,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    context_namespace: str = "default",
+    **config: Any,
+) -> kvcore.Backend:
+    """A strict ``file`` backend on ``root`` (no background rescans) for one engine context."""
     cfg = {"root": root, "rescan_interval_s": 0, **config}
-    return kvcore.open_backend("file", cfg, context={"layout": layout}, strict=True)
+    context = {
+        "layout": layout,
+        "rank": rank,
+        "world_size": world_size,
+        "namespace": context_namespace,
+    }
+    return kvcore.open_backend("file", cfg, context=context, strict=True)
 
 
 def payload(backend: kvcore.Backend, keys: list[str], version: int = 0) -> list[np.ndarray]:
@@ -67,6 +84,21 @@ def read_verified(backend: kvcore.Backend, keys: list[str], versions=(0,), offse
             ok = any(np.array_equal(a[i], payload(backend, [keys[i]], v)[j][0]) for v in versions)
             assert ok, f"block {i} ({keys[i]}) part {j} read back other bytes"
     return done
+
+
+def object_path(backend: kvcore.Backend, key: str, part: int = 0) -> str:
+    """The file that holds part ``part`` of block ``key``."""
+    name = backend.request("path", [key]).object_names[0][part]
+    return backend.plugin._dir.object_path(name_digest(encode_name(name)))
+
+
+def object_paths(backend: kvcore.Backend, key: str) -> list[str]:
+    """The files of every part of block ``key``."""
+    return [object_path(backend, key, j) for j in range(len(backend.context.layout.parts))]
+
+
+def query(backend: kvcore.Backend, keys: list[str]) -> int:
+    return backend.query(backend.request("t-query", keys))
 
 
 def object_files(root: str) -> list[str]:

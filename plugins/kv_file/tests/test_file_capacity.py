@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
+import kv_file.backend
 from kv_file.objfile import header_size
-from kv_file_testutil import LAYOUT, disk_bytes, object_files, open_store, read_verified, write
+from kv_file_testutil import (
+    LAYOUT,
+    disk_bytes,
+    object_files,
+    object_paths,
+    open_store,
+    query,
+    read_verified,
+    write,
+)
 
 KEY_LEN = len("default/kNN/k/r0of1")
 OBJECT = header_size(KEY_LEN) + LAYOUT.part_bytes("k")  # one stored file
@@ -39,10 +50,15 @@ def test_a_read_refreshes_recency(tmp_path) -> None:
     )
     assert write(store, ["a", "b", "c", "d"]) == 4
     assert read_verified(store, ["a"]) == 1  # a becomes the most recent
-    assert write(store, ["e"]) == 1  # evicts down to 3 blocks: b and c go
-    q = lambda k: store.query(store.request("q", [k]))  # noqa: E731
-    assert (q("a"), q("b"), q("c"), q("d"), q("e")) == (1, 0, 0, 1, 1)
+    _write_e_and_check_b_and_c_were_evicted(store)
     store.close()
+
+
+def _write_e_and_check_b_and_c_were_evicted(store) -> None:
+    """Blocks a-d fill a 4-block store; "a" is the most recently read."""
+    assert write(store, ["e"]) == 1  # evicts down to 3 blocks: b and c go
+    found = {k: query(store, [k]) for k in "abcde"}
+    assert found == {"a": 1, "b": 0, "c": 0, "d": 1, "e": 1}
 
 
 def test_a_read_in_an_earlier_run_keeps_its_recency(tmp_path) -> None:
@@ -51,7 +67,7 @@ def test_a_read_in_an_earlier_run_keeps_its_recency(tmp_path) -> None:
     store = open_store(root, **cfg)
     assert write(store, ["a", "b", "c", "d"]) == 4
     for age, key in enumerate("dcba"):  # distinct past mtimes: a oldest (same-tick writes tie)
-        for path in _paths_of(store, key):
+        for path in object_paths(store, key):
             os.utime(path, ns=(0, time.time_ns() - (age + 1) * 10**9))
     mtimes = {p: os.stat(p).st_mtime_ns for p in object_files(root)}
     assert read_verified(store, ["a"]) == 1
@@ -60,18 +76,8 @@ def test_a_read_in_an_earlier_run_keeps_its_recency(tmp_path) -> None:
     )
     store.close()  # saves it
     reopened = open_store(root, **cfg)
-    assert write(reopened, ["e"]) == 1  # evicts down to 3 blocks: b and c go
-    q = lambda k: reopened.query(reopened.request("q", [k]))  # noqa: E731
-    assert (q("a"), q("b"), q("c"), q("d"), q("e")) == (1, 0, 0, 1, 1)
+    _write_e_and_check_b_and_c_were_evicted(reopened)
     reopened.close()
-
-
-def _paths_of(store, key: str) -> list[str]:
-    from kv_file.objfile import encode_name
-    from kv_file.paths import name_digest
-
-    names = store.request("q", [key]).object_names[0]
-    return [store.plugin._dir.object_path(name_digest(encode_name(n))) for n in names]
 
 
 def test_recency_is_saved_by_the_background_scan(tmp_path) -> None:
@@ -102,12 +108,7 @@ def test_accounting_and_recency_survive_a_restart(tmp_path) -> None:
         os.utime(path, ns=(0, 1_000_000_000 * (i + 1)))
     names = {os.path.basename(p) for p in object_files(root)}
     reopened = open_store(root, **cfg)
-    reopened_a = reopened.request("q", ["a"]).object_names[0]
-    for name in reopened_a:
-        from kv_file.objfile import encode_name
-        from kv_file.paths import name_digest
-
-        path = reopened.plugin._dir.object_path(name_digest(encode_name(name)))
+    for path in object_paths(reopened, "a"):
         os.utime(path, ns=(0, 10**18))
     reopened.close()
     reopened = open_store(root, **cfg)
@@ -139,3 +140,99 @@ def test_an_object_larger_than_the_capacity_is_refused(tmp_path) -> None:
     assert store.stats()["backend_write_refused"] >= 1
     assert disk_bytes(str(tmp_path / "s")) == 0
     store.close()
+
+
+def test_a_batch_larger_than_the_capacity_acknowledges_only_what_it_keeps(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    store = open_store(root, capacity_bytes=10 * BLOCK, high_watermark=1.0, low_watermark=0.5)
+    keys = [f"big{i:02d}" for i in range(40)]
+    acked = write(store, keys)
+    assert 0 < acked <= 10, f"a 40-block batch into a 10-block store acknowledged {acked}"
+    assert query(store, keys) == acked, "a query right after counts what write acknowledged"
+    assert read_verified(store, keys) == acked
+    assert disk_bytes(root) <= 10 * BLOCK
+    assert store.stats()["backend_write_refused"] >= 1
+    store.close()
+
+
+def test_blocks_a_batch_skips_are_not_evicted_by_that_batch(tmp_path) -> None:
+    # the stored blocks are the oldest in LRU order, and the batch overflows the store: what
+    # the batch skipped (acknowledged as stored) must still be there when it returns
+    store = open_store(
+        str(tmp_path / "s"), capacity_bytes=10 * BLOCK, high_watermark=1.0, low_watermark=0.5
+    )
+    assert write(store, ["s0", "s1"]) == 2
+    assert write(store, [f"mid{i}" for i in range(6)]) == 6
+    batch = ["s0", "s1", *(f"new{i:02d}" for i in range(12))]
+    acked = write(store, batch)
+    assert acked >= 2
+    assert query(store, batch) == acked
+    assert read_verified(store, batch) == acked
+    store.close()
+
+
+def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> None:
+    # Deleting evicted files is slow here, so other writers run while victims are deleted.
+    # Bytes on disk are tracked from the moment a write starts until the unlink of its file
+    # returns (never less than what is there: a directory listing is not a snapshot), and
+    # must stay within the capacity all along.
+    root = str(tmp_path / "s")
+    capacity = 10 * BLOCK
+    store = open_store(root, capacity_bytes=capacity, high_watermark=1.0, low_watermark=0.2)
+    real_unlink, real_write = os.unlink, kv_file.backend.write_object
+    lock = threading.Lock()
+    on_disk = [0]
+    peak = [0]
+
+    def account(delta: int) -> None:
+        with lock:
+            on_disk[0] += delta
+            peak[0] = max(peak[0], on_disk[0])
+
+    def slow_unlink(path, *args, **kwargs):
+        size = os.path.getsize(path) if str(path).endswith(".kv") else 0
+        time.sleep(0.005)
+        real_unlink(path, *args, **kwargs)
+        account(-size)
+
+    def counted_write(path, temp, name, pieces, **kwargs):
+        size = header_size(len(name)) + sum(len(p) for p in pieces)
+        account(size)
+        try:
+            return real_write(path, temp, name, pieces, **kwargs)
+        except OSError:
+            account(-size)
+            raise
+
+    monkeypatch.setattr(os, "unlink", slow_unlink)
+    monkeypatch.setattr(kv_file.backend, "write_object", counted_write)
+
+    def writer(w: int) -> None:
+        for i in range(30):
+            write(store, [f"w{w}-{i}"])
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    monkeypatch.undo()
+    assert store.stats()["backend_evictions"] >= 40
+    assert peak[0] <= capacity, f"{peak[0] / capacity:.2f}x the capacity on disk"
+    assert on_disk[0] == disk_bytes(root) == store.stats()["backend_bytes_used"]
+    store.close()
+
+
+def test_stores_sharing_a_root_come_back_within_the_capacity_after_a_rescan(tmp_path) -> None:
+    # each process bounds the files it knows; after a rescan every process knows them all
+    root = str(tmp_path / "s")
+    cfg = {"capacity_bytes": 10 * BLOCK, "high_watermark": 1.0, "low_watermark": 0.8}
+    a, b = open_store(root, **cfg), open_store(root, **cfg)
+    assert write(a, [f"a{i}" for i in range(10)]) == 10
+    assert write(b, [f"b{i}" for i in range(10)]) == 10
+    assert disk_bytes(root) <= 2 * 10 * BLOCK
+    for store in (a, b):
+        store.plugin.rescan()
+    assert disk_bytes(root) <= 10 * BLOCK
+    a.close()
+    b.close()

@@ -72,6 +72,15 @@ def test_environment_overrides(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(4096, 4096), ("4096", 4096), ("500MB", 500 * 10**6), ("64GiB", 64 * 2**30), ("2k", 2000)],
+)
+def test_sizes_are_kvcore_byte_sizes(raw: object, expected: int) -> None:
+    # one convention for every plugin: GB = 10**9, GiB = 2**30
+    assert FileConfig.load({"capacity_bytes": raw}).capacity_bytes == expected
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [
         ("namespace", "../up"),
@@ -79,6 +88,7 @@ def test_environment_overrides(tmp_path, monkeypatch) -> None:
         ("namespace", ".hidden"),
         ("capacity_bytes", 0),
         ("capacity_bytes", "lots"),
+        ("capacity_bytes", -5),
         ("fsync", "sometimes"),
         ("io_threads", 0),
         ("low_watermark", 1.5),
