@@ -31,6 +31,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "BackendInfo",
     "available_backends",
+    "check_backend_class",
     "check_backend_config",
     "load_backend_class",
     "open_backend",
@@ -156,6 +157,30 @@ def validate_config(
         return model.load(dict(config or {}))
     except ValidationError as exc:
         raise ConfigError.from_validation(f"config for backend {name!r}", exc) from None
+
+
+def check_backend_class(name: str | type) -> type:
+    """Check a backend's definition as opening would, without an instance: import it (by
+    name), check ``config_model`` and ``capabilities``, and register the class itself with a
+    plugin manager, so a misspelled hook or a missing required hook fails here. No server, SDK
+    or file is touched. Returns the class.
+
+    :raises UnknownBackendError, DuplicateBackendError, BackendImportError,
+        BackendDefinitionError: as :func:`open_backend` would.
+    """
+    if isinstance(name, str):
+        factory, label = load_backend_class(name), name
+    else:
+        factory, label = name, getattr(name, "name", None) or name.__name__
+        _check_definition(label, factory)
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    try:
+        _register(label, pm, factory)
+    finally:
+        with contextlib.suppress(Exception):
+            pm.unregister(factory)
+    return factory
 
 
 def check_backend_config(

@@ -404,8 +404,8 @@ def test_prometheus_export_has_counters_and_histograms():
     _, keys = keys_for(2, seed=12)
     tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
     text = tm.prometheus()
-    assert 'kvcore_transfer_blocks_written_total{rank="0",op="write"} 2' in text
-    assert 'kvcore_transfer_latency_seconds_count{rank="0",op="write"} 1' in text
+    assert 'kvcore_transfer_blocks_written_total{op="write",rank="0"} 2' in text
+    assert 'kvcore_transfer_latency_seconds_count{op="write",rank="0"} 1' in text
     assert 'kvcore_backend_calls_total{backend="MemoryBackend",op="write"} 1' in text
     assert "kvcore_backend_backend_objects" in text
     close(tm)

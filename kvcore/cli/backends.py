@@ -10,20 +10,17 @@ server) is left to ``--open``, and the table says which of the two was checked.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from collections import Counter
 from typing import Any
 
-import pluggy
 from rich.table import Table
 
-from kvcore import hookspecs
 from kvcore.cli.common import open_for_cli
 from kvcore.cli.console import CommandConsole, print_table
 from kvcore.cli.errors import classify
 from kvcore.errors import BackendImportError, KVCoreError
-from kvcore.registry import available_backends, load_backend_class
+from kvcore.registry import available_backends, check_backend_class, load_backend_class
 from kvcore.schemas import BackendContext, CacheLayout
 
 #: the layout backends are opened with by ``--open``: tiny, so that opening allocates little
@@ -34,20 +31,9 @@ CHECKED_OPENED = "opened"
 
 
 def check_hooks(name: str, cls: type) -> None:
-    """Register the class itself with pluggy, as opening registers an instance: a hook
-    implementation with no spec (a typo) or a required hook left out fails here, no instance
-    (and so no server or SDK) needed."""
-    # NOTE(kvcore-cli): uses the registry's private _register so the check is the very one
-    # open_backend runs; a public kvcore.registry.check_backend_class(name) is requested.
-    from kvcore.registry import _register
-
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
-    try:
-        _register(name, pm, cls)
-    finally:
-        with contextlib.suppress(Exception):
-            pm.unregister(cls)
+    """The registry's own definition check (hooks registered with pluggy, as opening does),
+    no instance (and so no server or SDK) needed."""
+    check_backend_class(name)  # the class is imported already: this re-uses it
 
 
 def describe(open_them: bool = False) -> list[dict[str, Any]]:
