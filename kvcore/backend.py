@@ -81,6 +81,10 @@ class Backend:
         host: HostBuffers | None = None,
         device: DeviceBuffers | None = None,
         num_blocks: int | None = None,
+        parts: Sequence[str] | None = None,
+        part_bytes: Sequence[int] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> BlockRequest:
         """A :class:`BlockRequest` with this rank's object names.
 
@@ -88,29 +92,39 @@ class Backend:
         ``timeout_s`` (default: the config's ``default_timeout_s``) from now. ``num_blocks``
         defaults to ``len(block_keys)``; a request that carries tokens only (a token index's
         flush) passes ``block_keys=()`` and ``num_blocks``.
+
+        An engine whose pages are not the layout's K and V (an MLA model's single latent part,
+        a hybrid model's state pools) names its own ``parts`` and their sizes ``part_bytes``
+        (checked against the host buffers at the door), and may store under another
+        ``rank``/``world_size`` (MLA's latent is the same on every tensor-parallel rank, so it
+        is stored once, as rank 0 of 1).
         """
         ctx = self.context
         if deadline is None:
             timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
             deadline = time.monotonic() + timeout
+        own_parts = self._parts if parts is None else tuple(parts)
+        if part_bytes is not None and len(part_bytes) != len(own_parts):
+            raise ValueError(f"part_bytes has {len(part_bytes)} sizes for parts {list(own_parts)}")
         return BlockRequest(
             task_id=task_id,
             block_keys=tuple(block_keys),
             object_names=object_names(
                 block_keys,
-                self._parts,
+                own_parts,
                 namespace=ctx.namespace,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
+                rank=ctx.rank if rank is None else rank,
+                world_size=ctx.world_size if world_size is None else world_size,
                 weight_version=self._weight_version,
             ),
-            parts=self._parts,
+            parts=own_parts,
             deadline=deadline,
             start_block=start_block,
             token_ids=token_ids,
             host=host,
             device=device,
             num_blocks=len(block_keys) if num_blocks is None else num_blocks,
+            part_nbytes=None if part_bytes is None else tuple(part_bytes),
         )
 
     @property
@@ -294,19 +308,27 @@ class Backend:
             )
         if host.num_blocks != n:
             raise ValueError(f"host buffers hold {host.num_blocks} blocks; the request has {n}")
-        if self._layout is not None:
-            want = [self._layout.part_bytes(p) for p in request.parts]
-            if list(host.nbytes) != want:
-                raise ValueError(
-                    f"host.nbytes {list(host.nbytes)} differ from the layout's part sizes {want} "
-                    f"(parts {list(request.parts)}): a short buffer would store a truncated "
-                    "object"
-                )
+        want = self._expected_part_bytes(request)
+        if want is not None and list(host.nbytes) != want:
+            raise ValueError(
+                f"host.nbytes {list(host.nbytes)} differ from the part sizes {want} (parts "
+                f"{list(request.parts)}): a short buffer would store a truncated object"
+            )
         if not host.contiguous and not self.capabilities.segmented_host:
             raise ValueError(
                 f"backend {self.name!r} does not take segmented host buffers "
                 "(Capabilities.segmented_host is False)"
             )
+
+    def _expected_part_bytes(self, request: BlockRequest) -> list[int] | None:
+        """Sizes the request's parts must have: as the request declares, else the layout's
+        (None when neither knows: a layout-less backend, or parts the layout does not have)."""
+        if request.part_nbytes is not None:
+            return list(request.part_nbytes)
+        layout = self._layout
+        if layout is None or not set(request.parts) <= set(layout.parts):
+            return None
+        return [layout.part_bytes(p) for p in request.parts]
 
     def _call(
         self,

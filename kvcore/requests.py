@@ -161,6 +161,8 @@ class BlockRequest:
     - ``host`` / ``device``: the buffers for ``read``/``write``, per the backend's ``io``.
     - ``num_blocks``: how many blocks: ``len(block_keys)``, or given for a request that carries
       tokens only.
+    - ``part_nbytes``: the size of each part's object when the request names parts of its own
+      (not the layout's); the host buffers are checked against it.
 
     What kvcore promises a hook (checked once, where the request enters the core): ``host`` is
     set on reads and writes of ``io="host"`` backends and ``device`` on those of ``io="device"``
@@ -170,7 +172,7 @@ class BlockRequest:
     ``token_ids`` covering every block of the request. Backends need not check any of it.
 
     .. versionchanged:: 0.2 ``num_blocks`` is a field (token-only requests carry no fake keys);
-       :meth:`slice`.
+       ``part_nbytes``; :meth:`slice`.
     """
 
     task_id: str
@@ -183,6 +185,7 @@ class BlockRequest:
     host: HostBuffers | None = None
     device: DeviceBuffers | None = None
     num_blocks: int = -1
+    part_nbytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # keys, when present, decide (so dataclasses.replace(request, block_keys=...) stays
@@ -218,6 +221,7 @@ class BlockRequest:
             host=host,
             device=device,
             num_blocks=hi - lo,
+            part_nbytes=self.part_nbytes,
         )
 
     def with_buffers(

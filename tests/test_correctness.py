@@ -350,3 +350,23 @@ def test_a_backend_config_can_be_checked_without_opening_the_backend():
         kvcore.check_backend_config("memory", {"max_objects": 0})
     with pytest.raises(kvcore.UnknownBackendError, match="installed backends"):
         kvcore.check_backend_config("nosuch", {})
+
+
+def test_a_request_may_name_parts_of_its_own_with_their_sizes_checked():
+    """An MLA model's single latent part, stored once for every tensor-parallel rank."""
+    layout = lay()
+    rank1 = kvcore.open_backend("memory", context={"layout": layout, "rank": 1, "world_size": 2})
+    size = 96
+    buf = np.arange(2 * size, dtype=np.uint8)
+    host = HostBuffers(ptrs=((buf.ctypes.data,), (buf.ctypes.data + size,)), nbytes=(size,))
+    ks = keys(2, seed=10)
+    req = rank1.request("w", ks, host=host, parts=("latent",), part_bytes=(size,), rank=0,
+                        world_size=1)  # fmt: skip
+    assert req.object_names[0] == (f"default/{ks[0]}/latent/r0of1",)
+    assert rank1.write(req) == 2
+    assert rank1.query(rank1.request("q", ks, parts=("latent",), rank=0, world_size=1)) == 2
+    assert rank1.query(rank1.request("q", ks, parts=("latent",))) == 0  # rank 1's own names
+    short = HostBuffers(ptrs=host.ptrs, nbytes=(size - 1,))
+    with pytest.raises(ValueError, match=r"host\.nbytes \[95\] differ from the part sizes \[96\]"):
+        rank1.write(rank1.request("w", ks, host=short, parts=("latent",), part_bytes=(size,)))
+    rank1.close()
