@@ -12,7 +12,10 @@ This class only routes vLLM's calls to the side that serves them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcore_vllm.config import load_settings
 from kvcore_vllm.metadata import StepMetadata
 from kvcore_vllm.scheduler import SchedulerSide
-from kvcore_vllm.stats import KVCoreConnectorStats
+from kvcore_vllm.stats import CounterSet, KVCoreConnectorStats
 from kvcore_vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -33,6 +36,16 @@ if TYPE_CHECKING:
 __all__ = ["KVCoreConnector"]
 
 log = logging.getLogger("vllm.kvcore_vllm.connector")
+
+
+@contextlib.contextmanager
+def _timed(counters: CounterSet, name: str, **also: float) -> Iterator[None]:
+    """Add the block's duration to ``name``: what the connector costs vLLM's step loop."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        counters.add(**{name: time.perf_counter() - t0}, **also)
 
 
 class KVCoreConnector(KVConnectorBase_V1):
@@ -86,21 +99,31 @@ class KVCoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        side = self._scheduler()
+        with _timed(side.counters, "scheduler_hook_seconds"):
+            return side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+        side = self._scheduler()
+        with _timed(side.counters, "scheduler_hook_seconds"):
+            side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler().build_connector_meta(scheduler_output)
+        side = self._scheduler()
+        with _timed(side.counters, "scheduler_hook_seconds", scheduler_steps=1):
+            return side.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler().update_connector_output(connector_output)
+        side = self._scheduler()
+        with _timed(side.counters, "scheduler_hook_seconds"):
+            side.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler().request_finished(request, block_ids)
+        side = self._scheduler()
+        with _timed(side.counters, "scheduler_hook_seconds"):
+            return side.request_finished(request, block_ids)
 
     # -- worker side -----------------------------------------------------------------------
 
@@ -113,11 +136,13 @@ class KVCoreConnector(KVConnectorBase_V1):
         self._worker().register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if isinstance(kv_connector_metadata, StepMetadata):
+        if isinstance(kv_connector_metadata, StepMetadata) and kv_connector_metadata.preempted:
             self._worker().handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker().start_load_kv(self._meta())
+        meta = self._meta()
+        if meta.loads:  # loading is the tier's work, not overhead: counted as load_seconds
+            self._worker().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -128,10 +153,14 @@ class KVCoreConnector(KVConnectorBase_V1):
         return  # whole blocks are saved after the step, in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._worker().wait_for_save(self._meta())
+        side = self._worker()
+        with _timed(side.counters, "worker_hook_seconds", worker_steps=1):
+            side.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker().get_finished(finished_req_ids)
+        side = self._worker()
+        with _timed(side.counters, "worker_hook_seconds"):
+            return side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
@@ -140,7 +169,8 @@ class KVCoreConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker_side is not None:
-            data = self.worker_side.take_stats()
+            with _timed(self.worker_side.counters, "worker_hook_seconds"):
+                data = self.worker_side.take_stats()
         elif self.scheduler_side is not None:
             data = self.scheduler_side.counters.take()
         else:

@@ -9,11 +9,13 @@ an engine without the connector), ``via`` (``"name"``: the registered name, or
 ``"module_path"``), ``executor`` (``"uni"``: scheduler and worker in the engine-core process,
 or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_size``,
 ``tensor_parallel_size``, ``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``env`` (variables set before vLLM
-starts), ``steps``.
+starts), ``kv_transfer_config`` (instead of ``connector``: any other connector, raw),
+``disable_hybrid_kv_cache_manager``, ``steps``.
 
 Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
 for a next chat turn of an earlier step, ``max_tokens``; returns tokens,
-``num_cached_tokens`` and the wall time), ``reset_prefix_cache`` (drops vLLM's own prefix cache,
+``num_cached_tokens``, the wall time and, from vLLM's request stats, ``ttft_s`` and
+``decode_step_s``), ``reset_prefix_cache`` (drops vLLM's own prefix cache,
 so the next prompt can only hit the connector), ``log_stats`` (forces vLLM's stat log and
 returns the ``KV Transfer metrics`` it printed since the previous ``log_stats``, summed), ``call`` (``target``: ``"module:function"``
 called with ``args``, and ``engine=`` the ``LLM`` if it takes one, e.g. to damage a store between
@@ -46,8 +48,11 @@ __all__ = [
     "MARKER",
     "MODEL_SIZES",
     "EngineRun",
+    "MetricsCapture",
+    "parse_metrics",
     "run_in_subprocess",
     "run_session",
+    "start_engine",
     "write_model",
 ]
 
@@ -101,7 +106,8 @@ def write_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     return path
 
 
-def _engine(spec: dict[str, Any]) -> Any:
+def start_engine(spec: dict[str, Any]) -> Any:
+    """A ``vllm.LLM`` for ``spec`` (the keys of the module docstring; ``steps`` unused)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
@@ -118,10 +124,16 @@ def _engine(spec: dict[str, Any]) -> Any:
     }
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("disable_hybrid_kv_cache_manager"):
+        # what vLLM does by itself for a connector without HMA support: a connector-less
+        # engine set this way differs from the connector's engine by the connector only
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     connector = spec.get("connector")
-    if connector is not None:
+    if spec.get("kv_transfer_config") is not None:  # another connector, for comparisons
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    elif connector is not None:
         transfer: dict[str, Any] = {
             "kv_connector": "KVCoreConnector",
             "kv_role": "kv_both",
@@ -133,7 +145,7 @@ def _engine(spec: dict[str, Any]) -> Any:
     return LLM(**kwargs)
 
 
-class _MetricsCapture(logging.Handler):
+class MetricsCapture(logging.Handler):
     """Keeps the ``KV Transfer metrics: k=v, ...`` lines vLLM's stat logger prints."""
 
     def __init__(self) -> None:
@@ -147,7 +159,8 @@ class _MetricsCapture(logging.Handler):
                 self.lines.append(text)
 
 
-def _parse_metrics(lines: list[str]) -> dict[str, float]:
+def parse_metrics(lines: list[str]) -> dict[str, float]:
+    """Sum the ``name=value`` pairs of vLLM's ``KV Transfer metrics`` lines."""
     totals: dict[str, float] = {}
     for line in lines:
         body = line.split("KV Transfer metrics:", 1)[-1]
@@ -183,7 +196,17 @@ def _generate(
     seconds = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     history[step.get("name", "generate")] = (token_lists[0], tokens[0])
+    timing: dict[str, list[float]] = {"ttft_s": [], "decode_step_s": []}
+    for o in outputs:
+        stats = getattr(o, "metrics", None)  # vLLM's per-request stats (log_stats on)
+        if stats is None or not getattr(stats, "first_token_ts", 0):
+            continue
+        timing["ttft_s"].append(float(stats.first_token_latency))
+        steps = int(stats.num_generation_tokens) - 1
+        if steps > 0:
+            timing["decode_step_s"].append((stats.last_token_ts - stats.first_token_ts) / steps)
     return {
+        **{k: v for k, v in timing.items() if v},
         "prompt_lengths": [len(p) for p in token_lists],
         "tokens": tokens,
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs],
@@ -227,9 +250,9 @@ def run_session(spec: dict[str, Any], emit: Any = None) -> list[dict[str, Any]]:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     results: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    llm = _engine(spec)
+    llm = start_engine(spec)
     # after the engine: vLLM configures its loggers while it starts
-    capture = _MetricsCapture()
+    capture = MetricsCapture()
     logging.getLogger("vllm").addHandler(capture)
     started = {"op": "start", "seconds": time.perf_counter() - t0}
     results.append(started)
@@ -246,7 +269,7 @@ def run_session(spec: dict[str, Any], emit: Any = None) -> list[dict[str, Any]]:
         elif op == "log_stats":
             # vLLM also logs on its own every few seconds: sum every line since the last step
             llm.llm_engine.do_log_stats()
-            out["metrics"] = _parse_metrics(capture.lines)
+            out["metrics"] = parse_metrics(capture.lines)
             capture.lines.clear()
         elif op == "call":
             module, _, func = step["target"].partition(":")

@@ -10,6 +10,10 @@ and the frontend, sums it across workers with :meth:`aggregate`, and logs :meth:
   reported to vLLM for recomputation, ``bytes``, ``seconds``);
 - ``kvcore.<counter>.<op>``: kvcore's own TransferManager and backend-facade counters (hits,
   misses, bytes, errors, deadline misses, latency sums), as deltas;
+- ``lookup_skipped`` / ``lookup_pauses``: lookups answered as misses without asking, while a
+  backend that failed or answered slowly is left alone (``lookup_backoff_s``);
+- ``scheduler_hook_seconds`` / ``worker_hook_seconds``: time spent inside the connector's calls
+  on vLLM's step path (loads excluded), with ``scheduler_steps`` / ``worker_steps``;
 - ``backend_open_failures``.
 """
 
