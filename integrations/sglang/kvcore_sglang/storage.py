@@ -385,23 +385,16 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         if tier is self._kv and fmt.parts == MHA_PARTS and self._kv_layout is not None:
             return backend.request(task, keys, timeout_s=self.settings.timeout_s, host=host)
         # MLA's single latent part and the side pools' parts are not a CacheLayout's parts:
-        # build the request from the same public pieces Backend.request uses
-        timeout = self.settings.timeout_s or backend.config.default_timeout_s
-        names = kvcore.object_names(
+        # the request names them, with their sizes (checked at kvcore's door) and identity
+        return backend.request(
+            task,
             keys,
-            fmt.parts,
-            namespace=backend.context.namespace,
+            timeout_s=self.settings.timeout_s,
+            host=host,
+            parts=fmt.parts,
+            part_bytes=fmt.part_nbytes,
             rank=tier.rank if rank is None else rank,
             world_size=tier.world_size if world_size is None else world_size,
-            weight_version=backend.weight_version,
-        )
-        return kvcore.BlockRequest(
-            task_id=task,
-            block_keys=tuple(keys),
-            object_names=names,
-            parts=fmt.parts,
-            deadline=time.monotonic() + timeout,
-            host=host,
         )
 
     def _guard(self, op: str, miss: T, fn: Callable[..., T], *args: Any) -> T:
