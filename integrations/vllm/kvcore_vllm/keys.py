@@ -108,6 +108,16 @@ def engine_layout(vllm_config: Any) -> kvcore.CacheLayout:
     )
 
 
+def engine_block_keys(vllm_config: Any, token_ids: Sequence[int]) -> list[str]:
+    """The keys a running engine's connector gives ``token_ids``' full blocks."""
+    from kvcore_vllm.config import load_settings
+
+    settings = load_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    layout = engine_layout(vllm_config)
+    chain = KeyChain(key_scope(vllm_config, settings, layout), layout.block_size)
+    return chain.upto(token_ids, len(token_ids) // layout.block_size)
+
+
 def engine_object_names(
     vllm_config: Any, token_ids: Sequence[int], rank: int = 0
 ) -> list[tuple[str, ...]]:
@@ -117,8 +127,7 @@ def engine_object_names(
 
     settings = load_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
     layout = engine_layout(vllm_config)
-    chain = KeyChain(key_scope(vllm_config, settings, layout), layout.block_size)
-    keys = chain.upto(token_ids, len(token_ids) // layout.block_size)
+    keys = engine_block_keys(vllm_config, token_ids)
     names = kvcore.object_names(
         keys,
         layout.parts,

