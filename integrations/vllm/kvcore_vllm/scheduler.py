@@ -77,6 +77,10 @@ class _Tracked:
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
         self.settings = settings
+        # kv_role: a producer only stores, a consumer only restores, kv_both does both
+        role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+        self.loads_enabled = role in ("kv_consumer", "kv_both")
+        self.saves_enabled = role in ("kv_producer", "kv_both")
         self.layout = cache_layout(kv_cache_config)
         self.block_size = self.layout.block_size
         self.scope = key_scope(vllm_config, settings, self.layout)
@@ -197,7 +201,7 @@ class SchedulerSide:
         # vLLM computes at least the last prompt token (it needs its logits)
         limit = (request.num_tokens - 1) // bs
         self._hits.pop(request.request_id, None)
-        if limit <= start:
+        if limit <= start or not self.loads_enabled:
             return 0, False
         chain = self._track(request).chain
         keys = chain.upto(request.all_token_ids, limit)[start:]
@@ -278,6 +282,8 @@ class SchedulerSide:
         self, tracked: _Tracked, computed_tokens: int, block_ids_of: Any
     ) -> BlockRun | None:
         """The blocks that are full once ``computed_tokens`` have KV and are not saved yet."""
+        if not self.saves_enabled:
+            return None
         request = tracked.request
         tokens = request.all_token_ids
         # a block is keyed by its tokens: with async scheduling the last sampled token may not

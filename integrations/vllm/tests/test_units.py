@@ -266,3 +266,48 @@ def test_a_save_in_flight_holds_its_request(
     stats = worker.take_stats()
     assert stats["save_blocks"] == 4
     worker.close()
+
+
+# -- the scheduler side --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("role", "restores", "stores"),
+    [("kv_both", True, True), ("kv_consumer", True, False), ("kv_producer", False, True)],
+)
+def test_kv_role_decides_restoring_and_storing(
+    vllm_config: Any, role: str, restores: bool, stores: bool
+) -> None:
+    """A lookup finds stored blocks only where the role restores; a finished request's blocks
+    are saved (and held until saved) only where it stores."""
+    import copy
+
+    import numpy as np
+    from kvcore_vllm.scheduler import SchedulerSide
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    config = copy.deepcopy(vllm_config)
+    config.kv_transfer_config.kv_role = role
+    config.parallel_config.distributed_executor_backend = "uni"  # memory: one process
+    settings = ConnectorSettings(backend="memory", namespace=f"role-{role}")
+    side = SchedulerSide(config, _kv_cache_config(), settings)
+    tokens = [(7 * i) % 500 + 1 for i in range(100)]  # 3 full blocks and 4 tokens
+    backend = side.handles[0].get()
+    assert backend is not None
+    keys = KeyChain(side.scope, BLOCK_SIZE).upto(tokens, 3)
+    part = side.layout.part_bytes("k")
+    arrays = [np.zeros(part, np.uint8) for _ in range(6)]
+    host = kvcore.HostBuffers(
+        ptrs=tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data) for i in range(3)),
+        nbytes=(part, part),
+    )
+    assert backend.write(backend.request("fill", keys, host=host)) == 3
+
+    request = Request("r1", tokens, SamplingParams(max_tokens=4), None)
+    found = side.get_num_new_matched_tokens(request, 0)
+    assert found == ((3 * BLOCK_SIZE, False) if restores else (0, False))
+    side.update_state_after_alloc(request, None, 0)
+    request.num_computed_tokens = len(tokens)
+    assert side.request_finished(request, [0, 1, 2, 3]) == (stores, None)
+    side.close()
