@@ -6,6 +6,13 @@
   it fails at once when the master is down, where a put would stall for seconds. Then
   ``batch_put_from`` for the rest.
 - Read: ``batch_get_into``; its per-object answers (bytes read, or -704) give the leading run.
+  An object of another size than the layout gives its part is removed, so a rewrite lands
+  (a put of an existing key keeps the old value).
+- Remove: ``batch_remove`` of the request's keys; clear: ``remove_by_regex`` of the namespace's
+  key prefix (the client cannot list keys). Both skip Mooncake's read leases unless
+  ``force_remove`` is off (see the README).
+- A negative code other than "not found" is a failure: the hook's answer is then
+  ``Outcome(n, failure=...)``, and the engine sees a backend error rather than a miss.
 
 Deadlines: a master RPC ends after ``MC_RPC_TIMEOUT_MS`` at the latest, so a call made with
 more time left than that cannot overrun. With less time left, the existence check (also done
@@ -22,18 +29,26 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import kvcore
-from kv_mooncake.codes import ALREADY_EXISTS, REPLICA_NOT_READY, Counters, reason
+from kv_mooncake.codes import (
+    ALREADY_EXISTS,
+    HAS_LEASE,
+    INVALID_PARAMS,
+    NOT_FOUND,
+    REPLICA_NOT_READY,
+    failure,
+    reason,
+)
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.regions import RegionTable
-from kv_mooncake.store_keys import store_key
-from kvcore import BlockRequest, leading_run
+from kv_mooncake.store_keys import namespace_pattern, store_key
+from kvcore import BlockRequest, Outcome, leading_run
 
 __all__ = ["MooncakeBackend"]
 
@@ -46,19 +61,25 @@ _READY_POLL_S = 0.001
 _READY_POLL_MAX_S = 0.05
 #: An inline call is safe when the deadline is further away than this many RPC timeouts.
 _INLINE_FACTOR = 1.5
+#: Keys per batch_put_from / batch_get_into call at most. Mooncake 0.3.13's client fails the
+#: keys of one call beyond ~2048 with -800 (TRANSFER_FAIL), and after some such calls fails
+#: every later put too (measured: 2049 keys fine, 2100 all but 5 failed and broke the client).
+MAX_BATCH_KEYS = 1024
 
 
 class MooncakeBackend:
     """kvcore backend over ``mooncake.store.MooncakeDistributedStore`` (one client per rank)."""
 
     config_model = MooncakeConfig
-    capabilities = kvcore.Capabilities(
-        addressing="key", io="host", persistent=False, shared=True, scales=True
-    )
+    capabilities = kvcore.Capabilities(addressing="key", io="host", shared=True)  # not persistent
 
     def __init__(self, config: MooncakeConfig, context: kvcore.BackendContext) -> None:
         self.config = config
         self.context = context
+        layout = context.layout
+        #: payload bytes of each part by the layout (None: no layout): an object of another
+        #: size under a part's name is not that object
+        self._payload = {p: layout.part_bytes(p) for p in layout.parts} if layout else None
         rpc_timeout_s = prepare_environment(config, context.device_id)
         self._inline_after_s = rpc_timeout_s * _INLINE_FACTOR + 0.1
         self._store: Any = open_store(config, context.device_id)
@@ -67,7 +88,7 @@ class MooncakeBackend:
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
         self._regions = RegionTable(self._store.register_buffer, self._store.unregister_buffer)
-        self._counters = Counters()
+        self._counters = kvcore.Counters()
         self._probes = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="kv-mooncake-probe")
         self._stuck = 0  # abandoned checks still running: when all workers are, skip the master
         self._stuck_lock = threading.Lock()
@@ -78,49 +99,50 @@ class MooncakeBackend:
     def kvcore_query(self, request: BlockRequest) -> int:
         if request.num_blocks == 0:
             return 0
-        codes = self._exists(_keys(request), request)
-        if codes is None:
-            return 0
+        codes = self._master_call(self._store.batch_is_exist, self._keys(request), request)
+        if not isinstance(codes, list):
+            return codes
         return self._present_run(codes, len(request.parts))
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
         if request.num_blocks == 0:
             return 0
-        parts = len(request.parts)
-        keys = _keys(request)
-        ptrs, sizes = _host_regions(request, len(keys))
-        m = len(keys)
+        parts, keys, ptrs, sizes = self._objects(request)
+        present: int = request.num_blocks
         if request.time_left() <= self._inline_after_s:
             # a hung master could hold the get past the deadline: ask first, abandonably
-            codes = self._exists(keys, request)
-            if codes is None:
-                return 0
-            m = self._present_run(codes, parts) * parts
-            if m == 0:
-                return 0
+            codes = self._master_call(self._store.batch_is_exist, keys, request)
+            if not isinstance(codes, list):
+                return codes
+            present = self._present_run(codes, parts)
+            if present == 0:
+                return present
         # otherwise the get's own per-object answers (-704 for a miss) end the run
-        ok = self._transfer("read", keys[:m], ptrs[:m], sizes[:m], request)
-        return leading_run(ok, parts)
+        m = present * parts
+        ok, code = self._transfer("read", keys[:m], ptrs[:m], sizes[:m], request)
+        n = leading_run(ok, parts)
+        if code is None and n == present:
+            return present  # with the existence check's failure, if one ended the run
+        return _answer(n, code, "batch_get_into")
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
         if request.num_blocks == 0:
             return 0
-        parts = len(request.parts)
-        keys = _keys(request)
-        ptrs, sizes = _host_regions(request, len(keys))
-        codes = self._exists(keys, request)
-        if codes is None:
-            return 0
+        parts, keys, ptrs, sizes = self._objects(request)
+        codes = self._master_call(self._store.batch_is_exist, keys, request)
+        if not isinstance(codes, list):
+            return codes
         if any(c < 0 for c in codes):
             # the master answered with errors: a put now would only stall, so stop here
             return self._present_run(codes, parts)
         stored = [c == 1 for c in codes]
         todo = [i for i, present in enumerate(stored) if not present]
         self._counters.add("objects_skipped", len(keys) - len(todo))
+        code = None
         if todo:
-            ok = self._transfer(
+            ok, code = self._transfer(
                 "write",
                 [keys[i] for i in todo],
                 [ptrs[i] for i in todo],
@@ -129,7 +151,49 @@ class MooncakeBackend:
             )
             for i, good in zip(todo, ok, strict=True):
                 stored[i] = good
-        return leading_run(stored, parts)
+        return _answer(leading_run(stored, parts), code, "batch_put_from")
+
+    @kvcore.hookimpl
+    def kvcore_remove(self, request: BlockRequest) -> int:
+        """``batch_remove`` of this rank's objects of the request's blocks. With
+        ``force_remove`` (default) leases are skipped; otherwise objects read in the last
+        lease period stay, and the answer reports them as a failure."""
+        if request.num_blocks == 0:
+            return 0
+        parts = len(request.parts)
+        keys = self._keys(request)
+        codes = self._master_call(
+            lambda ks: self._store.batch_remove(ks, self.config.force_remove), keys, request
+        )
+        if not isinstance(codes, list):
+            return codes
+        removed = sum(
+            any(c == 0 for c in codes[i * parts : (i + 1) * parts])
+            for i in range(request.num_blocks)
+        )
+        self._counters.add("objects_removed", sum(c == 0 for c in codes))
+        bad = next((c for c in codes if c not in (0, NOT_FOUND)), None)
+        if bad is None:
+            return removed
+        self._counters.add(f"remove_{reason(bad)}", sum(c == bad for c in codes))
+        why = failure("batch_remove", bad)
+        if bad == HAS_LEASE:
+            why += ": read in the last lease period; retry later, or set force_remove"
+        return Outcome(removed, why)
+
+    @kvcore.hookimpl
+    def kvcore_clear(self) -> int:
+        """``remove_by_regex`` of every key under this namespace's prefix (all ranks; see
+        :mod:`kv_mooncake.store_keys`). Without ``force_remove``, leased objects stay and
+        cannot be counted: the client cannot list keys."""
+        removed = self._store.remove_by_regex(
+            namespace_pattern(self.context.namespace), self.config.force_remove
+        )
+        if removed < 0:
+            self._counters.add(f"clear_{reason(removed)}")
+            return Outcome(0, failure("remove_by_regex", removed))
+        self._counters.add("objects_removed", removed)
+        return removed
 
     @kvcore.hookimpl
     def kvcore_register_buffer(self, ptr: int, nbytes: int) -> None:
@@ -173,8 +237,7 @@ class MooncakeBackend:
             t2 = time.perf_counter()
         finally:
             self._regions.unpin(pinned)
-            for key in keys:  # leave nothing behind in the cluster
-                self._store.remove(key, True)
+            self._store.batch_remove(keys, True)  # leave nothing behind in the cluster
         gib = n * object_nbytes / 2**30
         out: dict[str, float] = {}
         if all(c == 0 for c in put):
@@ -198,19 +261,39 @@ class MooncakeBackend:
         """The underlying ``MooncakeDistributedStore`` (for benchmarks and diagnostics)."""
         return self._store
 
-    def _exists(self, keys: list[str], request: BlockRequest) -> list[int] | None:
-        """``batch_is_exist`` codes, or None when the deadline passed first (counted)."""
+    def _keys(self, request: BlockRequest) -> list[str]:
+        """The Mooncake keys of the request's objects, flat in ``[block][part]`` order."""
+        namespace = self.context.namespace
+        return [store_key(name, namespace) for names in request.object_names for name in names]
+
+    def _objects(self, request: BlockRequest) -> tuple[int, list[str], list[int], list[int]]:
+        """Parts per block, and each object's key, region address and size, flat in
+        ``[block][part]`` order (read and write requests carry host buffers: io="host")."""
+        host = request.host
+        assert host is not None
+        ptrs, sizes = host.flat()
+        return len(request.parts), self._keys(request), ptrs, sizes
+
+    def _master_call(
+        self, call: Callable[[list[str]], list[int]], keys: list[str], request: BlockRequest
+    ) -> list[int] | Outcome:
+        """``call(keys)``, a master RPC that touches no caller memory (``batch_is_exist``,
+        ``batch_remove``): its codes, or the hook's answer (0) when no answer came in time.
+
+        With more time left than Mooncake's RPC timeout, the call is made inline (the timeout
+        ends it in time); otherwise on a helper thread, abandoned at the deadline.
+        """
         left = request.time_left()
         if left <= 0:
             self._counters.add("miss_deadline")
-            return None
-        if left > self._inline_after_s:  # Mooncake's RPC timeout ends the call in time
-            return list(self._store.batch_is_exist(keys))
+            return Outcome(0)
+        if left > self._inline_after_s:
+            return list(call(keys))
         with self._stuck_lock:
             if self._stuck >= PROBE_WORKERS:
                 self._counters.add("miss_master_unresponsive")
-                return None
-        future = self._probes.submit(self._store.batch_is_exist, keys)
+                return Outcome(0, f"mooncake master unresponsive: {self._stuck} calls still wait")
+        future = self._probes.submit(call, keys)
         try:
             return list(future.result(timeout=left))
         except FutureTimeout:
@@ -219,16 +302,28 @@ class MooncakeBackend:
                 with self._stuck_lock:
                     self._stuck += 1
                 future.add_done_callback(self._unstick)
-            return None
+            return Outcome(0)  # kvcore tells a deadline from a miss by the time
 
     def _unstick(self, _future: object) -> None:
         with self._stuck_lock:
             self._stuck -= 1
 
     def _get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> tuple[list[int], int]:
-        """Read into the regions; a key is done when exactly its region's size arrived."""
+        """Read into the regions; a key is done when exactly its region's size arrived. An
+        object of another size is not done (0), and removed when the layout says the object,
+        not the region, has the wrong size (so a rewrite lands instead of being skipped)."""
         results = self._store.batch_get_into(keys, ptrs, sizes)
-        done = [r if r == s else (r if r < 0 else 0) for r, s in zip(results, sizes, strict=True)]
+        done = []
+        for key, r, size in zip(keys, results, sizes, strict=True):
+            if r == size or (r < 0 and r != INVALID_PARAMS):
+                done.append(r)
+            elif r > 0 or self._store.get_size(key) > 0:  # smaller, or larger (-600)
+                self._counters.add("miss_size_mismatch")
+                if size in (self._payload or {}).values():
+                    self._counters.add("foreign_removed", self._store.remove(key, True) == 0)
+                done.append(0)
+            else:
+                done.append(r)
         return done, sum(s for r, s in zip(results, sizes, strict=True) if r == s)
 
     def _put(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> tuple[list[int], int]:
@@ -244,23 +339,26 @@ class MooncakeBackend:
         ptrs: list[int],
         sizes: list[int],
         request: BlockRequest,
-    ) -> list[bool]:
-        """Read or write chunk by chunk; per key whether it succeeded (False after a stop)."""
+    ) -> tuple[list[bool], int | None]:
+        """Read or write chunk by chunk: per key whether it succeeded (False after a stop),
+        and the failing code that stopped it (None: a miss or the deadline)."""
         ok = [False] * len(keys)
+        code = None
         pinned, unregistered = self._regions.pin(
             (p, p + s) for p, s in zip(ptrs, sizes, strict=True)
         )
         self._counters.add("unregistered_spans", unregistered)
         try:
-            for lo, hi in _chunks(sizes, self.config.max_batch_bytes):
+            for lo, hi in _chunks(sizes, self.config.max_batch_bytes, MAX_BATCH_KEYS):
                 if lo and request.expired():
                     self._counters.add("miss_deadline")
                     break
-                if not self._transfer_chunk(op, keys, ptrs, sizes, lo, hi, ok, request):
+                done, code = self._transfer_chunk(op, keys, ptrs, sizes, lo, hi, ok, request)
+                if not done:
                     break
         finally:
             self._regions.unpin(pinned)
-        return ok
+        return ok, code
 
     def _transfer_chunk(
         self,
@@ -272,8 +370,9 @@ class MooncakeBackend:
         hi: int,
         ok: list[bool],
         request: BlockRequest,
-    ) -> bool:
-        """Move keys ``[lo, hi)``, filling ``ok``; False when one failed (reason counted).
+    ) -> tuple[bool, int | None]:
+        """Move keys ``[lo, hi)``, filling ``ok``: whether all succeeded, and the code of the
+        first that failed (None for a miss: not found, another size; reason counted).
 
         A read that finds an object whose put is still in flight (another writer's: the
         existence check already counts it) waits for it, with backoff, until the deadline.
@@ -286,7 +385,7 @@ class MooncakeBackend:
             good = [c > 0 for c in codes]
             ok[lo:hi] = good
             if all(good):
-                return True
+                return True, None
             first = good.index(False)
             code = codes[first]
             if code == REPLICA_NOT_READY and request.time_left() > backoff:
@@ -295,51 +394,37 @@ class MooncakeBackend:
                 backoff = min(backoff * 2, _READY_POLL_MAX_S)
                 lo += first  # keys before it are done
                 continue
-            self._counters.add(f"miss_{reason(code) if code < 0 else 'size_mismatch'}")
-            return False
+            if code < 0:
+                self._counters.add(f"miss_{reason(code)}")
+            if code in (NOT_FOUND, REPLICA_NOT_READY) or code >= 0:
+                return False, None  # absent, of another size, or still in flight at the deadline
+            return False, code
 
     def _present_run(self, codes: Sequence[int], parts: int) -> int:
-        """Leading blocks whose objects all exist; counts why the run ended."""
+        """Leading blocks whose objects all exist; counts why the run ended, and reports a
+        failure when an error (not absence) ended it."""
         n = leading_run(codes, parts)
         if n * parts < len(codes):
             first = next(c for c in codes[n * parts :] if c != 1)
             self._counters.add(f"miss_{reason(first) if first < 0 else 'not_found'}")
+            if first < 0 and first != NOT_FOUND:
+                return Outcome(n, failure("batch_is_exist", first))
         return n
 
 
-def _keys(request: BlockRequest) -> list[str]:
-    parts = len(request.parts)
-    keys = []
-    for i, names in enumerate(request.object_names):
-        if len(names) != parts:
-            raise ValueError(
-                f"request.object_names[{i}] has {len(names)} names for {parts} parts "
-                f"{request.parts}"
-            )
-        keys.extend(store_key(name) for name in names)
-    return keys
+def _answer(n: int, code: int | None, call: str) -> int:
+    """``n``, as an Outcome that names ``call``'s failing ``code`` when there is one."""
+    return n if code is None else Outcome(n, failure(call, code))
 
 
-def _host_regions(request: BlockRequest, n_keys: int) -> tuple[list[int], list[int]]:
-    host = request.host
-    if host is None:
-        raise ValueError("request.host is None: the mooncake backend reads and writes host memory")
-    ptrs, sizes = host.flat()
-    if len(ptrs) != n_keys or len(host.nbytes) != len(request.parts):
-        raise ValueError(
-            f"request.host has {len(host.ptrs)} blocks x {len(host.nbytes)} parts of regions "
-            f"for {request.num_blocks} blocks x {len(request.parts)} parts of object names"
-        )
-    return ptrs, sizes
-
-
-def _chunks(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` index ranges of about ``budget`` bytes each (at least one key each)."""
+def _chunks(sizes: Sequence[int], budget: int, max_keys: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` index ranges of about ``budget`` bytes and at most ``max_keys`` keys each
+    (at least one key each)."""
     chunks = []
     lo = total = 0
     for i, size in enumerate(sizes):
         total += size
-        if total >= budget:
+        if total >= budget or i + 1 - lo >= max_keys:
             chunks.append((lo, i + 1))
             lo, total = i + 1, 0
     if lo < len(sizes):

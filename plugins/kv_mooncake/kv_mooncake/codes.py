@@ -2,22 +2,22 @@
 
 The Python binding returns plain ints (its ErrorCode enum is not exposed): ``0`` for a
 successful put, a byte count for a successful get, ``1``/``0`` for exists, negatives for
-errors. Every failure becomes a counted miss; none is raised.
+errors. Every failure becomes a counted miss; none is raised. A negative code other than
+"not found" is a failure, reported to the engine (:func:`failure`).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-
 __all__ = [
     "ALREADY_EXISTS",
+    "HAS_LEASE",
+    "INVALID_PARAMS",
     "NOT_FOUND",
     "NO_SPACE",
     "REPLICA_NOT_READY",
     "RPC_FAILED",
     "RPC_TIMEOUT",
-    "Counters",
+    "failure",
     "reason",
 ]
 
@@ -50,18 +50,6 @@ def reason(code: int) -> str:
     return _REASONS.get(code, "other")
 
 
-class Counters:
-    """Thread-safe named counters, reported through ``kvcore_stats``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
-
-    def add(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._lock:
-                self._counts[name] += n
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            return {k: float(v) for k, v in self._counts.items()}
+def failure(call: str, code: int) -> str:
+    """The ``Outcome.failure`` text for a Mooncake call that answered ``code``."""
+    return f"mooncake {call} answered {code} ({reason(code)})"

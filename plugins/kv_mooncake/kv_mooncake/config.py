@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kvcore import BackendConfig, ConfigError
+from kvcore import BackendConfig, ByteSize, ConfigError
 
-__all__ = ["FASTDEPLOY_ENV", "MooncakeConfig", "parse_size"]
+__all__ = ["FASTDEPLOY_ENV", "MIN_LOCAL_BUFFER", "MooncakeConfig"]
 
 #: FastDeploy's environment variables (mooncake_store.py) and the field each one sets.
 FASTDEPLOY_ENV = {
@@ -34,24 +33,8 @@ FASTDEPLOY_ENV = {
 #: Keys of FastDeploy's JSON file whose name differs from ours.
 _FILE_ALIASES = {"device_name": "rdma_devices", "master_server_addr": "master_server_address"}
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"4GB"``, ``"512MiB"`` or ``"1048576"``.
-
-    Units are binary (``GB`` == ``GiB``), as Mooncake's own configs use them.
-    """
-    if isinstance(value, bool):
-        raise ValueError("expected a size in bytes, got a boolean")
-    if isinstance(value, int):
-        return value
-    match = _SIZE.match(str(value))
-    if not match:
-        raise ValueError(f"{value!r} is not a size (use bytes or e.g. '512MB', '4GiB')")
-    number, unit, _ = match.groups()
-    return int(float(number) * _UNITS[unit.lower()])
+#: Mooncake refuses a local copy buffer smaller than this (other than none at all).
+MIN_LOCAL_BUFFER = 16 << 20
 
 
 class MooncakeConfig(BackendConfig):
@@ -77,11 +60,17 @@ class MooncakeConfig(BackendConfig):
         description="NICs for rdma: 'mlx5_0,mlx5_1' for every rank, 'auto' to let Mooncake "
         "discover them, or a list with one entry per local device (picked by device_id)",
     )
-    global_segment_size: int = Field(
-        default=4 << 30, ge=0, description="bytes this client contributes to the store"
+    global_segment_size: ByteSize = Field(
+        default=ByteSize(4 << 30),
+        ge=0,
+        description="bytes this client contributes to the store: an int, or a string such as "
+        "'4GiB' (binary) or '4GB' (decimal, 10**9)",
     )
-    local_buffer_size: int = Field(
-        default=128 << 20, ge=0, description="bytes of Mooncake's own copy buffer"
+    local_buffer_size: ByteSize = Field(
+        default=ByteSize(128 << 20),
+        ge=0,
+        description=f"bytes of Mooncake's own copy buffer: 0, or at least {MIN_LOCAL_BUFFER} "
+        "(16MiB)",
     )
     master_metrics_port: int | None = Field(
         default=9003,
@@ -97,13 +86,20 @@ class MooncakeConfig(BackendConfig):
         gt=0,
         description="bound on one master RPC (sets MC_RPC_TIMEOUT_MS unless already set)",
     )
-    max_batch_bytes: int = Field(
-        default=256 << 20,
+    max_batch_bytes: ByteSize = Field(
+        default=ByteSize(256 << 20),
         gt=0,
         description="reads and writes are issued in chunks of about this size; the deadline "
         "is checked between chunks",
     )
     replica_num: int = Field(default=1, ge=1, description="copies of each object")
+    force_remove: bool = Field(
+        default=True,
+        description="remove and clear skip Mooncake's read leases, so a removal always takes "
+        "effect; a client in the middle of reading a removed object may then get bytes of an "
+        "object stored in its place. false: objects read or looked up in the last lease "
+        "period (~10 s) stay, and remove reports them as a failure",
+    )
     close_timeout_s: float = Field(
         default=5.0,
         ge=0,
@@ -114,10 +110,15 @@ class MooncakeConfig(BackendConfig):
         default=None, description="FastDeploy's Mooncake JSON file (MOONCAKE_CONFIG_PATH)"
     )
 
-    @field_validator("global_segment_size", "local_buffer_size", "max_batch_bytes", mode="before")
+    @field_validator("local_buffer_size")
     @classmethod
-    def _sizes(cls, value: Any) -> Any:
-        return parse_size(value) if isinstance(value, str) else value
+    def _local_buffer(cls, value: ByteSize) -> ByteSize:
+        if 0 < value < MIN_LOCAL_BUFFER:
+            raise ValueError(
+                f"{value} bytes: Mooncake needs 0 or at least {MIN_LOCAL_BUFFER} (16MiB; note "
+                "'16MB' is 16,000,000)"
+            )
+        return value
 
     @field_validator("protocol", mode="before")
     @classmethod

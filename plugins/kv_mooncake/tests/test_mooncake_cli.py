@@ -17,22 +17,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_bench_reports_kvcore_and_raw_client_figures(mooncake_cluster):
-    cfg = json.dumps(mooncake_cluster.config())
-    out = _cli(
-        "bench",
-        "--backend",
-        "mooncake",
-        "--config",
-        cfg,
-        "--blocks",
-        "2",
-        "--repeats",
-        "1",
-        "--json",
-    )
+def _cli_json(command: str, cluster, *options: str) -> dict:
+    """``kvcore <command> --backend mooncake --config <cluster's> <options> --json``'s answer."""
+    cfg = json.dumps(cluster.config())
+    out = _cli(command, "--backend", "mooncake", "--config", cfg, *options, "--json")
     assert out.returncode == 0, out.stderr[-2000:]
-    data = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_bench_reports_kvcore_and_raw_client_figures(mooncake_cluster):
+    data = _cli_json("bench", mooncake_cluster, "--blocks", "2", "--repeats", "1")
     f, r = data["figures"], data["ratios"]
     assert data["verified"] is True
     assert f["write_gbps"] > 0 and f["read_gbps"] > 0
@@ -50,21 +44,7 @@ def test_check_passes_against_the_live_master(mooncake_cluster):
 
 
 def test_demo_runs_on_mooncake_with_every_byte_verified(mooncake_cluster):
-    cfg = json.dumps(mooncake_cluster.config())
-    out = _cli(
-        "demo",
-        "--backend",
-        "mooncake",
-        "--config",
-        cfg,
-        "--conversations",
-        "2",
-        "--turns",
-        "2",
-        "--json",
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    s = json.loads(out.stdout)
+    s = _cli_json("demo", mooncake_cluster, "--conversations", "2", "--turns", "2")
     assert s["mismatches"] == 0 and s["errors"] == 0
     assert s["blocks_read"] > 0 and s["blocks_written"] > 0
     assert "mooncake" in s["data_location"]

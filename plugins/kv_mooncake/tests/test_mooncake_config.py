@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from kv_mooncake import MooncakeBackend, MooncakeConfig
-from kv_mooncake.config import parse_size
 
 import kvcore
 from kvcore.registry import validate_config
@@ -30,11 +29,29 @@ def test_defaults_are_single_host_tcp() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [(1024, 1024), ("1024", 1024), ("16MB", 16 << 20), ("4 GiB", 4 << 30), ("1.5k", 1536)],
+    [
+        (1024, 1024),
+        ("1024", 1024),
+        ("16MB", 16 * 10**6),  # decimal, as everywhere in kvcore: GB = 10**9
+        ("16MiB", 16 << 20),
+        ("4 GiB", 4 << 30),
+        ("1.5k", 1500),
+    ],
 )
-def test_sizes_accept_units(raw: int | str, expected: int) -> None:
-    assert parse_size(raw) == expected
-    assert load({**MASTER, "global_segment_size": raw}).global_segment_size == expected
+def test_sizes_are_kvcore_byte_sizes(raw: int | str, expected: int) -> None:
+    for field in ("global_segment_size", "max_batch_bytes"):
+        assert getattr(load({**MASTER, field: raw}), field) == expected
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(0, 0), ("16MiB", 16 << 20), ("1GB", 10**9)])
+def test_local_buffer_is_none_or_at_least_what_mooncake_takes(raw: object, expected: int) -> None:
+    assert load({**MASTER, "local_buffer_size": raw}).local_buffer_size == expected
+
+
+@pytest.mark.parametrize("raw", ["16MB", 1, "1MiB"])
+def test_a_local_buffer_mooncake_refuses_is_named(raw: object) -> None:
+    with pytest.raises(kvcore.ConfigError, match="local_buffer_size"):
+        validate_config("mooncake", MooncakeBackend, {**MASTER, "local_buffer_size": raw})
 
 
 def test_missing_master_is_named() -> None:
@@ -74,7 +91,7 @@ def test_fastdeploy_variables(tmp_path: Path) -> None:
     assert cfg.protocol == "rdma"
     assert cfg.devices_for(0) == "mlx5_0,mlx5_1"
     assert cfg.local_hostname == "10.1.1.2"
-    assert cfg.global_segment_size == 8 << 30
+    assert cfg.global_segment_size == 8 * 10**9  # decimal since kvcore.ByteSize
     assert cfg.local_buffer_size == 128 << 20
 
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 from kv_mooncake import MooncakeBackend, MooncakeConfig
 from kv_mooncake.backend import _chunks
-from kv_mooncake.codes import Counters, reason
+from kv_mooncake.codes import reason
 from kv_mooncake.regions import RegionTable, merge_spans
-from kv_mooncake.store_keys import MAX_PLAIN_KEY, store_key
+from kv_mooncake.store_keys import MAX_PLAIN_KEY, namespace_pattern, namespace_prefix, store_key
 
-from kvcore import BlockRequest, leading_run
+from kvcore import BlockRequest, Counters, leading_run
 from kvcore.keys import object_name
 
 
@@ -37,16 +38,33 @@ def test_plain_names_pass_unchanged() -> None:
         "\udc80",
     ],
 )
-def test_unsafe_names_are_hashed(name: str) -> None:
-    key = store_key(name)
-    assert key.startswith("#sha256:") and len(key) == 8 + 64
-    assert key == store_key(name)  # stable
+def test_unsafe_names_are_hashed_under_the_namespace(name: str) -> None:
+    key = store_key(name, "default")
+    assert key.startswith("default/#sha256:") and len(key) == len("default/#sha256:") + 64
+    assert key == store_key(name, "default")  # stable
 
 
 def test_hashing_keeps_names_apart() -> None:
     names = ["x" * (MAX_PLAIN_KEY + 1), "x" * (MAX_PLAIN_KEY + 2), "a\x00b", "a\x00c"]
-    assert len({store_key(n) for n in names}) == len(names)
-    assert store_key("x" * MAX_PLAIN_KEY) == "x" * MAX_PLAIN_KEY
+    assert len({store_key(n, "default") for n in names}) == len(names)
+    longest = "default/" + "x" * (MAX_PLAIN_KEY - len("default/"))
+    assert store_key(longest, "default") == longest
+
+
+@pytest.mark.parametrize("namespace", ["default", "model-a", "", "a/b", "..", "名前", "#ns-x"])
+def test_every_key_of_a_namespace_is_under_its_prefix_and_no_other(namespace: str) -> None:
+    others = ["default", "model-a", "model", "a", "", "a/b", "#ns-x"]
+    names = [
+        object_name("ab" * 32, "k", namespace=namespace, rank=0, world_size=1),
+        object_name("../" * 100, "v", namespace=namespace, rank=3, world_size=4),
+        "no namespace at all",
+    ]
+    pattern = re.compile(namespace_pattern(namespace))
+    for name in names:
+        key = store_key(name, namespace)
+        assert key.startswith(namespace_prefix(namespace)) and pattern.match(key), key
+        for other in (o for o in others if o != namespace):
+            assert not re.match(namespace_pattern(other), key), (other, key)
 
 
 class FakeMooncake:
@@ -112,10 +130,11 @@ def test_overlap_with_a_known_region_stays_unregistered(table) -> None:
     assert fake.calls == ["reg 100 100"]
 
 
-def test_chunks_split_by_bytes() -> None:
-    assert _chunks([10] * 5, 25) == [(0, 3), (3, 5)]
-    assert _chunks([100, 1, 1], 50) == [(0, 1), (1, 3)]
-    assert _chunks([], 10) == []
+def test_chunks_split_by_bytes_and_keys() -> None:
+    assert _chunks([10] * 5, 25, 100) == [(0, 3), (3, 5)]
+    assert _chunks([100, 1, 1], 50, 100) == [(0, 1), (1, 3)]
+    assert _chunks([], 10, 100) == []
+    assert _chunks([1] * 5, 1000, 2) == [(0, 2), (2, 4), (4, 5)]
 
 
 def test_codes_map_to_reasons() -> None:
@@ -127,10 +146,6 @@ def test_codes_map_to_reasons() -> None:
         "rpc_timeout",
         "other",
     ]
-    counters = Counters()
-    counters.add("miss_no_space", 2)
-    counters.add("bytes_read", 0)  # zero adds leave no key behind
-    assert counters.snapshot() == {"miss_no_space": 2.0}
 
 
 class InFlightStore:
@@ -151,6 +166,7 @@ def bare_backend(store: object, **config: object) -> MooncakeBackend:
     backend = MooncakeBackend.__new__(MooncakeBackend)  # no client: the store is a fake
     backend.config = MooncakeConfig.load({"master_server_address": "h:1", **config})
     backend._store = store
+    backend._payload = None
     backend._counters = Counters()
     backend._regions = RegionTable(lambda p, n: 0, lambda p: 0)
     return backend
@@ -169,8 +185,8 @@ def a_request(n_keys: int, timeout_s: float) -> BlockRequest:
 def test_read_waits_for_a_put_in_flight() -> None:
     store = InFlightStore(not_ready_times=3)
     backend = bare_backend(store)
-    ok = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 5.0))
-    assert ok == [True, True, True]
+    ok, code = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 5.0))
+    assert (ok, code) == ([True, True, True], None)
     assert store.calls[1:] == [["b", "c"]] * 3  # retries start at the object not ready
     assert backend._counters.snapshot()["waits_replica_not_ready"] == 3
 
@@ -179,7 +195,8 @@ def test_waiting_for_a_put_in_flight_stops_at_the_deadline() -> None:
     store = InFlightStore(not_ready_times=10**6)
     backend = bare_backend(store)
     t0 = time.monotonic()
-    ok = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 0.2))
+    ok, code = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 0.2))
     assert time.monotonic() - t0 < 1.0  # deadline 0.2 s; without it: a million retries
     assert ok == [True, False, True] and leading_run(ok) == 1
+    assert code is None, "still in flight at the deadline: a deadline, not a backend failure"
     assert backend._counters.snapshot()["miss_replica_not_ready"] == 1
