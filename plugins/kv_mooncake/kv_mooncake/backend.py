@@ -89,6 +89,7 @@ class MooncakeBackend:
         self._replicate.replica_num = config.replica_num
         self._regions = RegionTable(self._store.register_buffer, self._store.unregister_buffer)
         self._counters = kvcore.Counters()
+        self._warnings = kvcore.OnceLogger(log)
         self._probes = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="kv-mooncake-probe")
         self._stuck = 0  # abandoned checks still running: when all workers are, skip the master
         self._stuck_lock = threading.Lock()
@@ -201,8 +202,10 @@ class MooncakeBackend:
         if code != 0:
             # not fatal: requests in this region fall back to temporary registration
             self._counters.add("register_failed")
-            log.warning(
-                "mooncake: registering %d bytes at %#x failed with code %d (%s)",
+            self._warnings.warning(
+                ("register", code),
+                "mooncake: registering %d bytes at %#x failed with code %d (%s); further "
+                "failures with this code are logged at debug level",
                 nbytes,
                 ptr,
                 code,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
@@ -12,7 +13,7 @@ from kv_mooncake.codes import reason
 from kv_mooncake.regions import RegionTable, merge_spans
 from kv_mooncake.store_keys import MAX_PLAIN_KEY, namespace_pattern, namespace_prefix, store_key
 
-from kvcore import BlockRequest, Counters, leading_run
+from kvcore import BlockRequest, Counters, OnceLogger, leading_run
 from kvcore.keys import object_name
 
 
@@ -168,6 +169,7 @@ def bare_backend(store: object, **config: object) -> MooncakeBackend:
     backend._store = store
     backend._payload = None
     backend._counters = Counters()
+    backend._warnings = OnceLogger(logging.getLogger("test"))
     backend._regions = RegionTable(lambda p, n: 0, lambda p: 0)
     return backend
 
