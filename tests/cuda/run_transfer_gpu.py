@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -455,6 +456,79 @@ def bench(root: str, blocks: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def bench_host_resident(root: str, blocks: int, repeats: int) -> dict[str, Any]:
+    """The host-resident path on this host's CPUs: a torch CPU cache, kv_file in ``root``; the
+    manager's write-back and warm read against the backend alone on the same bytes."""
+    layout = kvcore.CacheLayout(
+        num_layers=28, num_heads=8, block_size=64, head_dim=128, dtype="bfloat16",
+        num_blocks=2 * blocks,
+    )  # fmt: skip
+    src = DeviceCache(
+        layout,
+        *[[torch.randint(0, 2**15, layout.kv_shape, dtype=torch.int16).view(torch.bfloat16)
+           for _ in range(layout.total_layers)] for _part in range(2)],
+    )  # fmt: skip
+    dst = DeviceCache(
+        layout,
+        *[[torch.zeros(layout.kv_shape, dtype=torch.bfloat16) for _ in range(layout.total_layers)]
+          for _part in range(2)],
+    )  # fmt: skip
+    nbytes = blocks * layout.block_bytes
+    sizes = tuple(layout.part_bytes(p) for p in layout.parts)
+    regions = [ops.HostBuffer(blocks * n, pinned=False) for n in sizes]
+    for r in regions:
+        r.array.fill(1)
+    host = kvcore.HostBuffers(
+        ptrs=tuple(
+            tuple(r.ptr + i * n for r, n in zip(regions, sizes, strict=True)) for i in range(blocks)
+        ),
+        nbytes=sizes,
+    )
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    with open_file(root, layout) as backend:
+        tm = manager(layout, src, backend, blocks, storage_io="host_resident")
+        for rep in range(repeats + 1):
+            k1, k2 = keys_for(layout, blocks), keys_for(layout, blocks)
+            timed("backend_write", lambda k=k2: backend.write(backend.request("w", k, host=host)))
+            tm.restore_caches(src)
+            w = timed("resident_write", lambda k=k1: tm.write_back(
+                {"task_id": "w", "keys": k, "device_block_ids": list(range(blocks))}).result())  # fmt: skip
+            assert w.num_blocks == blocks, w
+            timed("backend_read", lambda k=k2: backend.read(backend.request("r", k, host=host)))
+            tm.restore_caches(dst)
+            r = timed("resident_read", lambda k=k1: tm.read(
+                {"task_id": "r", "keys": k, "device_block_ids": list(range(blocks, 2 * blocks))}
+            ).result())  # fmt: skip
+            assert r.num_blocks == blocks, r
+            if rep == 0:
+                times.clear()
+        verified = all(
+            torch.equal(a[:blocks].view(torch.int16), b[blocks:].view(torch.int16))  # NaN bits
+            for part in layout.parts
+            for a, b in zip(src.tensors[part], dst.tensors[part], strict=True)
+        )
+        tm.close()
+    g = {k: round(nbytes / statistics.median(v) / GB, 3) for k, v in times.items()}
+    return {
+        "figures": {f"{k}_gbps": v for k, v in g.items()},
+        "ratios": {
+            "host_resident_read_warm_vs_backend": round(g["resident_read"] / g["backend_read"], 3),
+            "host_resident_write_back_vs_backend": round(
+                g["resident_write"] / g["backend_write"], 3
+            ),
+        },
+        "bytes_verified": verified,
+        "cpus": os.cpu_count(),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--root", default="/dev/shm", help="where the kv_file store lives")
@@ -480,6 +554,9 @@ def main() -> int:
         report["checks"]["deadline_mid_write"] = check_deadline_mid_write(root)
         if args.bench:
             report.update(bench(root, args.blocks, args.repeats))
+            report["host_resident_on_this_host"] = bench_host_resident(
+                root, args.blocks, args.repeats
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(report))
