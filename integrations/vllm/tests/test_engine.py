@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BLOCK_SIZE, EngineRun, Prompts, chat_steps, run_engine
+from conftest import BLOCK_SIZE, EngineRun, Prompts, chat_steps, favour_mooncake, run_engine
 
 BACKENDS = ["file", "mooncake", "memory"]
 
@@ -91,7 +91,7 @@ def _mooncake_runs(workdir: Path, model: str, prompts: Prompts) -> BackendRuns:
     from kv_mooncake.testing import MooncakeCluster
 
     with MooncakeCluster(storage_bytes=256 << 20) as cluster:
-        backend_config = cluster.config(close_timeout_s=2.0)
+        backend_config = favour_mooncake(cluster)
         connector = {"backend": "mooncake", "backend_config": backend_config, "namespace": "vt"}
         store = run_engine(
             {

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from conftest import BLOCK_SIZE, Prompts, run_engine
+from conftest import BLOCK_SIZE, Prompts, favour_mooncake, run_engine
 
 A_BLOCKS = (600 - 1) // BLOCK_SIZE
 
@@ -22,7 +22,7 @@ def test_a_block_counts_only_when_every_rank_has_it(
     model_dir: Path, prompts: Prompts, tmp_path: Path, mooncake_cluster_factory: Any
 ) -> None:
     cluster = mooncake_cluster_factory(storage_bytes=128 << 20)
-    backend_config = cluster.config(close_timeout_s=2.0)
+    backend_config = favour_mooncake(cluster)
     generate_a = {"op": "generate", "prompts": [prompts.a], "max_tokens": 8}
     run = run_engine(
         {
