@@ -73,13 +73,9 @@ class FileBackend:
     """Key-addressed, host-I/O, persistent, shareable by processes on one host."""
 
     config_model = FileConfig
+    # segmented_host: preadv/writev take an engine's per-layer pieces of a block as they are
     capabilities = kvcore.Capabilities(
-        addressing="key",
-        io="host",
-        persistent=True,
-        shared=True,
-        token_index=False,
-        segmented_host=True,  # preadv/pwritev take an engine's per-layer pieces as they are
+        addressing="key", io="host", persistent=True, shared=True, segmented_host=True
     )
 
     def __init__(self, config: FileConfig, context: kvcore.BackendContext) -> None:

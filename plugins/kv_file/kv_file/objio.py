@@ -177,13 +177,18 @@ def read_object(
         total = hsize + want
         if st.st_size != total:
             return check.classify()
-        if direct is not None and direct.usable(hsize, pieces):
+        # cachestat first: a page-cache hit (the common case) never pays for the alignment
+        # check of every piece
+        if (
+            direct is not None
+            and direct.enabled
+            and not direct.cached(fd, total)
+            and direct.usable(hsize, pieces)
+        ):
             head = direct.head_buffer(hsize)
-            if not direct.cached(fd, total):
-                got = _read_direct(fd, [head, *pieces], direct)
-                return check.verify(head, pieces, got == total)
-        else:
-            head = memoryview(bytearray(hsize))
+            got = _read_direct(fd, [head, *pieces], direct)
+            return check.verify(head, pieces, got == total)
+        head = memoryview(bytearray(hsize))
         got = _preadv_all(fd, [head, *pieces])
         return check.verify(head, pieces, got == total)
     finally:
