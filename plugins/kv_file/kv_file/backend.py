@@ -288,45 +288,47 @@ class FileBackend:
         """Unlink this rank's objects of the request's blocks. Durable as the rename of a
         write is (with ``fsync=data_and_dir``, the directories are synced); processes sharing
         the directory see it at their next query (see :mod:`kv_file.removals`)."""
-        removed = 0
+        blocks = 0
+        removed: list[int] = []
         failure: OSError | None = None
         for names in request.object_names:
             gone = False
             for name in names:
                 digest = self._digest(name)
                 try:
-                    gone |= self._unlink_object(digest)
+                    if self._unlink_object(digest):
+                        removed.append(digest)
+                        gone = True
                 except OSError as exc:
                     failure = failure or exc
-            removed += gone
-        if removed:
-            self._removed(len(request.object_names))
+            blocks += gone
+        self._removed(removed)
         if failure is not None:
-            return Outcome(removed, f"remove failed: {_describe(failure)}")
-        return removed
+            return Outcome(blocks, f"remove failed: {_describe(failure)}")
+        return blocks
 
     @kvcore.hookimpl
     def kvcore_clear(self) -> int:
         """Unlink every object of this engine's namespace in the directory, of every rank
         (whose header names it: a directory may be shared with other namespaces)."""
         strays: list[str] = []
-        removed = 0
+        removed: list[int] = []
         failure: OSError | None = None
         for found in self._dir.scan(strays=strays):
-            path = self._dir.object_path(found.digest)
-            name = read_name(path)
+            name = read_name(self._dir.object_path(found.digest))
             if name is not None and not name.startswith(self._name_prefix):
                 continue  # another namespace's object
             try:  # ours, or no valid object of anyone's
-                removed += self._unlink_object(found.digest)
+                if self._unlink_object(found.digest):
+                    removed.append(found.digest)
             except OSError as exc:
                 failure = failure or exc
         self._discard_strays(strays)
         self._removed(removed)
-        self._counters.add("objects_cleared", removed)
+        self._counters.add("objects_cleared", len(removed))
         if failure is not None:
-            return Outcome(removed, f"clear failed: {_describe(failure)}")
-        return removed
+            return Outcome(len(removed), f"clear failed: {_describe(failure)}")
+        return len(removed)
 
     @kvcore.hookimpl
     def kvcore_stats(self) -> dict[str, float]:
@@ -445,15 +447,6 @@ class FileBackend:
                 self.rescan()
                 self._removals_seen = now
 
-    def _removed(self, count: int) -> None:
-        """Tell every process sharing the directory that objects were removed."""
-        if count == 0:
-            return
-        before, after = self._removals.bump()
-        with self._resync_lock:
-            if self._removals_seen == before:  # else another process removed some meanwhile
-                self._removals_seen = after
-
     def _look(self, digest: int, size: int | None) -> os.stat_result | None:
         """The ``lstat`` of ``digest``'s object file if it is a regular file (of ``size`` bytes,
         when given): as far as metadata tells, the object its name promises (the header is
@@ -502,11 +495,23 @@ class FileBackend:
             os.unlink(self._dir.object_path(digest))
         except FileNotFoundError:
             return False
-        finally:
-            self._index.drop(digest)
-        if self._sync_dirs:
-            _fsync_dir(self._dir.subdir(digest))
+        finally:  # unless the unlink failed otherwise: the file and its bytes are still there
+            if not os.path.lexists(self._dir.object_path(digest)):
+                self._index.drop(digest)
         return True
+
+    def _removed(self, digests: list[int]) -> None:
+        """Make removals durable (per the fsync policy) and tell every process sharing the
+        directory about them."""
+        if not digests:
+            return
+        if self._sync_dirs:
+            for d in {self._dir.subdir(digest) for digest in digests}:
+                _fsync_dir(d)
+        before, after = self._removals.bump()
+        with self._resync_lock:
+            if self._removals_seen == before:  # else another process removed some meanwhile
+                self._removals_seen = after
 
     def _discard(self, path: str, seen: os.stat_result, digest: int) -> None:
         """Remove what is at an object's path that is not the object, then forget it."""
