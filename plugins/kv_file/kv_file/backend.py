@@ -159,9 +159,10 @@ class FileBackend:
             raws = [encode_name(n) for n in chunk]
             digests = [name_digest(r) for r in raws]
             sizes = None
-            if payload is not None:
+            if payload is not None:  # None for a part the layout does not have: any size
+                part_sizes = [payload.get(p) for p in parts]
                 sizes = [
-                    header_size(len(r)) + payload.get(parts[k % nparts], -1)
+                    None if (n := part_sizes[k % nparts]) is None else header_size(len(r)) + n
                     for k, r in enumerate(raws)
                 ]
             known = index.learn_many(chunk, digests, sizes)

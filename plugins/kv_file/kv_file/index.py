@@ -106,17 +106,18 @@ class Index:
         return named
 
     def learn_many(
-        self, names: list[str], digests: list[int], sizes: list[int] | None = None
+        self, names: list[str], digests: list[int], sizes: list[int | None] | None = None
     ) -> int:
         """:meth:`learn` in order under one lock; returns how many leading names are indexed.
 
-        With ``sizes``, a digest indexed with another size than ``sizes[k]`` also ends the run
-        (the file there is not the object the name promises: the caller checks the disk).
+        With ``sizes``, a digest indexed with another size than ``sizes[k]`` (unless None)
+        also ends the run (the file there is not the object the name promises: the caller
+        checks the disk).
         """
         with self.lock:
             for k, (name, digest) in enumerate(zip(names, digests, strict=True)):
                 entry = self.lru.get(digest)
-                if entry is None or (sizes is not None and entry.size != sizes[k]):
+                if entry is None or (sizes is not None and sizes[k] not in (None, entry.size)):
                     return k
                 if entry.name is None:
                     entry.name = name
