@@ -93,17 +93,20 @@ class CacheDType(str, Enum):
 
     bfloat16 = "bfloat16"
     float16 = "float16"
+    float32 = "float32"  # CPU engines serve small models in float32 (.. versionadded:: 0.2)
     uint8 = "uint8"
     block_wise_fp8 = "block_wise_fp8"
 
     @property
     def itemsize(self) -> int:
-        return 2 if self in (CacheDType.bfloat16, CacheDType.float16) else 1
+        return _ITEMSIZES.get(self.value, 1)
 
     @property
     def has_scales(self) -> bool:
         return self is CacheDType.block_wise_fp8
 
+
+_ITEMSIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 #: Element types block-wise fp8 scales may have (one scale per head and token), and their sizes.
 #: FastDeploy allocates them in the model's default dtype, so 2-byte scales are common.

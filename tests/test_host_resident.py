@@ -50,10 +50,12 @@ def close(tm: TransferManager) -> None:
     tm._test_backend.close()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "uint8", "block_wise_fp8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "uint8", "block_wise_fp8"])
 def test_round_trip_in_place_is_exact_and_needs_no_staging(dtype):
     layout = lay(dtype=dtype, num_extra_layers=1, extra_num_blocks=6, num_blocks=10)
-    np_dtype = np.uint16 if dtype in ("bfloat16", "float16") else np.uint8
+    np_dtype = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}.get(
+        dtype, np.uint8
+    )
 
     src, dst = cache_of(layout, np_dtype, seed=1), cache_of(layout, np_dtype, fill=False)
     tm = resident(layout, src)

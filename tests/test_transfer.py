@@ -42,6 +42,7 @@ def make_cache(lay: CacheLayout, fill: bool = True, seed: int = 0) -> DeviceCach
     paddle_dtype = {
         "bfloat16": "bfloat16",
         "float16": "float16",
+        "float32": "float32",
         "uint8": "uint8",
         "block_wise_fp8": "uint8",
     }[lay.dtype.value]
@@ -97,7 +98,7 @@ def close(tm: TransferManager) -> None:
     tm._test_backend.close()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "uint8", "block_wise_fp8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "uint8", "block_wise_fp8"])
 def test_write_then_read_into_fresh_tensors_is_exact(backend_name, dtype):
     lay = layout(dtype)
     src = make_cache(lay, seed=1)
