@@ -366,12 +366,13 @@ class Backend:
             self.metrics.observe(op, t1 - t0, calls=1, invalid_results=1, blocks=n)
             return Outcome(0, f"invalid result {result!r}", "invalid_result")
         failure = getattr(result, "failure", None)
-        kind = "backend_error"
+        kind = getattr(result, "kind", None) or "backend_error"  # a backend may say "deadline"
         late = t1 > request.deadline + DEADLINE_GRACE_S
-        if failure is None and late and result < n:
+        if failure is None and result < n and t1 >= request.deadline:
+            # short and at (or past) the deadline: it stopped because time ran out
             failure, kind = "deadline missed", "deadline"
         counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
-        if failure is not None and result < n and not late:
+        if failure is not None and result < n and kind != "deadline":
             counts["failures_reported"] = 1
             self._failures.warning(
                 (op, "reported"),

@@ -228,7 +228,8 @@ def kvcore_raw_baseline(ptr: int, nbytes: int, object_nbytes: int) -> Mapping[st
     :param nbytes: total bytes to move.
     :param object_nbytes: the size of one object kvcore would store, for stores whose raw
         API is per object.
-    :return: ``{"write_gbps": ..., "read_gbps": ...}`` (either may be absent), measured the way
+    :return: ``{"write_gbps": ..., "read_gbps": ...}`` (either may be absent; GB/s are 10^9
+        bytes per second, as in every kvcore figure), measured the way
         an operator would without kvcore: one sequential file in the store's root for a disk
         backend, the vendor client's own batch calls for a remote store. Optional; without it
         ``kvcore bench`` compares against memcpy only.

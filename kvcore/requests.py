@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvcore.schemas import CacheLayout
 
@@ -75,6 +75,11 @@ class HostBuffers:
     layer_ptrs: tuple[tuple[int, ...], ...] | None = None
     block_ids: tuple[int, ...] = ()
     segment_nbytes: tuple[int, ...] = ()
+    #: optional views of each whole layer (per part), so :meth:`views` slices instead of
+    #: building a view per segment; the owner of the layers builds them once
+    layer_views: tuple[tuple[memoryview, ...], ...] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def contiguous(self) -> bool:
@@ -95,6 +100,10 @@ class HostBuffers:
 
     def views(self, block: int, part: int) -> list[memoryview]:
         """Writable views of one object's pieces, for ``os.preadv`` / ``os.pwritev``."""
+        if self.layer_views is not None:
+            size = self.segment_nbytes[part]
+            lo = self.block_ids[block] * size
+            return [layer[lo : lo + size] for layer in self.layer_views[part]]
         return [_view(ptr, n) for ptr, n in self.segments(block, part)]
 
     def memoryview(self, block: int, part: int) -> memoryview:
@@ -115,9 +124,7 @@ class HostBuffers:
         """The buffers of blocks ``lo .. hi - 1``."""
         if self.layer_ptrs is None:
             return HostBuffers(self.ptrs[lo:hi], self.nbytes)
-        return HostBuffers(
-            (), self.nbytes, self.layer_ptrs, self.block_ids[lo:hi], self.segment_nbytes
-        )
+        return replace(self, block_ids=self.block_ids[lo:hi])
 
 
 def _view(ptr: int, nbytes: int) -> memoryview:

@@ -103,3 +103,24 @@ def test_malformed_stats_entries_are_dropped_counted_and_logged_once(caplog):
     assert sum("are not numbers" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(BackendContractError, match="not numbers"):
         kvcore.open_backend(_OddStats, context={"layout": LAYOUT}, strict=True).stats()
+
+
+class _StopsAtDeadline(MemoryBackend):
+    report = None
+
+    @hookimpl
+    def kvcore_query(self, request):
+        while not request.expired():
+            time.sleep(0.002)
+        if self.report:
+            return kvcore.Outcome(0, "abandoned the store's call", self.report)
+        return 0
+
+
+@pytest.mark.parametrize("report", [None, "deadline"])
+def test_a_short_answer_at_the_deadline_is_a_deadline_not_a_miss(report):
+    _StopsAtDeadline.report = report
+    be = kvcore.open_backend(_StopsAtDeadline, context={"layout": LAYOUT})
+    n = be.query(be.request("t", ["a", "b"], timeout_s=0.05))
+    assert (int(n), n.kind) == (0, "deadline")
+    assert be.stats().get("failures_reported.query", 0) == 0

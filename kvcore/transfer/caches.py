@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -68,6 +69,7 @@ class DeviceCache:
                 raise ValueError(f"{part}: block counts per layer differ from k's")
         self.usable_blocks = min(self.num_blocks)
         self.ptrs = {part: tuple(int(p) for p in ls.ptrs) for part, ls in self.layers.items()}
+        self._layer_views: tuple[tuple[memoryview, ...], ...] | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -105,12 +107,23 @@ class DeviceCache:
         if self.on_gpu:
             raise ValueError("GPU-resident blocks cannot be host buffers")
         parts = self.layout.parts
+        if self._layer_views is None:  # once per cache: a view per layer, sliced per object
+            self._layer_views = tuple(
+                tuple(
+                    memoryview((ctypes.c_char * int(n * ls.block_bytes)).from_address(int(p))).cast(
+                        "B"
+                    )
+                    for p, n in zip(ls.ptrs, ls.nblocks, strict=True)
+                )
+                for ls in (self.layers[part] for part in parts)
+            )
         return HostBuffers(
             ptrs=(),
             nbytes=tuple(self.layout.part_bytes(p) for p in parts),
             layer_ptrs=tuple(self.ptrs[p] for p in parts),
             block_ids=tuple(block_ids),
             segment_nbytes=tuple(self.layout.layer_block_bytes(p) for p in parts),
+            layer_views=self._layer_views,
         )
 
     def copy_to_staging(
