@@ -107,8 +107,9 @@ def fastdeploy_backend_config(
 
 
 def _mooncake_config(env: Mapping[str, str], tp_rank: int) -> dict[str, Any]:
-    # a health probe needs the master's metrics port, which FastDeploy never configures
-    config: dict[str, Any] = {"master_metrics_port": None}
+    # a health probe needs the master's metrics port, which FastDeploy never configures; keys
+    # are FastDeploy's own names, as its MooncakeStore writes them (data interoperates)
+    config: dict[str, Any] = {"master_metrics_port": None, "key_scheme": "as_is"}
     path = env.get("MOONCAKE_CONFIG_PATH")
     if path:
         # as FastDeploy: the file replaces the variables (kv_mooncake reads it, key aliases

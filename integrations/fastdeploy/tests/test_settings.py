@@ -45,6 +45,7 @@ def test_fastdeploys_mooncake_defaults_apply() -> None:
     config = fastdeploy_backend_config("mooncake", environ={"MOONCAKE_MASTER_SERVER_ADDR": "m:1"})
     assert config == {
         "master_metrics_port": None,
+        "key_scheme": "as_is",  # FastDeploy's names are the keys: its data interoperates
         "local_hostname": "localhost",
         "global_segment_size": 1 << 30,
         "local_buffer_size": 128 << 20,

@@ -86,6 +86,9 @@ class FileBackend:
         # every object name starts with the engine's namespace; a directory may hold several
         # (a configured `namespace` puts engines of any namespace into one directory)
         self._name_prefix = encode_name(f"{context.namespace}/")
+        # the directory named for the engine's namespace holds only its objects, whatever
+        # names callers chose (an adapter may keep an engine's own, FastDeploy's say)
+        self._own_directory = directory == context.namespace
         layout = context.layout
         #: payload bytes of each part, when the layout is known: an object of its name's part
         #: has exactly this many, anything else under that name is not the object
@@ -310,15 +313,17 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_clear(self) -> int:
-        """Unlink every object of this engine's namespace in the directory, of every rank
-        (whose header names it: a directory may be shared with other namespaces)."""
+        """Unlink every object of this engine's namespace in the directory, of every rank: all
+        of them in the namespace's own directory, else those whose header names the namespace
+        (a configured ``namespace`` directory may be shared with other engines)."""
         strays: list[str] = []
         removed: list[int] = []
         failure: OSError | None = None
         for found in self._dir.scan(strays=strays):
-            name = read_name(self._dir.object_path(found.digest))
-            if name is not None and not name.startswith(self._name_prefix):
-                continue  # another namespace's object
+            if not self._own_directory:
+                name = read_name(self._dir.object_path(found.digest))
+                if name is not None and not name.startswith(self._name_prefix):
+                    continue  # another namespace's object
             try:  # ours, or no valid object of anyone's
                 if self._unlink_object(found.digest):
                     removed.append(found.digest)

@@ -47,7 +47,7 @@ from kv_mooncake.codes import (
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.regions import RegionTable
-from kv_mooncake.store_keys import namespace_pattern, store_key
+from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
 from kvcore import BlockRequest, Outcome, leading_run
 
 __all__ = ["MooncakeBackend"]
@@ -187,6 +187,8 @@ class MooncakeBackend:
         """``remove_by_regex`` of every key under this namespace's prefix (all ranks; see
         :mod:`kv_mooncake.store_keys`). Without ``force_remove``, leased objects stay and
         cannot be counted: the client cannot list keys."""
+        if self.config.key_scheme == "as_is":
+            return Outcome(0, "key_scheme 'as_is' stores names as they are: no namespace prefix")
         removed = self._store.remove_by_regex(
             namespace_pattern(self.context.namespace), self.config.force_remove
         )
@@ -266,6 +268,8 @@ class MooncakeBackend:
 
     def _keys(self, request: BlockRequest) -> list[str]:
         """The Mooncake keys of the request's objects, flat in ``[block][part]`` order."""
+        if self.config.key_scheme == "as_is":
+            return [store_key_as_is(n) for names in request.object_names for n in names]
         namespace = self.context.namespace
         return [store_key(name, namespace) for names in request.object_names for name in names]
 

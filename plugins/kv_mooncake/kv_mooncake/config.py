@@ -93,6 +93,13 @@ class MooncakeConfig(BackendConfig):
         "is checked between chunks",
     )
     replica_num: int = Field(default=1, ge=1, description="copies of each object")
+    key_scheme: Literal["namespaced", "as_is"] = Field(
+        default="namespaced",
+        description="namespaced: every key under its namespace's prefix (clear removes exactly "
+        "one namespace); as_is: a plain object name is the key itself, so another client that "
+        "names keys the same way (FastDeploy's MooncakeStore) reads and writes the same "
+        "objects; clear then has no namespace to remove and says so",
+    )
     force_remove: bool = Field(
         default=True,
         description="remove and clear skip Mooncake's read leases, so a removal always takes "

@@ -19,7 +19,7 @@ import functools
 import hashlib
 import re
 
-__all__ = ["MAX_PLAIN_KEY", "namespace_pattern", "namespace_prefix", "store_key"]
+__all__ = ["MAX_PLAIN_KEY", "namespace_pattern", "namespace_prefix", "store_key", "store_key_as_is"]
 
 MAX_PLAIN_KEY = 200
 _PLAIN = re.compile(r"[A-Za-z0-9_.:=+/-]+")
@@ -62,3 +62,13 @@ def store_key(name: str, namespace: str = "default") -> str:
         return name
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
     return f"{prefix}{_HASHED}{digest}"
+
+
+@functools.lru_cache(maxsize=16384)
+def store_key_as_is(name: str) -> str:
+    """The Mooncake key for object ``name`` under ``key_scheme="as_is"``: the name itself when
+    it is plain (so another client naming keys the same way finds the same objects), else
+    ``#sha256:<hex>``."""
+    if _plain(name):
+        return name
+    return _HASHED + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()

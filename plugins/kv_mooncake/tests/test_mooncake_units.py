@@ -202,3 +202,18 @@ def test_waiting_for_a_put_in_flight_stops_at_the_deadline() -> None:
     assert ok == [True, False, True] and leading_run(ok) == 1
     assert code is None, "still in flight at the deadline: a deadline, not a backend failure"
     assert backend._counters.snapshot()["miss_replica_not_ready"] == 1
+
+
+def test_as_is_keys_are_the_names_themselves_when_plain():
+    """key_scheme="as_is": another client naming keys the same way (FastDeploy's
+    MooncakeStore) finds the same objects; anything not plain is still hashed."""
+    from kv_mooncake.store_keys import store_key, store_key_as_is
+
+    plain = "prefixRL-STEP5_0123abcd_0_key"
+    assert store_key_as_is(plain) == plain
+    assert store_key(plain, "default") != plain  # namespaced: under the namespace's prefix
+    odd = "a/../b\nc"
+    assert store_key_as_is(odd).startswith("#sha256:") and store_key_as_is(odd) != odd
+    from kv_mooncake.config import MooncakeConfig
+
+    assert MooncakeConfig(key_scheme="as_is").key_scheme == "as_is"
