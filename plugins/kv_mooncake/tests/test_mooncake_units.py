@@ -216,4 +216,5 @@ def test_as_is_keys_are_the_names_themselves_when_plain():
     assert store_key_as_is(odd).startswith("#sha256:") and store_key_as_is(odd) != odd
     from kv_mooncake.config import MooncakeConfig
 
-    assert MooncakeConfig(key_scheme="as_is").key_scheme == "as_is"
+    config = MooncakeConfig(master_server_address="127.0.0.1:1", key_scheme="as_is")
+    assert config.key_scheme == "as_is"
