@@ -62,7 +62,8 @@ def main() -> None:
     backend = kvcore.open_backend(NullBackend, context={"layout": layout})
     plugin = backend.plugin
     keys = kvcore.block_hashes(list(range(64 * 64)), 64)
-    host = kvcore.HostBuffers(ptrs=tuple((0, 0) for _ in keys), nbytes=(1, 1))
+    sizes = tuple(layout.part_bytes(p) for p in layout.parts)  # the door checks them
+    host = kvcore.HostBuffers(ptrs=tuple((0, 0) for _ in keys), nbytes=sizes)
     figures: dict[str, float] = {}
     ratios: dict[str, float] = {}
     goals: dict[str, str] = {}

@@ -2,8 +2,12 @@
 
 Typical layout (28 layers x 8 heads x 64 tokens x 128 dim, bfloat16, K and V): 64 blocks,
 448 MiB per operation, the cache in host memory (numpy arrays, as vLLM's CPU backend or any
-CPU-offload tier keeps it). Every repetition runs each contender once, in the same order,
-each on fresh keys where it writes; figures are medians, in GB/s (10^9 bytes per second).
+CPU-offload tier keeps it). Every repetition runs each contender once, the order rotating
+from one repetition to the next, each on fresh keys where it writes and each write starting
+with no dirty pages (``os.sync`` first, not timed); figures are medians, in GB/s (10^9 bytes
+per second). Writes and warm reads use a kv_file store in RAM-backed storage (``--ram-root``,
+/dev/shm): on this machine's virtual disk a write's speed depended more on the kernel's
+writeback of the writes before it than on the code. Cold reads use a store on the disk.
 
 - **host-resident path** (``storage_io="host_resident"``: the backend reads into and writes
   from the cache blocks themselves): its write-back and warm read against **the backend
@@ -130,7 +134,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--fsync", default=None, help="kv_file fsync policy (default: its default)")
     ap.add_argument("--pipeline-blocks", type=int, default=16, help="staged path's span")
-    ap.add_argument("--root", default=None, help="directory for the stores (default: a temp dir)")
+    ap.add_argument(
+        "--root", default=None, help="disk directory for the cold-read store (default: a temp dir)"
+    )
+    ap.add_argument(
+        "--ram-root",
+        default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+        help="RAM-backed directory for the write and warm-read store (default: /dev/shm)",
+    )
     ap.add_argument("--query-blocks", type=int, default=10_000)
     args = ap.parse_args()
     n = args.blocks
@@ -150,7 +161,11 @@ def main() -> None:
     run = Run()
     try:
         src, dst = host_cache(layout, 1), host_cache(layout, None)
-        backend = kvcore.open_backend("file", fcfg, context={"layout": layout})
+        # writes and warm reads on a RAM-backed store (the code, not the disk's writeback,
+        # is what they measure); cold reads on the disk store, which they are about
+        ram = tempfile.mkdtemp(prefix="kvcore-bench-transfer-", dir=args.ram_root)
+        backend = kvcore.open_backend("file", {**fcfg, "root": ram}, context={"layout": layout})
+        disk = kvcore.open_backend("file", fcfg, context={"layout": layout})
         resident_ok = backend.capabilities.segmented_host
         base = {"layout": layout, "max_model_len": n * layout.block_size, "default_timeout_s": 600,
                 "read_workers": 1, "write_workers": 1}  # fmt: skip
@@ -161,6 +176,9 @@ def main() -> None:
             TransferManager({**base, "storage_io": "host_resident"}, src, backend)
             if resident_ok
             else None
+        )
+        staged_disk = TransferManager(
+            {**base, "storage_io": "staged", "pipeline_blocks": args.pipeline_blocks}, dst, disk
         )
         regions, host = _staging(layout, n)
         for r in regions:
@@ -181,34 +199,56 @@ def main() -> None:
 
         managers = {"staged": staged, **({"resident": resident} if resident else {})}
         for rep in range(args.reps + 1):  # the first repetition warms up and is dropped
-            keys = {name: fresh_keys(layout, n) for name in ("backend", *managers)}
+            keys = {name: fresh_keys(layout, n) for name in ("backend", "disk", *managers)}
             alone = keys["backend"]
 
-            def backend_op(op: str, k: list[str] = alone) -> int:
-                call = backend.write if op == "write" else backend.read
-                return call(backend.request(op, k, timeout_s=600, host=host))
+            def backend_op(op: str, k: list[str] = alone, be: kvcore.Backend = backend) -> int:
+                call = be.write if op == "write" else be.read
+                return call(be.request(op, k, timeout_s=600, host=host))
 
-            # writes: the backend alone, then each manager's write-back, then the gather alone
-            run.time("backend_write", lambda: backend_op("write"))
+            # Writes: each starts with no dirty pages (os.sync, not timed), so none is slowed
+            # by the kernel's writeback of the ones before it; the order rotates every
+            # repetition. Then warm reads (the files in the page cache), same rotation.
+            writes = [("backend_write", lambda: backend_op("write"))]
+            reads = [("backend_read", lambda: backend_op("read"))]
             for name, tm in managers.items():
-                tm.restore_caches(src)
                 k = keys[name]
-                run.time(f"{name}_write", lambda tm=tm, k=k: manager_op(tm, "write", k, src_ids))
-            run.time("gather", lambda: stage(src, src_ids, ops.TO_HOST))
-            # warm reads (the files are in the page cache), then the scatter alone
-            run.time("backend_read", lambda: backend_op("read"))
-            for name, tm in managers.items():
-                tm.restore_caches(dst)
-                k = keys[name]
-                run.time(f"{name}_read", lambda tm=tm, k=k: manager_op(tm, "read", k, dst_ids))
-            run.time("scatter", lambda: stage(dst, dst_ids, ops.TO_DEVICE))
-            # cold reads: the files dropped from the page cache first
-            drop_cached_pages(work)
-            run.time("backend_read_cold", lambda: backend_op("read"))
-            drop_cached_pages(work)
-            staged.restore_caches(dst)
-            k = keys["staged"]
-            run.time("staged_read_cold", lambda k=k: manager_op(staged, "read", k, dst_ids))
+                writes.append(
+                    (f"{name}_write", lambda tm=tm, k=k: manager_op(tm, "write", k, src_ids))
+                )
+                reads.append(
+                    (f"{name}_read", lambda tm=tm, k=k: manager_op(tm, "read", k, dst_ids))
+                )
+            writes.append(("gather", lambda: stage(src, src_ids, ops.TO_HOST)))
+            reads.append(("scatter", lambda: stage(dst, dst_ids, ops.TO_DEVICE)))
+            turn = rep % len(writes)
+            for name, fn in writes[turn:] + writes[:turn]:
+                for tm in managers.values():
+                    tm.restore_caches(src)
+                os.sync()
+                run.time(name, fn)
+            for name, fn in reads[turn:] + reads[:turn]:
+                for tm in managers.values():
+                    tm.restore_caches(dst)
+                run.time(name, fn)
+            # cold reads from the disk store: the files dropped from the page cache first
+            cold = keys["disk"]
+            assert backend_op("write", cold, disk) == n
+            staged_disk.restore_caches(src)
+            manager_op(staged_disk, "write", keys["staged"], src_ids)
+            staged_disk.restore_caches(dst)
+            colds = [
+                ("backend_read_cold", lambda k=cold: backend_op("read", k, disk)),
+                (
+                    "staged_read_cold",
+                    lambda k=keys["staged"]: manager_op(staged_disk, "read", k, dst_ids),
+                ),
+            ]
+            for name, fn in colds[rep % 2 :] + colds[: rep % 2]:
+                drop_cached_pages(work)
+                run.time(name, fn)
+            backend.clear()  # keep the RAM store (and the machine's memory) small: not timed
+            disk.clear()
             if rep == 0:
                 run.samples.clear()
         verified = all(
@@ -216,9 +256,11 @@ def main() -> None:
             for part in layout.parts
             for a, b in zip(src.tensors[part], dst.tensors[part], strict=True)
         )
-        for tm in managers.values():
+        for tm in (*managers.values(), staged_disk):
             tm.close()
         backend.close()
+        disk.close()
+        shutil.rmtree(ram, ignore_errors=True)
         query = query_10k(os.path.join(work, "query"), args.query_blocks, max(3, args.reps))
     finally:
         shutil.rmtree(work, ignore_errors=True)
