@@ -406,3 +406,36 @@ def test_host_buffer_pinned_requires_cuda() -> None:
         HostBuffer(4096, pinned=True)
     with pytest.raises(ValueError):
         HostBuffer(0, pinned=False)
+
+
+class _Float8LikeTensor:
+    """What torch's float8 CUDA tensors look like to kvcore: a data_ptr(), and an array
+    interface property that raises KeyError (torch has no type string for float8)."""
+
+    def __init__(self, array):
+        self._array = array
+        self.shape = array.shape
+        self.is_cuda = False
+
+    def data_ptr(self):
+        return self._array.ctypes.data
+
+    def element_size(self):
+        return 1
+
+    def is_contiguous(self):
+        return True
+
+    @property
+    def __cuda_array_interface__(self):
+        raise KeyError("torch.float8_e4m3fn")
+
+
+def test_framework_tensors_are_taken_by_data_ptr_not_their_array_interface():
+    """Found on an H100: every task on torch float8 caches failed with KeyError."""
+    backing = np.arange(4 * 2 * 8, dtype=np.uint8).reshape(4, 2, 8)
+    t = _Float8LikeTensor(backing)
+    assert ops.describe_tensor(t, "k[0]") == (backing.ctypes.data, (4, 2, 8), 1, False)
+    host = np.zeros(2 * 2 * 8, dtype=np.uint8)
+    ops.swap_cache_layout([t], host, [4, 2, 8], [3, 1], [0, 1], 0, ops.TO_HOST)
+    assert host.tobytes() == backing[[3, 1]].tobytes()
