@@ -19,6 +19,7 @@ BASE_DEPS = [
     "numpy>=1.24",
     "importlib-metadata>=6",
     "typing-extensions>=4.6",
+    "xxhash>=3",  # block digests for backends that keep no checksum
     # environment overrides of configs (errors name the variable): kvcore.schemas.EnvConfig
     "pydantic-settings>=2.3",
     # Prometheus exposition: kvcore.metrics.PrometheusCollector and serve_prometheus

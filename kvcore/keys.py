@@ -16,7 +16,15 @@ from pydantic import Field
 
 from kvcore.schemas import StrictModel
 
-__all__ = ["KeyScope", "NameRows", "block_hashes", "object_name", "object_names", "root_hash"]
+__all__ = [
+    "KeyScope",
+    "NameRows",
+    "block_hashes",
+    "names_in_scope",
+    "object_name",
+    "object_names",
+    "root_hash",
+]
 
 KEY_FORMAT = b"kvcore.block.v1"
 _TOKEN_MAX = 2**32  # token ids are hashed as little-endian uint32
@@ -168,6 +176,14 @@ def object_names(
     .. versionchanged:: 0.2 a :class:`NameRows` (a sequence of row tuples, built lazily).
     """
     scope = f"/r{rank}of{world_size}" + (f"/w{weight_version}" if weight_version else "")
+    return names_in_scope(block_keys, parts, namespace=namespace, scope=scope)
+
+
+def names_in_scope(
+    block_keys: Sequence[str], parts: Sequence[str], *, namespace: str, scope: str
+) -> NameRows:
+    """Object names ``{namespace}/{key}/{part}{scope}``: :func:`object_names` with the scope
+    (rank, world size, weight version) already formatted, e.g. taken from names built before."""
     keys = list(block_keys)
     columns = []
     for part in parts:

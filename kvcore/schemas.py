@@ -214,7 +214,10 @@ class Capabilities(StrictModel):
     are split into per-layer segments (``HostBuffers.segments``/``views``); kvcore then reads
     and writes an engine's host-resident cache blocks in place, with no staging copy.
 
-    .. versionchanged:: 0.2 ``segmented_host``.
+    ``checksums``: the backend verifies every object it returns (kv_file does); otherwise
+    the transfer manager keeps a digest beside each block and verifies reads itself.
+
+    .. versionchanged:: 0.2 ``segmented_host``, ``checksums``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -227,6 +230,7 @@ class Capabilities(StrictModel):
     scales: bool = True
     concurrent: bool = True
     segmented_host: bool = False
+    checksums: bool = False
 
 
 class BackendContext(StrictModel):

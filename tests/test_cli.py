@@ -104,12 +104,28 @@ class Backend(MemoryBackend):
 """
 
 
-def test_demo_fails_on_a_byte_mismatch(tmp_path):
+def test_a_lying_backend_is_caught_by_the_block_digests(tmp_path):
+    """The memory backend keeps no checksum, so the manager keeps a digest beside each block:
+    the corrupt bytes are refused (and removed) before the engine sees them."""
     site = tmp_path / "site"
     make_dist(site, "lying-kv", "lying_kv", LYING_BACKEND, {"lying": "Backend"})
     out = kvcore_cli(
         "demo", "--backend", "lying", "--conversations", "2", "--turns", "2", site=site
     )
+    assert out.returncode == 9, out.stdout + out.stderr
+    table = _table(out.stdout)
+    assert int(table["byte mismatches"]) == 0 and int(table["errors"]) > 0
+    assert "differs from its digest" in out.stdout
+
+
+def test_demo_fails_on_a_byte_mismatch(tmp_path):
+    """Without the digests, the demo's own check of every restored byte catches the lie."""
+    site = tmp_path / "site"
+    make_dist(site, "lying-kv", "lying_kv", LYING_BACKEND, {"lying": "Backend"})
+    out = kvcore_cli(
+        "demo", "--backend", "lying", "--conversations", "2", "--turns", "2", site=site,
+        env={"KVCORE_TRANSFER_VERIFY_BLOCKS": "never"},
+    )  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
     assert int(_table(out.stdout)["byte mismatches"]) > 0
     assert "FAILED" in out.stdout

@@ -33,7 +33,12 @@ def manager():
     k = [np.zeros(LAYOUT.kv_shape, np.uint16) for _ in range(LAYOUT.num_layers)]
     v = [np.zeros(LAYOUT.kv_shape, np.uint16) for _ in range(LAYOUT.num_layers)]
     tm = TransferManager(
-        {"layout": LAYOUT, "max_model_len": 64, "namespace": "metrics-test"},
+        {
+            "layout": LAYOUT,
+            "max_model_len": 64,
+            "namespace": "metrics-test",
+            "verify_blocks": "never",
+        },
         DeviceCache(LAYOUT, k, v),
         "memory",
     )

@@ -21,6 +21,7 @@ from kvcore.requests import BlockRequest
 from kvcore.schemas import FlushTask, QueryTask, ReadTask, TaskResult, WriteTask
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
+from kvcore.transfer.integrity import VerifiedBlocks
 from kvcore.transfer.policy import WritePolicy
 from kvcore.transfer.scheduler import Progress, TaskFuture
 from kvcore.transfer.storage import (
@@ -50,6 +51,18 @@ class BlockTasks:
         )
         self._storage: StorageIO | None = None
         self._fallback: StorageIO | None = None
+        caps = backend.capabilities
+        verify = config.verify_blocks == "always" or (
+            config.verify_blocks == "auto" and not caps.checksums
+        )
+        #: reads, writes and queries go through this: the backend, or it with block digests
+        #: beside (host I/O and key addressing only: digests are objects found by name, and
+        #: only host memory can be hashed here)
+        self.store: Backend | VerifiedBlocks = (
+            VerifiedBlocks(backend, len(config.layout.parts))
+            if verify and caps.io == "host" and caps.addressing == "key"
+            else backend
+        )
 
     # -- the storage strategy ------------------------------------------------------------------
 
@@ -74,7 +87,7 @@ class BlockTasks:
         if caps.io == "device":
             if want not in ("auto", "device"):
                 raise ConfigError(f"storage_io={want!r}: backend {backend.name!r} does device I/O")
-            return DirectIO(backend, cfg, "device", device_buffers(cfg.device_id))
+            return DirectIO(backend, cfg, "device", device_buffers(cfg.device_id), self.store)
         resident = not cache.on_gpu and caps.segmented_host
         if want == "host_resident" and not resident:
             raise ConfigError(
@@ -85,8 +98,8 @@ class BlockTasks:
         if want == "device":
             raise ConfigError(f"storage_io='device': backend {backend.name!r} does host I/O")
         if resident and want in ("auto", "host_resident"):
-            return DirectIO(backend, cfg, "host_resident", host_resident_buffers)
-        return StagedIO(backend, cfg, self._io_pool)
+            return DirectIO(backend, cfg, "host_resident", host_resident_buffers, self.store)
+        return StagedIO(backend, cfg, self._io_pool, self.store)
 
     def _io(self) -> StorageIO:
         """The strategy; a host-resident one whose backend broke the fence is replaced by
@@ -95,7 +108,7 @@ class BlockTasks:
         assert storage is not None
         if isinstance(storage, DirectIO) and storage.fence_broken and storage.name != "device":
             if self._fallback is None:
-                self._fallback = StagedIO(self.backend, self.config, self._io_pool)
+                self._fallback = StagedIO(self.backend, self.config, self._io_pool, self.store)
             return self._fallback
         return storage
 
@@ -149,7 +162,7 @@ class BlockTasks:
         """Leading blocks of ``task`` stored on this rank, asked synchronously."""
         self.check(task.keys, task.start_block, task.token_ids)
         t0 = time.monotonic()
-        n = self.backend.query(self._request(task, timeout_s))
+        n = self.store.query(self._request(task, timeout_s))
         misses = len(task.keys) - n
         self.metrics.observe("query", time.monotonic() - t0, tasks=1, blocks=len(task.keys),
                              hits=n, misses=misses, errors=int(n.failure is not None))  # fmt: skip
@@ -176,7 +189,7 @@ class BlockTasks:
         backend, request = self.backend, job.request
         n_req, timings = request.num_blocks, {}
         t0 = time.monotonic()
-        stored = backend.query(request)
+        stored = self.store.query(request)
         timings["query"] = time.monotonic() - t0
         if stored < n_req and stored.failure is not None:
             prog.stop(stored.kind or "backend_error", stored.failure)  # type: ignore[arg-type]
@@ -198,7 +211,7 @@ class BlockTasks:
         request = job.request
         timings: dict[str, float] = {}
         t0 = time.monotonic()
-        stored = self.backend.query(request)
+        stored = self.store.query(request)
         timings["query"] = time.monotonic() - t0
         prog.skipped = stored
         todo = max(0, self._policy.eligible_end(request.block_keys, stored) - stored)

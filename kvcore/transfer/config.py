@@ -91,6 +91,12 @@ class TransferConfig(EnvConfig):
         description="host-resident I/O: how long past its deadline a task's answer waits for a "
         "backend call still touching the engine's blocks",
     )
+    verify_blocks: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="store a digest beside each block and check every block read against it: "
+        "auto does so for backends that keep no checksum of their own "
+        "(Capabilities.checksums false), so a corrupted object is a miss, never wrong KV",
+    )
     flush_after_read: bool = Field(
         default=True, description="token-index backends: mark restored blocks device-resident"
     )

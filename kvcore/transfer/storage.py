@@ -28,6 +28,7 @@ from kvcore.ops import TO_DEVICE, TO_HOST
 from kvcore.requests import BlockRequest, Outcome
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
+from kvcore.transfer.integrity import VerifiedBlocks
 from kvcore.transfer.scheduler import Progress, TaskFuture
 from kvcore.transfer.staging import StagingBuffer, StagingPool
 
@@ -63,9 +64,16 @@ class StorageIO:
 
     name = "?"
 
-    def __init__(self, backend: Backend, config: TransferConfig) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        config: TransferConfig,
+        store: Backend | VerifiedBlocks | None = None,
+    ) -> None:
         self.backend = backend
         self.config = config
+        #: what reads and writes go through: the backend, or it with block digests beside
+        self.store = backend if store is None else store
 
     @property
     def memory_bytes(self) -> int:
@@ -92,8 +100,14 @@ class StagedIO(StorageIO):
 
     name = "staged"
 
-    def __init__(self, backend: Backend, config: TransferConfig, io: ThreadPoolExecutor) -> None:
-        super().__init__(backend, config)
+    def __init__(
+        self,
+        backend: Backend,
+        config: TransferConfig,
+        io: ThreadPoolExecutor,
+        store: Backend | VerifiedBlocks | None = None,
+    ) -> None:
+        super().__init__(backend, config, store)
         self._io = io
         self.span = config.span_blocks  # within the staging budget (or ConfigError, first)
         self.depth = config.pipeline_depth
@@ -141,7 +155,7 @@ class StagedIO(StorageIO):
             off, size = spans[k]
             t0 = time.monotonic()
             host = staging.host_buffers(size, (k % depth) * self.span)
-            got = self.backend.read(job.request.slice(off, off + size, host=host))
+            got = self.store.read(job.request.slice(off, off + size, host=host))
             return got, time.monotonic() - t0
 
         pending: dict[int, Future] = {
@@ -185,7 +199,7 @@ class StagedIO(StorageIO):
             lo, size = spans[k]
             t0 = time.monotonic()
             host = staging.host_buffers(size, (k % depth) * self.span)
-            got = self.backend.write(job.request.slice(lo, lo + size, host=host))
+            got = self.store.write(job.request.slice(lo, lo + size, host=host))
             return got, time.monotonic() - t0
 
         pending: dict[int, Future] = {}
@@ -238,8 +252,9 @@ class DirectIO(StorageIO):
         config: TransferConfig,
         name: str,
         buffers: Callable[[DeviceCache, Sequence[int]], dict],
+        store: Backend | VerifiedBlocks | None = None,
     ) -> None:
-        super().__init__(backend, config)
+        super().__init__(backend, config, store)
         self.name = name
         self._buffers = buffers
         #: set once a backend call outlived a task's answer: the manager stops trusting us
@@ -273,7 +288,7 @@ class DirectIO(StorageIO):
     def _late(self, op: Callable[[BlockRequest], Outcome], request: BlockRequest) -> None:
         """The task was answered while the backend still used the engine's blocks."""
         self.fence_broken = True
-        what = "wrote into" if op == self.backend.read else "read from"
+        what = "wrote into" if op == self.store.read else "read from"
         log.error(
             "kvcore: backend %r %s the engine's blocks after task %r was answered (it overran "
             "its deadline by more than fence_grace_s=%s s); this manager no longer lets it "
@@ -283,20 +298,20 @@ class DirectIO(StorageIO):
             request.task_id,
             self.config.fence_grace_s,
         )
-        if op == self.backend.write and self.backend.implements("kvcore_remove"):
+        if op == self.store.write and self.backend.implements("kvcore_remove"):
             # what it stored may mix old and new bytes of reused blocks: drop it
-            self.backend.remove(request.with_buffers())
+            self.store.remove(request.with_buffers())
 
     def read(
         self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
     ) -> None:
         if stored:
-            self._call(self.backend.read, job, 0, stored, fut, prog, timings)
+            self._call(self.store.read, job, 0, stored, fut, prog, timings)
 
     def write(
         self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
     ) -> None:
-        self._call(self.backend.write, job, first, todo, fut, prog, timings)
+        self._call(self.store.write, job, first, todo, fut, prog, timings)
 
 
 def device_buffers(device_id: int) -> Callable[[DeviceCache, Sequence[int]], dict]:

@@ -32,6 +32,43 @@ def flip_bit_in_file_store(engine: Any, root: str, prompt: list[int], block: int
     return str(path)
 
 
+def _opened_backends() -> list[Any]:
+    """The kvcore backends the connector opened in this process."""
+    from kvcore_vllm import backends
+
+    with backends._registry_lock:
+        return [entry[0] for entry in backends._registry.values()]
+
+
+def flip_bit_in_store(engine: Any, prompt: list[int], block: int) -> str:
+    """Flip one payload bit of the ``k`` object of ``prompt``'s block ``block`` in the store
+    the connector opened here (memory: its dict; Mooncake: the cluster, through this
+    process's client), as a failing store's memory would. The backend itself keeps no
+    checksum: kvcore's block digests are what must catch it."""
+    from kvcore_vllm.keys import engine_object_names
+
+    name = engine_object_names(engine.llm_engine.vllm_config, prompt)[block][0]
+    for backend in _opened_backends():
+        objects = getattr(backend.plugin, "_objects", None)
+        if isinstance(objects, dict) and name in objects:
+            data = bytearray(objects[name])
+            data[100] ^= 0x10
+            objects[name] = bytes(data)
+            return f"memory:{name}"
+        if backend.name == "mooncake":
+            from kv_mooncake.store_keys import store_key
+
+            store = backend.plugin.store
+            key = store_key(name, backend.context.namespace)
+            data = bytearray(store.get(key))
+            assert data, f"no Mooncake object {key!r}"
+            data[100] ^= 0x10
+            assert store.upsert(key, bytes(data)) == 0, "the Mooncake upsert failed"
+            assert store.get(key) == bytes(data), "the Mooncake object did not change"
+            return f"mooncake:{key}"
+    raise AssertionError(f"no opened backend holds {name!r}")
+
+
 def kill(pid: int) -> bool:
     """SIGKILL a process (a Mooncake master dying mid-run)."""
     os.kill(pid, signal.SIGKILL)
@@ -65,21 +102,30 @@ def remove_rank_objects(
 
 
 def scramble_memory_store() -> int:
-    """Overwrite every object of this process's opened ``memory`` backends with random bytes
-    of the same size (so reads still succeed): restored KV is then garbage."""
+    """A consistent liar: overwrite every K and V object of this process's opened ``memory``
+    backends with random bytes of the same size and store matching block digests, so reads
+    succeed and pass kvcore's digest check: restored KV is then garbage. (This is what the
+    checks of the tokens must catch; a liar that leaves the digests alone is caught by them.)"""
     import random
 
-    from kvcore_vllm import backends
+    import xxhash
+
+    from kvcore.transfer.integrity import DIGEST_PART
 
     rng = random.Random(0)
     scrambled = 0
-    with backends._registry_lock:
-        opened = [entry[0] for entry in backends._registry.values()]
-    for backend in opened:
+    for backend in _opened_backends():
         objects = getattr(backend.plugin, "_objects", None)
-        if objects is None:
+        if not isinstance(objects, dict):  # not the memory backend
             continue
-        for name, data in list(objects.items()):
-            objects[name] = rng.randbytes(len(data))
-            scrambled += 1
+        parts = backend.context.layout.parts
+        for name in [n for n in objects if f"/{DIGEST_PART}/" in n]:
+            head, tail = name.split(f"/{DIGEST_PART}/")
+            digests = []
+            for part in parts:
+                part_name = f"{head}/{part}/{tail}"
+                objects[part_name] = rng.randbytes(len(objects[part_name]))
+                digests.append(xxhash.xxh3_128(objects[part_name]).digest())
+                scrambled += 1
+            objects[name] = b"".join(digests)
     return scrambled

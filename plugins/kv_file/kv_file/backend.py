@@ -73,9 +73,15 @@ class FileBackend:
     """Key-addressed, host-I/O, persistent, shareable by processes on one host."""
 
     config_model = FileConfig
-    # segmented_host: preadv/writev take an engine's per-layer pieces of a block as they are
+    # segmented_host: preadv/writev take an engine's per-layer pieces of a block as they are;
+    # checksums: every read is verified against the xxh3-128 in the object's header
     capabilities = kvcore.Capabilities(
-        addressing="key", io="host", persistent=True, shared=True, segmented_host=True
+        addressing="key",
+        io="host",
+        persistent=True,
+        shared=True,
+        segmented_host=True,
+        checksums=True,
     )
 
     def __init__(self, config: FileConfig, context: kvcore.BackendContext) -> None:

@@ -1,0 +1,107 @@
+"""Block digests: a backend that keeps no checksum can never hand the engine corrupt KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from memory_backend import MemoryBackend
+from test_correctness import cache_of, keys, lay, part_bytes
+
+import kvcore
+from kvcore import hookimpl
+from kvcore.transfer import TransferManager
+from kvcore.transfer.integrity import DIGEST_PART
+
+
+def manager(layout, cache, backend=MemoryBackend, **cfg) -> TransferManager:
+    be = kvcore.open_backend(backend, context={"layout": layout})
+    tm = TransferManager({"layout": layout, "max_model_len": 64, **cfg}, cache, be)
+    tm._test_backend = be
+    return tm
+
+
+def flip_a_bit(tm: TransferManager, block_key: str, part: str = "v") -> None:
+    """Corrupt one stored object in place, as a failing store's memory would."""
+    objects = tm._test_backend.plugin._objects
+    name = next(n for n in objects if f"/{block_key}/{part}/" in n)
+    data = bytearray(objects[name])
+    data[len(data) // 2] ^= 0x10
+    objects[name] = bytes(data)
+
+
+@pytest.mark.parametrize("storage_io", ["staged", "host_resident"])
+def test_a_corrupt_block_ends_the_run_is_removed_and_heals(storage_io):
+    layout = lay()
+    src = cache_of(layout, np.uint16, seed=1)
+    tm = manager(layout, src, storage_io=storage_io)
+    ks = keys(4, seed=1)
+    assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": [0, 1, 2, 3]}).result().ok
+    flip_a_bit(tm, ks[2])
+    dst = cache_of(layout, np.uint16, fill=False)
+    tm.restore_caches(dst)
+    r = tm.read({"task_id": "r", "keys": ks, "device_block_ids": [4, 5, 6, 7]}).result()
+    assert (r.num_blocks, r.block_ids, r.outcome) == (2, [4, 5], "backend_error")
+    assert "block 2 differs from its digest" in r.error
+    for s, d in zip([0, 1], [4, 5], strict=True):
+        assert part_bytes(src, s) == part_bytes(dst, d)
+    # the corrupt block is gone: the next write-back stores it again, and it reads back exact
+    assert tm.query({"task_id": "q", "keys": ks}) == 2
+    tm.restore_caches(src)
+    w = tm.write_back({"task_id": "w2", "keys": ks, "device_block_ids": [0, 1, 2, 3]}).result()
+    assert (w.skipped_blocks, w.num_blocks) == (2, 2)
+    tm.restore_caches(dst)
+    r = tm.read({"task_id": "r2", "keys": ks, "device_block_ids": [4, 5, 6, 7]}).result()
+    assert r.num_blocks == 4 and part_bytes(src, 2) == part_bytes(dst, 6)
+    assert tm.backend.stats()["corrupt_blocks.read"] == 1
+    tm.close()
+    tm._test_backend.close()
+
+
+def test_without_digests_the_corrupt_bytes_would_reach_the_engine():
+    """The control: the same flip, with verification off, lands in the cache."""
+    layout = lay()
+    src = cache_of(layout, np.uint16, seed=2)
+    tm = manager(layout, src, verify_blocks="never")
+    ks = keys(2, seed=2)
+    tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": [0, 1]}).result()
+    flip_a_bit(tm, ks[1])
+    dst = cache_of(layout, np.uint16, fill=False)
+    tm.restore_caches(dst)
+    r = tm.read({"task_id": "r", "keys": ks, "device_block_ids": [4, 5]}).result()
+    assert r.num_blocks == 2 and part_bytes(src, 1) != part_bytes(dst, 5)
+    tm.close()
+    tm._test_backend.close()
+
+
+class _DigestsFail(MemoryBackend):
+    """Stores parts, refuses digests: as if the process died between the two writes."""
+
+    @hookimpl
+    def kvcore_write(self, request):
+        if request.parts == (DIGEST_PART,):
+            return kvcore.Outcome(0, "disk full")
+        return MemoryBackend.kvcore_write(self, request)
+
+
+def test_a_block_without_its_digest_is_neither_acknowledged_nor_counted():
+    layout = lay()
+    tm = manager(layout, cache_of(layout, np.uint16, seed=3), backend=_DigestsFail)
+    ks = keys(2, seed=3)
+    w = tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": [0, 1]}).result()
+    assert (w.num_blocks, w.outcome) == (0, "backend_error") and "disk full" in w.error
+    assert tm.query({"task_id": "q", "keys": ks}) == 0
+    tm.close()
+    tm._test_backend.close()
+
+
+def test_backends_that_verify_their_own_objects_get_no_digests(tmp_path):
+    pytest.importorskip("kv_file")
+    layout = lay()
+    be = kvcore.open_backend("file", {"root": str(tmp_path)}, context={"layout": layout})
+    tm = TransferManager({"layout": layout, "max_model_len": 64}, cache_of(layout, np.uint16), be)
+    ks = keys(2, seed=4)
+    assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": [0, 1]}).result().ok
+    digests = be.request("q", ks, parts=(DIGEST_PART,))
+    assert be.query(digests) == 0  # kv_file checks its own checksums: nothing beside
+    tm.close()
+    be.close()
