@@ -398,18 +398,10 @@ class Scheduler:
         error: str | None,
         deadline_missed: bool = False,
     ) -> TaskResult:
-        return TaskResult(
-            task_id=task_id,
-            op=op,
-            outcome=outcome,
-            ok=False,
-            num_blocks=len(progress.block_ids),
-            block_ids=list(progress.block_ids),
-            skipped_blocks=progress.skipped,
-            bytes=progress.bytes,
-            error=error,
-            deadline_missed=deadline_missed,
-        )
+        """An answer the scheduler gives for the worker: what completed, and why it stopped."""
+        result = progress.result(task_id, op, 0, {}, ok=False)
+        result.outcome, result.error, result.deadline_missed = outcome, error, deadline_missed
+        return result
 
     def reject(self, op: str, task_id: str, why: str) -> TaskFuture:
         """An already answered future saying the task was not run."""

@@ -455,11 +455,9 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> list[bool]:
-        if tier is None:
-            tier, fmt, pool = self._kv_tier(), self._kv_format, self.mem_pool_host
+        tier, fmt, pool = self._pages_of(tier, fmt, pool)
         if not keys:
             return []
-        assert fmt is not None
         t0 = time.monotonic()
         host, staging = page_buffers(
             pool, fmt, host_indices, len(keys), segmented_ok=self._segmented(tier)
@@ -485,11 +483,9 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         world_size: int | None = None,
         writer: bool | None = None,
     ) -> list[bool]:
-        if tier is None:
-            tier, fmt, pool = self._kv_tier(), self._kv_format, self.mem_pool_host
+        tier, fmt, pool = self._pages_of(tier, fmt, pool)
         if not keys:
             return []
-        assert fmt is not None
         if not (self.identity.is_writer if writer is None else writer):
             # replicated pages (MLA) are written by the storage-writer rank alone; the others
             # report what is already stored, which is the truth about those pages
@@ -510,6 +506,15 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         self._counters.add("pages_written_ok", done)
         self._record("backup", done, done * fmt.page_nbytes, time.monotonic() - t0)
         return self._run(done, len(keys))
+
+    def _pages_of(
+        self, tier: _Tier | None, fmt: PageFormat | None, pool: Any
+    ) -> tuple[_Tier, PageFormat, Any]:
+        """The tier, page format and pool a page call works on (the KV pool's by default)."""
+        if tier is None:
+            tier, fmt, pool = self._kv_tier(), self._kv_format, self.mem_pool_host
+        assert fmt is not None
+        return tier, fmt, pool
 
     @staticmethod
     def _segmented(tier: _Tier) -> bool:

@@ -80,7 +80,6 @@ def mha_host_pool(
     """SGLang's ``MHATokenToKVPoolHost`` over CPU memory, ``pages`` pages of ``page_size``."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     dtype = dtype or torch.bfloat16
@@ -98,8 +97,17 @@ def mha_host_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
+    return _cpu_host_pool(MHATokenToKVPoolHost, info, layout, page_size, pages, layers)
+
+
+def _cpu_host_pool(
+    pool_class: Any, info: Any, layout: str, page_size: int, pages: int, layers: int, **extra: Any
+) -> Any:
+    """One of SGLang's host pool classes over CPU memory, unpinned, ``pages`` pages deep."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
     with host_memory_budget_scope(_BUDGET):
-        pool = MHATokenToKVPoolHost(
+        return pool_class(
             info,
             1.0,
             0,
@@ -111,8 +119,8 @@ def mha_host_pool(
             start_layer=0,
             end_layer=layers,
             host_token_capacity=pages * page_size,
+            **extra,
         )
-    return pool
 
 
 def mla_host_pool(
@@ -128,7 +136,6 @@ def mla_host_pool(
     """SGLang's ``MLATokenToKVPoolHost`` over CPU memory (one latent row per token and layer)."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     dtype = dtype or torch.bfloat16
@@ -146,22 +153,9 @@ def mla_host_pool(
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    with host_memory_budget_scope(_BUDGET):
-        pool = MLATokenToKVPoolHost(
-            info,
-            1.0,
-            0,
-            page_size,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=page_size,
-            start_layer=0,
-            end_layer=layers,
-            target_layer_num=layers,
-            host_token_capacity=pages * page_size,
-        )
-    return pool
+    return _cpu_host_pool(
+        MLATokenToKVPoolHost, info, layout, page_size, pages, layers, target_layer_num=layers
+    )
 
 
 def mamba_host_pool(*, layers: int = 2, slots: int = 16, layout: str = "page_first") -> Any:
