@@ -26,6 +26,7 @@ from kvcore.errors import (
     UnknownBackendError,
 )
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, parse_config_arg
+from kvcore.threads import io_affinity
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -235,7 +236,10 @@ def open_backend(
 
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    plugin = factory(cfg, ctx)
+    # threads the backend starts while opening (its pools, a client library's connections)
+    # run on kvcore's I/O cores, not on the caller's pinning (see kvcore.threads)
+    with io_affinity():
+        plugin = factory(cfg, ctx)
     try:
         _register(label, pm, plugin)
     except Exception:

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvcore.schemas import CacheLayout
 
-__all__ = ["BlockRequest", "DeviceBuffers", "HostBuffers", "Outcome", "leading_run"]
+__all__ = [
+    "BlockRequest",
+    "DeviceBuffers",
+    "HostBuffers",
+    "Outcome",
+    "leading_run",
+    "merge_spans",
+]
 
 
 class Outcome(int):
@@ -111,6 +118,16 @@ class HostBuffers:
         if self.layer_ptrs is not None:
             raise ValueError("segmented host buffers have no single view: use views()")
         return _view(self.ptrs[block][part], self.nbytes[part])
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Every byte these buffers cover, as sorted disjoint ``(start, end)`` address spans
+        (what a zero-copy client must have registered)."""
+        return merge_spans(
+            (ptr, ptr + size)
+            for block in range(self.num_blocks)
+            for part in range(len(self.nbytes))
+            for ptr, size in self.segments(block, part)
+        )
 
     def flat(self) -> tuple[list[int], list[int]]:
         """Pointers and sizes in ``[block][part]`` order, as batch client APIs take them
@@ -235,6 +252,17 @@ class BlockRequest:
         self, *, host: HostBuffers | None = None, device: DeviceBuffers | None = None
     ) -> BlockRequest:
         return replace(self, host=host, device=device)
+
+
+def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of ``(start, end)`` spans as sorted, disjoint spans (touching ones joined)."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def leading_run(ok: Sequence[bool] | Sequence[int], parts: int = 1) -> int:

@@ -72,6 +72,7 @@ class BlockTasks:
             self._storage = self._choose(cache)
         elif self.storage_io == "host_resident" and cache.on_gpu:
             raise ValueError("this manager moves host-resident blocks; the new cache is on a GPU")
+        self._storage.attach(cache)
 
     @property
     def storage_io(self) -> str:

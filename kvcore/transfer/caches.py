@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvcore import ops
-from kvcore.requests import DeviceBuffers, HostBuffers
+from kvcore.requests import DeviceBuffers, HostBuffers, merge_spans
 from kvcore.schemas import CacheLayout
 
 __all__ = ["DeviceCache", "HostCache"]
@@ -125,6 +125,16 @@ class DeviceCache:
             segment_nbytes=tuple(self.layout.layer_block_bytes(p) for p in parts),
             layer_views=self._layer_views,
         )
+
+    def host_regions(self) -> list[tuple[int, int]]:
+        """The memory of every layer of every part, as disjoint ``(ptr, nbytes)`` regions
+        (views of one allocation merge into one): what a zero-copy backend registers."""
+        spans = (
+            (int(p), int(p) + int(n) * int(ls.block_bytes))
+            for ls in self.layers.values()
+            for p, n in zip(ls.ptrs, ls.nblocks, strict=True)
+        )
+        return [(start, end - start) for start, end in merge_spans(spans)]
 
     def copy_to_staging(
         self,

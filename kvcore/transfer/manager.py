@@ -26,6 +26,7 @@ from kvcore.errors import ConfigError
 from kvcore.metrics import Metrics
 from kvcore.registry import open_backend
 from kvcore.schemas import FlushTask, QueryTask, ReadTask, SwapTask, TaskResult, WriteTask
+from kvcore.threads import thread_pool
 from kvcore.transfer.blocks import BlockTasks
 from kvcore.transfer.caches import DeviceCache, HostCache
 from kvcore.transfer.config import TransferConfig
@@ -94,9 +95,9 @@ class TransferManager:
                 strict=cfg.strict,
             )
             # backend calls run here, beside the workers, so storage I/O overlaps device copies
-            self._io_pool = ThreadPoolExecutor(
+            self._io_pool = thread_pool(
                 cfg.read_workers * cfg.pipeline_depth + cfg.write_workers * cfg.pipeline_depth,
-                thread_name_prefix="kvcore-io",
+                "kvcore-io",
             )
             if backend is not None:
                 self._blocks = BlockTasks(backend, cfg, self.metrics, self._io_pool)

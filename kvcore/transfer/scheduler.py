@@ -27,6 +27,7 @@ from typing import Any
 
 from kvcore.metrics import Metrics
 from kvcore.schemas import TaskOutcome, TaskResult
+from kvcore.threads import start_thread
 
 __all__ = [
     "DeadlineWatchdog",
@@ -158,9 +159,7 @@ class TaskFuture(Future):
             if self._fences == 0:
                 self.set_result(self._on_expire(reason, False))
                 return
-        threading.Thread(
-            target=self._expire_after_fence, args=(reason,), name="kvcore-fence", daemon=True
-        ).start()
+        start_thread(self._expire_after_fence, "kvcore-fence", args=(reason,))
 
     def _expire_after_fence(self, reason: str | None) -> None:
         with self._lock:
@@ -186,9 +185,7 @@ class DeadlineWatchdog:
         self._thread = self._start()
 
     def _start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name="kvcore-deadlines", daemon=True)
-        thread.start()
-        return thread
+        return start_thread(self._run, "kvcore-deadlines")
 
     def watch(self, fut: TaskFuture) -> None:
         with self._cv:
@@ -240,14 +237,9 @@ class WorkerPool:
     def __init__(self, name: str, workers: int, queue_depth: int) -> None:
         self.name = name
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
-        self._threads = [
-            threading.Thread(target=self._run, name=f"kvcore-{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
         self._inflight = 0
         self._idle = threading.Condition()
-        for t in self._threads:
-            t.start()
+        self._threads = [start_thread(self._run, f"kvcore-{name}-{i}") for i in range(workers)]
 
     def submit(self, fn: Callable[[], None], wait_s: float) -> None:
         with self._idle:

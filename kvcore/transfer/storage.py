@@ -90,6 +90,9 @@ class StorageIO:
     ) -> None:
         raise NotImplementedError
 
+    def attach(self, cache: DeviceCache) -> None:
+        """A cache whose blocks this strategy will move (called for every cache)."""
+
     def close(self) -> int:
         """Free what is not in use; return how many buffers stuck calls still hold."""
         return 0
@@ -259,6 +262,24 @@ class DirectIO(StorageIO):
         self._buffers = buffers
         #: set once a backend call outlived a task's answer: the manager stops trusting us
         self.fence_broken = False
+        self._registered: list[int] = []
+
+    def attach(self, cache: DeviceCache) -> None:
+        """Host-resident: announce the cache's memory to the backend, as staging is announced,
+        so a zero-copy client registers it once instead of per call."""
+        if self.name != "host_resident":
+            return
+        for ptr, nbytes in cache.host_regions():
+            if ptr not in self._registered:
+                self.backend.register_buffer(ptr, nbytes)
+                self._registered.append(ptr)
+
+    def close(self) -> int:
+        registered, self._registered = self._registered, []
+        if not self.fence_broken:  # else a late call may still use them: leave them known
+            for ptr in registered:
+                self.backend.unregister_buffer(ptr)
+        return 0
 
     def _call(
         self,

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import kvcore
 from kv_file.config import FileConfig, safe_namespace
@@ -39,6 +38,7 @@ from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, writ
 from kv_file.paths import StoreDir, discard, name_digest
 from kv_file.removals import RemovalCounter
 from kvcore import BlockRequest, Outcome, leading_run
+from kvcore.threads import start_thread, thread_pool, usable_cpus
 
 __all__ = ["FileBackend"]
 
@@ -107,7 +107,7 @@ class FileBackend:
             config.capacity_bytes, config.high_watermark, config.low_watermark, self._delete
         )
         self._direct = DirectReads(config.direct_reads)
-        self._cpus = _usable_cpus()
+        self._cpus = usable_cpus()
         self._removals = RemovalCounter(self._dir.removals_path)
         self._removals_seen = self._removals.value()  # read before the scan: it sees them all
         self._resync_lock = threading.Lock()
@@ -119,14 +119,11 @@ class FileBackend:
         self._index.name_all(load_names(self._dir.names_path), fits)
         self._names_saved = self._index.names_changed
         self._index.reserve(0)  # the capacity may have been lowered
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv_file-io")
+        self._pool = thread_pool(config.io_threads, "kv_file-io")
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
         if config.rescan_interval_s > 0:
-            self._rescanner = threading.Thread(
-                target=self._rescan_loop, name="kv_file-rescan", daemon=True
-            )
-            self._rescanner.start()
+            self._rescanner = start_thread(self._rescan_loop, "kv_file-rescan")
         log.info(
             "kv_file store at %s: %d objects, %d of %d bytes, fsync=%s",
             self._dir.path,
@@ -671,13 +668,6 @@ def _describe(exc: OSError) -> str:
     """``[Errno 28] No space left on device`` style, with the errno's name."""
     code = errno.errorcode.get(exc.errno or 0, "")
     return f"{exc.strerror or exc} ({code})" if code else str(exc)
-
-
-def _usable_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def _fsync_dir(path: str) -> None:

@@ -6,6 +6,9 @@
   it fails at once when the master is down, where a put would stall for seconds. Then
   ``batch_put_from`` for the rest.
 - Read: ``batch_get_into``; its per-object answers (bytes read, or -704) give the leading run.
+- Segmented host buffers (an object in pieces, one per layer, in the engine's own cache
+  blocks): ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, one piece
+  list per object. The engine's cache is registered once through ``kvcore_register_buffer``.
   An object of another size than the layout gives its part is removed, so a rewrite lands
   (a put of an existing key keeps the old value).
 - Remove: ``batch_remove`` of the request's keys; clear: ``remove_by_regex`` of the namespace's
@@ -32,6 +35,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import kvcore
@@ -41,6 +45,7 @@ from kv_mooncake.codes import (
     INVALID_PARAMS,
     NOT_FOUND,
     REPLICA_NOT_READY,
+    TRANSFER_FAILED,
     failure,
     reason,
 )
@@ -49,6 +54,8 @@ from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
 from kvcore import BlockRequest, Outcome, leading_run
+from kvcore.requests import merge_spans
+from kvcore.threads import start_thread, thread_pool
 
 __all__ = ["MooncakeBackend"]
 
@@ -61,17 +68,23 @@ _READY_POLL_S = 0.001
 _READY_POLL_MAX_S = 0.05
 #: An inline call is safe when the deadline is further away than this many RPC timeouts.
 _INLINE_FACTOR = 1.5
-#: Keys per batch_put_from / batch_get_into call at most. Mooncake 0.3.13's client fails the
-#: keys of one call beyond ~2048 with -800 (TRANSFER_FAIL), and after some such calls fails
-#: every later put too (measured: 2049 keys fine, 2100 all but 5 failed and broke the client).
-MAX_BATCH_KEYS = 1024
+#: Buffer pieces per data call at most: one per key for batch_put_from / batch_get_into, one
+#: per segment for the multi-buffer calls. Mooncake 0.3.13's client fails the pieces of one call
+#: beyond 2048 with -800 (TRANSFER_FAIL) or -704, and after some such calls fails every later
+#: put too (measured: 2049 keys fine, 2100 all but 5 failed and broke the client; 256 keys of
+#: 8 segments fine, 257 lost one key, 300 lost them all).
+MAX_BATCH_PIECES = 1024
 
 
 class MooncakeBackend:
     """kvcore backend over ``mooncake.store.MooncakeDistributedStore`` (one client per rank)."""
 
     config_model = MooncakeConfig
-    capabilities = kvcore.Capabilities(addressing="key", io="host", shared=True)  # not persistent
+    # not persistent; segmented host buffers (a host-resident engine cache) go through the
+    # multi-buffer calls, straight into and out of the cache's blocks
+    capabilities = kvcore.Capabilities(
+        addressing="key", io="host", shared=True, segmented_host=True
+    )
 
     def __init__(self, config: MooncakeConfig, context: kvcore.BackendContext) -> None:
         self.config = config
@@ -90,7 +103,7 @@ class MooncakeBackend:
         self._regions = RegionTable(self._store.register_buffer, self._store.unregister_buffer)
         self._counters = kvcore.Counters()
         self._warnings = kvcore.OnceLogger(log)
-        self._probes = ThreadPoolExecutor(PROBE_WORKERS, thread_name_prefix="kv-mooncake-probe")
+        self._probes = thread_pool(PROBE_WORKERS, "kv-mooncake-probe")
         self._stuck = 0  # abandoned checks still running: when all workers are, skip the master
         self._stuck_lock = threading.Lock()
 
@@ -109,7 +122,7 @@ class MooncakeBackend:
     def kvcore_read(self, request: BlockRequest) -> int:
         if request.num_blocks == 0:
             return 0
-        parts, keys, ptrs, sizes = self._objects(request)
+        parts, keys, objects = self._objects(request)
         present: int = request.num_blocks
         if request.time_left() <= self._inline_after_s:
             # a hung master could hold the get past the deadline: ask first, abandonably
@@ -121,17 +134,17 @@ class MooncakeBackend:
                 return present
         # otherwise the get's own per-object answers (-704 for a miss) end the run
         m = present * parts
-        ok, code = self._transfer("read", keys[:m], ptrs[:m], sizes[:m], request)
+        ok, code = self._transfer("read", keys[:m], objects.head(m), request)
         n = leading_run(ok, parts)
         if code is None and n == present:
             return present  # with the existence check's failure, if one ended the run
-        return _answer(n, code, "batch_get_into")
+        return _answer(n, code, objects.call("batch_get_into"))
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
         if request.num_blocks == 0:
             return 0
-        parts, keys, ptrs, sizes = self._objects(request)
+        parts, keys, objects = self._objects(request)
         codes = self._master_call(self._store.batch_is_exist, keys, request)
         if not isinstance(codes, list):
             return codes
@@ -143,16 +156,10 @@ class MooncakeBackend:
         self._counters.add("objects_skipped", len(keys) - len(todo))
         code = None
         if todo:
-            ok, code = self._transfer(
-                "write",
-                [keys[i] for i in todo],
-                [ptrs[i] for i in todo],
-                [sizes[i] for i in todo],
-                request,
-            )
+            ok, code = self._transfer("write", [keys[i] for i in todo], objects.pick(todo), request)
             for i, good in zip(todo, ok, strict=True):
                 stored[i] = good
-        return _answer(leading_run(stored, parts), code, "batch_put_from")
+        return _answer(leading_run(stored, parts), code, objects.call("batch_put_from"))
 
     @kvcore.hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:
@@ -273,13 +280,26 @@ class MooncakeBackend:
         namespace = self.context.namespace
         return [store_key(name, namespace) for names in request.object_names for name in names]
 
-    def _objects(self, request: BlockRequest) -> tuple[int, list[str], list[int], list[int]]:
-        """Parts per block, and each object's key, region address and size, flat in
+    def _objects(self, request: BlockRequest) -> tuple[int, list[str], _Objects]:
+        """Parts per block, each object's key, and where each object's bytes are, flat in
         ``[block][part]`` order (read and write requests carry host buffers: io="host")."""
         host = request.host
         assert host is not None
-        ptrs, sizes = host.flat()
-        return len(request.parts), self._keys(request), ptrs, sizes
+        if host.contiguous:
+            ptrs, sizes = host.flat()
+            objects = _Objects(ptrs, sizes)
+        else:
+            pieces = [
+                host.segments(block, part)
+                for block in range(host.num_blocks)
+                for part in range(len(host.nbytes))
+            ]
+            objects = _Objects(
+                [[p for p, _ in obj] for obj in pieces],
+                list(host.nbytes) * host.num_blocks,
+                [[n for _, n in obj] for obj in pieces],
+            )
+        return len(request.parts), self._keys(request), objects
 
     def _master_call(
         self, call: Callable[[list[str]], list[int]], keys: list[str], request: BlockRequest
@@ -315,52 +335,64 @@ class MooncakeBackend:
         with self._stuck_lock:
             self._stuck -= 1
 
-    def _get(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> tuple[list[int], int]:
-        """Read into the regions; a key is done when exactly its region's size arrived. An
-        object of another size is not done (0), and removed when the layout says the object,
-        not the region, has the wrong size (so a rewrite lands instead of being skipped)."""
-        results = self._store.batch_get_into(keys, ptrs, sizes)
+    def _get(self, keys: list[str], objects: _Objects) -> tuple[list[int], int]:
+        """Read into the objects' memory; a key is done when exactly its object's size arrived.
+        An object of another size is not done (0), and removed when the layout says the
+        object, not the region, has the wrong size (so a rewrite lands instead of being
+        skipped)."""
+        if objects.pieces is None:
+            results = self._store.batch_get_into(keys, objects.ptrs, objects.sizes)
+        else:
+            results = self._store.batch_get_into_multi_buffers(keys, objects.ptrs, objects.pieces)
         done = []
-        for key, r, size in zip(keys, results, sizes, strict=True):
-            if r == size or (r < 0 and r != INVALID_PARAMS):
+        for key, r, size in zip(keys, results, objects.sizes, strict=True):
+            if r in (size, NOT_FOUND) or (r < 0 and not self._other_size(key, r, size)):
                 done.append(r)
-            elif r > 0 or self._store.get_size(key) > 0:  # smaller, or larger (-600)
-                self._counters.add("miss_size_mismatch")
-                if size in (self._payload or {}).values():
-                    self._counters.add("foreign_removed", self._store.remove(key, True) == 0)
-                done.append(0)
-            else:
-                done.append(r)
-        return done, sum(s for r, s in zip(results, sizes, strict=True) if r == s)
+                continue
+            # a smaller object (a count, or -800 from the multi-buffer call) or a larger (-600)
+            self._counters.add("miss_size_mismatch")
+            if size in (self._payload or {}).values():
+                self._counters.add("foreign_removed", self._store.remove(key, True) == 0)
+            done.append(0)
+        return done, sum(s for r, s in zip(results, objects.sizes, strict=True) if r == s)
 
-    def _put(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> tuple[list[int], int]:
-        results = self._store.batch_put_from(keys, ptrs, sizes, config=self._replicate)
+    def _other_size(self, key: str, code: int, size: int) -> bool:
+        """Whether a failed get found the object stored with another size than asked."""
+        if code not in (INVALID_PARAMS, TRANSFER_FAILED):
+            return False
+        stored = self._store.get_size(key)
+        return stored > 0 and stored != size
+
+    def _put(self, keys: list[str], objects: _Objects) -> tuple[list[int], int]:
+        if objects.pieces is None:
+            results = self._store.batch_put_from(
+                keys, objects.ptrs, objects.sizes, config=self._replicate
+            )
+        else:
+            results = self._store.batch_put_from_multi_buffers(
+                keys, objects.ptrs, objects.pieces, config=self._replicate
+            )
         # -705: another writer stored the same name (hence the same bytes) first
         done = [1 if r in (0, ALREADY_EXISTS) else r for r in results]
-        return done, sum(s for r, s in zip(results, sizes, strict=True) if r == 0)
+        return done, sum(s for r, s in zip(results, objects.sizes, strict=True) if r == 0)
 
     def _transfer(
-        self,
-        op: str,
-        keys: list[str],
-        ptrs: list[int],
-        sizes: list[int],
-        request: BlockRequest,
+        self, op: str, keys: list[str], objects: _Objects, request: BlockRequest
     ) -> tuple[list[bool], int | None]:
         """Read or write chunk by chunk: per key whether it succeeded (False after a stop),
         and the failing code that stopped it (None: a miss or the deadline)."""
         ok = [False] * len(keys)
         code = None
-        pinned, unregistered = self._regions.pin(
-            (p, p + s) for p, s in zip(ptrs, sizes, strict=True)
-        )
+        pinned, unregistered = self._regions.pin(objects.spans())
         self._counters.add("unregistered_spans", unregistered)
         try:
-            for lo, hi in _chunks(sizes, self.config.max_batch_bytes, MAX_BATCH_KEYS):
+            for lo, hi in _chunks(
+                objects.sizes, self.config.max_batch_bytes, MAX_BATCH_PIECES, objects.counts()
+            ):
                 if lo and request.expired():
                     self._counters.add("miss_deadline")
                     break
-                done, code = self._transfer_chunk(op, keys, ptrs, sizes, lo, hi, ok, request)
+                done, code = self._transfer_chunk(op, keys, objects, lo, hi, ok, request)
                 if not done:
                     break
         finally:
@@ -371,8 +403,7 @@ class MooncakeBackend:
         self,
         op: str,
         keys: list[str],
-        ptrs: list[int],
-        sizes: list[int],
+        objects: _Objects,
         lo: int,
         hi: int,
         ok: list[bool],
@@ -387,7 +418,7 @@ class MooncakeBackend:
         call = self._get if op == "read" else self._put
         backoff = _READY_POLL_S
         while True:
-            codes, nbytes = call(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi])
+            codes, nbytes = call(keys[lo:hi], objects.slice(lo, hi))
             self._counters.add(f"bytes_{op}", nbytes)
             good = [c > 0 for c in codes]
             ok[lo:hi] = good
@@ -419,21 +450,68 @@ class MooncakeBackend:
         return n
 
 
+@dataclass(frozen=True)
+class _Objects:
+    """Where each object's bytes are, in ``[block][part]`` order: one region each (``ptrs``
+    are addresses, ``pieces`` None), or pieces (``ptrs[i]`` and ``pieces[i]`` list the
+    addresses and sizes of object ``i``'s pieces). ``sizes`` are the objects' whole sizes."""
+
+    ptrs: list[Any]
+    sizes: list[int]
+    pieces: list[list[int]] | None = None
+
+    def slice(self, lo: int, hi: int) -> _Objects:
+        pieces = None if self.pieces is None else self.pieces[lo:hi]
+        return _Objects(self.ptrs[lo:hi], self.sizes[lo:hi], pieces)
+
+    def head(self, n: int) -> _Objects:
+        return self.slice(0, n)
+
+    def pick(self, indices: Sequence[int]) -> _Objects:
+        pieces = None if self.pieces is None else [self.pieces[i] for i in indices]
+        return _Objects([self.ptrs[i] for i in indices], [self.sizes[i] for i in indices], pieces)
+
+    def call(self, name: str) -> str:
+        """The client call that moves these objects (for failure messages)."""
+        return name if self.pieces is None else f"{name}_multi_buffers"
+
+    def counts(self) -> list[int] | None:
+        """Pieces per object (None: one each)."""
+        return None if self.pieces is None else [len(p) for p in self.pieces]
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The address spans the objects cover, merged (what must be registered)."""
+        if self.pieces is None:
+            return merge_spans((p, p + n) for p, n in zip(self.ptrs, self.sizes, strict=True))
+        return merge_spans(
+            (p, p + n)
+            for ptrs, sizes in zip(self.ptrs, self.pieces, strict=True)
+            for p, n in zip(ptrs, sizes, strict=True)
+        )
+
+
 def _answer(n: int, code: int | None, call: str) -> int:
     """``n``, as an Outcome that names ``call``'s failing ``code`` when there is one."""
     return n if code is None else Outcome(n, failure(call, code))
 
 
-def _chunks(sizes: Sequence[int], budget: int, max_keys: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` index ranges of about ``budget`` bytes and at most ``max_keys`` keys each
-    (at least one key each)."""
+def _chunks(
+    sizes: Sequence[int],
+    budget: int,
+    max_pieces: int,
+    pieces: Sequence[int] | None = None,
+) -> list[tuple[int, int]]:
+    """``[lo, hi)`` index ranges of about ``budget`` bytes and at most ``max_pieces`` buffer
+    pieces each (``pieces[i]`` for key ``i``, one by default); at least one key each."""
     chunks = []
-    lo = total = 0
+    lo = total = count = 0
     for i, size in enumerate(sizes):
         total += size
-        if total >= budget or i + 1 - lo >= max_keys:
+        count += 1 if pieces is None else pieces[i]
+        following = 1 if pieces is None or i + 1 == len(sizes) else pieces[i + 1]
+        if total >= budget or count + following > max_pieces:
             chunks.append((lo, i + 1))
-            lo, total = i + 1, 0
+            lo, total, count = i + 1, 0, 0
     if lo < len(sizes):
         chunks.append((lo, len(sizes)))
     return chunks
@@ -448,9 +526,7 @@ _CLOSE_AT_EXIT_S = 30.0
 def _close_store(store: Any, probes: ThreadPoolExecutor, wait_s: float) -> None:
     """Close a client, waiting at most ``wait_s`` (it takes 1-3 s, ~20 s after the master
     died); the rest happens on a thread that interpreter exit waits for."""
-    thread = threading.Thread(target=_quiet_close, args=(store, probes), name="kv-mooncake-close")
-    thread.daemon = True
-    thread.start()
+    thread = start_thread(_quiet_close, "kv-mooncake-close", args=(store, probes))
     thread.join(wait_s)
     if thread.is_alive():
         _closing[:] = [t for t in _closing if t.is_alive()]

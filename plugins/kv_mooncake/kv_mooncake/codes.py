@@ -17,6 +17,7 @@ __all__ = [
     "REPLICA_NOT_READY",
     "RPC_FAILED",
     "RPC_TIMEOUT",
+    "TRANSFER_FAILED",
     "failure",
     "reason",
 ]

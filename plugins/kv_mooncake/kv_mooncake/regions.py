@@ -15,18 +15,9 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvcore.requests import merge_spans
+
 __all__ = ["RegionTable", "merge_spans"]
-
-
-def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Union of ``(start, end)`` spans as sorted, disjoint spans (touching ones joined)."""
-    merged: list[list[int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
 
 
 @dataclass

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from kv_mooncake import MooncakeBackend, MooncakeConfig
-from kv_mooncake.backend import _chunks
+from kv_mooncake.backend import _chunks, _Objects
 from kv_mooncake.codes import reason
 from kv_mooncake.regions import RegionTable, merge_spans
 from kv_mooncake.store_keys import MAX_PLAIN_KEY, namespace_pattern, namespace_prefix, store_key
@@ -136,6 +136,10 @@ def test_chunks_split_by_bytes_and_keys() -> None:
     assert _chunks([100, 1, 1], 50, 100) == [(0, 1), (1, 3)]
     assert _chunks([], 10, 100) == []
     assert _chunks([1] * 5, 1000, 2) == [(0, 2), (2, 4), (4, 5)]
+    # segmented objects: the bound is on pieces (Mooncake fails a call beyond 2048 of them)
+    assert _chunks([1] * 5, 1000, 16, [8] * 5) == [(0, 2), (2, 4), (4, 5)]
+    assert _chunks([1] * 4, 1000, 16, [8, 4, 4, 8]) == [(0, 3), (3, 4)]
+    assert _chunks([1] * 2, 1000, 4, [9, 9]) == [(0, 1), (1, 2)]  # a key larger than the bound
 
 
 def test_codes_map_to_reasons() -> None:
@@ -187,7 +191,9 @@ def a_request(n_keys: int, timeout_s: float) -> BlockRequest:
 def test_read_waits_for_a_put_in_flight() -> None:
     store = InFlightStore(not_ready_times=3)
     backend = bare_backend(store)
-    ok, code = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 5.0))
+    ok, code = backend._transfer(
+        "read", ["a", "b", "c"], _Objects([0, 8, 16], [8, 8, 8]), a_request(3, 5.0)
+    )
     assert (ok, code) == ([True, True, True], None)
     assert store.calls[1:] == [["b", "c"]] * 3  # retries start at the object not ready
     assert backend._counters.snapshot()["waits_replica_not_ready"] == 3
@@ -197,7 +203,9 @@ def test_waiting_for_a_put_in_flight_stops_at_the_deadline() -> None:
     store = InFlightStore(not_ready_times=10**6)
     backend = bare_backend(store)
     t0 = time.monotonic()
-    ok, code = backend._transfer("read", ["a", "b", "c"], [0, 8, 16], [8, 8, 8], a_request(3, 0.2))
+    ok, code = backend._transfer(
+        "read", ["a", "b", "c"], _Objects([0, 8, 16], [8, 8, 8]), a_request(3, 0.2)
+    )
     assert time.monotonic() - t0 < 1.0  # deadline 0.2 s; without it: a million retries
     assert ok == [True, False, True] and leading_run(ok) == 1
     assert code is None, "still in flight at the deadline: a deadline, not a backend failure"
