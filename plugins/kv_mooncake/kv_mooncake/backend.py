@@ -51,6 +51,7 @@ from kv_mooncake.codes import (
 )
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
+from kv_mooncake.inflight import PieceBudget, queued_transfers_limit
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
 from kvcore import BlockRequest, Outcome, leading_run
@@ -95,6 +96,9 @@ class MooncakeBackend:
         self._payload = {p: layout.part_bytes(p) for p in layout.parts} if layout else None
         rpc_timeout_s = prepare_environment(config, context.device_id)
         self._inline_after_s = rpc_timeout_s * _INLINE_FACTOR + 0.1
+        # calls of concurrent tasks share the transport's queue: never overfill it
+        self._pieces = PieceBudget(queued_transfers_limit())
+        self._max_call_pieces = min(MAX_BATCH_PIECES, self._pieces.limit)
         self._store: Any = open_store(config, context.device_id)
         from mooncake.store import ReplicateConfig  # importable once open_store succeeded
 
@@ -387,7 +391,7 @@ class MooncakeBackend:
         self._counters.add("unregistered_spans", unregistered)
         try:
             for lo, hi in _chunks(
-                objects.sizes, self.config.max_batch_bytes, MAX_BATCH_PIECES, objects.counts()
+                objects.sizes, self.config.max_batch_bytes, self._max_call_pieces, objects.counts()
             ):
                 if lo and request.expired():
                     self._counters.add("miss_deadline")
@@ -418,7 +422,15 @@ class MooncakeBackend:
         call = self._get if op == "read" else self._put
         backoff = _READY_POLL_S
         while True:
-            codes, nbytes = call(keys[lo:hi], objects.slice(lo, hi))
+            chunk = objects.slice(lo, hi)
+            pieces = chunk.piece_count()
+            if not self._pieces.acquire(pieces, request.time_left()):
+                self._counters.add("miss_deadline")  # other calls held the queue until then
+                return False, None
+            try:
+                codes, nbytes = call(keys[lo:hi], chunk)
+            finally:
+                self._pieces.release(pieces)
             self._counters.add(f"bytes_{op}", nbytes)
             good = [c > 0 for c in codes]
             ok[lo:hi] = good
@@ -474,6 +486,9 @@ class _Objects:
     def call(self, name: str) -> str:
         """The client call that moves these objects (for failure messages)."""
         return name if self.pieces is None else f"{name}_multi_buffers"
+
+    def piece_count(self) -> int:
+        return len(self.sizes) if self.pieces is None else sum(len(p) for p in self.pieces)
 
     def counts(self) -> list[int] | None:
         """Pieces per object (None: one each)."""

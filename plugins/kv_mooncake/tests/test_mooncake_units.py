@@ -10,6 +10,7 @@ import pytest
 from kv_mooncake import MooncakeBackend, MooncakeConfig
 from kv_mooncake.backend import _chunks, _Objects
 from kv_mooncake.codes import reason
+from kv_mooncake.inflight import PieceBudget
 from kv_mooncake.regions import RegionTable, merge_spans
 from kv_mooncake.store_keys import MAX_PLAIN_KEY, namespace_pattern, namespace_prefix, store_key
 
@@ -175,6 +176,8 @@ def bare_backend(store: object, **config: object) -> MooncakeBackend:
     backend._counters = Counters()
     backend._warnings = OnceLogger(logging.getLogger("test"))
     backend._regions = RegionTable(lambda p, n: 0, lambda p: 0)
+    backend._pieces = PieceBudget(2048)
+    backend._max_call_pieces = 1024
     return backend
 
 
@@ -226,3 +229,15 @@ def test_as_is_keys_are_the_names_themselves_when_plain():
 
     config = MooncakeConfig(master_server_address="127.0.0.1:1", key_scheme="as_is")
     assert config.key_scheme == "as_is"
+
+
+def test_the_piece_budget_admits_what_fits_and_times_out_otherwise() -> None:
+    budget = PieceBudget(10)
+    assert budget.acquire(6, 0.0) and budget.acquire(4, 0.0)
+    t0 = time.monotonic()
+    assert not budget.acquire(1, 0.05), "full: waits, then gives up at the timeout"
+    assert 0.04 < time.monotonic() - t0 < 1.0
+    budget.release(4)
+    assert budget.acquire(50, 0.0) is False  # clamped to the limit (10), and 6 are taken
+    budget.release(6)
+    assert budget.acquire(50, 0.0) and budget.in_flight == 10  # a call larger than the queue
