@@ -192,6 +192,24 @@ class CacheLayout(StrictModel):
         """Bytes of one stored object: one block of ``part`` across all layers."""
         return self.layer_block_bytes(part) * self.total_layers
 
+    def stores_like(self, other: CacheLayout) -> bool:
+        """Whether blocks described by ``other`` are the same stored objects: the same parts,
+        each of the same size, and the same tokens per block and element type.
+
+        How an engine carves a block into layers is its own business: a cache whose blocks
+        hold K and V together may describe each block as halves of its layer list (half the
+        layers, each twice as wide) to move fewer, larger pieces, while the rest of the engine
+        describes it layer by layer.
+
+        .. versionadded:: 0.2
+        """
+        return (
+            self.parts == other.parts
+            and all(self.part_bytes(p) == other.part_bytes(p) for p in self.parts)
+            and (self.block_size, self.dtype, self.scale_dtype)
+            == (other.block_size, other.dtype, other.scale_dtype)
+        )
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all parts and layers (what a stored block costs)."""

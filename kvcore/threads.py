@@ -3,10 +3,10 @@
 A thread inherits the CPU affinity of the thread that creates it. CPU inference engines pin
 their compute threads one per core: vLLM's CPU worker binds its OpenMP threads, its own main
 thread included, to one core each before it builds a KV connector. Every pool kvcore or a
-backend starts from such a thread would then run all its copies, checksums and system calls on
-that one core, beside the model's compute thread of that core. Measured in vLLM's CPU engine
-on this project's 2-core machine: a kv_file restore of 188 blocks (98.6 MB) took 72–182 ms
-with the I/O threads pinned to core 0, against ~30 ms for the same read outside the engine.
+backend starts from such a thread then runs all its copies, checksums and system calls on that
+one core, beside the model's compute thread of that core (seen in vLLM 0.32's CPU worker on
+this project's 2-core machine: every kvcore and kv_file thread allowed on core 0 only, the
+engine's other OpenMP thread alone on core 1).
 
 So every thread kvcore starts, and every thread a backend starts while it is opened or through
 :func:`thread_pool`, first moves onto the **I/O cores**:

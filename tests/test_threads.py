@@ -184,3 +184,23 @@ def test_a_host_resident_cache_is_announced_once_and_withdrawn_at_close():
         tm.close()
         backend.close()
     assert _Registering.unregistered == [one.ctypes.data]
+
+
+def test_a_manager_may_describe_the_same_objects_with_other_layers():
+    """An engine whose blocks hold K and V together describes a block as halves of its layer
+    list (vLLM's CPU cache through kvcore-vllm); the backend keeps the scheduler's per-layer
+    layout. Objects of another size are refused, naming the field."""
+    per_layer = lay(num_layers=4, head_dim=8, num_blocks=8)
+    paired = lay(num_layers=2, head_dim=16, num_blocks=8)
+    assert paired.stores_like(per_layer) and per_layer.stores_like(paired)
+    backend = kvcore.open_backend(MemoryBackend, context={"layout": per_layer})
+    cache = cache_of(paired, np.uint16, seed=5)
+    with TransferManager({"layout": paired, "max_model_len": 64}, cache, backend) as tm:
+        assert (
+            tm.write_back({"task_id": "w", "keys": keys(2), "device_block_ids": [1, 2]}).result().ok
+        )
+    wider = lay(num_layers=2, head_dim=8, num_blocks=8)
+    assert not wider.stores_like(per_layer)
+    with pytest.raises(ConfigError, match=r"layout: .* differs from the backend's context"):
+        TransferManager({"layout": wider, "max_model_len": 64}, cache_of(wider, np.uint16), backend)
+    backend.close()

@@ -174,8 +174,11 @@ class TransferConfig(EnvConfig):
         the stored objects, so a mismatch would silently miss (or mix ranks or weights)."""
         mine, theirs = self.context, backend.context
         for field in ("rank", "world_size", "namespace", "layout", "weight_version"):
-            if field == "layout" and theirs.layout is None:
-                continue
+            if field == "layout" and (
+                theirs.layout is None
+                or (mine.layout is not None and mine.layout.stores_like(theirs.layout))
+            ):
+                continue  # the same stored objects, whatever the layers (see stores_like)
             ours = getattr(mine, field)
             other = backend.weight_version if field == "weight_version" else getattr(theirs, field)
             if ours != other:

@@ -50,6 +50,9 @@ def key_scope(
         "kv_heads": str(layout.num_heads),
         "head_dim": str(layout.head_dim),
         "layers": str(layout.num_layers),
+        # what an object holds: 2 = a block's halves of the layer list where K and V share a
+        # block (1, before: halves of each layer's block); another format never matches
+        "object_format": "2",
     }
     return kvcore.KeyScope(
         model=model_identity(vllm_config, settings), namespace=settings.namespace, extra=extra

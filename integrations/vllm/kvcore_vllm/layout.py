@@ -15,14 +15,27 @@ Two questions, answered from vLLM's own objects rather than assumed:
   * **K and V together in each block** (``[num_blocks, heads, block_size, 2 * head_size]``, the CPU
     backend's: per head, the block's K rows then its V rows): one block of one layer is one
     contiguous run of ``2 * kv_layer_block_bytes`` bytes, but its K bytes are not contiguous, so
-    no per-layer K tensor exists. kvcore moves whole blocks and never looks inside them, so the
-    run is split in two equal halves that play the ``k`` and ``v`` parts: viewing the layer as
-    rows of half a block, block ``b``'s first half is row ``2b`` of a view that starts at the
-    layer's first byte and its second half is row ``2b`` of a view that starts half a block
-    later. Both views are contiguous ``[rows, half]`` tensors over vLLM's own memory (no copy),
-    and kvcore is given device block ``2b`` for vLLM block ``b``. The stored objects then hold
-    half-blocks rather than pure K and V; the key scope names the physical form
-    (``kv_format``), so engines whose blocks are laid out differently never share objects.
+    no per-layer K tensor exists. kvcore moves whole blocks and never looks inside them, so a
+    block is split in two halves of equal size that play the ``k`` and ``v`` parts:
+
+    - with an even number of layers, halves of the *layer list*: the ``k`` object of a block is
+      its whole run in each of the first half of the layers, the ``v`` object the same in the
+      second half. The cache is described to kvcore as half the layers, each twice as wide
+      (:attr:`LayerMapping.layout`, which stores the same objects as the scheduler's layout:
+      ``CacheLayout.stores_like``), the per-layer tensors are the layers themselves, and
+      kvcore's block ids are vLLM's. An object is then ``layers / 2`` pieces of a whole layer
+      block rather than ``layers`` pieces of half of one: Mooncake's transport costs about
+      20 µs per piece, so a restore moves half as many pieces (measured on loopback, 98.6 MB:
+      3008 pieces of 32 KiB in 59 ms, 1504 of 64 KiB in 42 ms);
+    - with an odd number, halves of each layer's run: viewing the layer as rows of half a
+      block, block ``b``'s first half is row ``2b`` of a view that starts at the layer's first
+      byte and its second half is row ``2b`` of a view that starts half a block later (both
+      contiguous ``[rows, half]`` views over vLLM's memory), and kvcore is given device block
+      ``2b`` for vLLM block ``b``.
+
+    Either way the stored objects hold pieces of whole blocks rather than pure K and V; the
+    key scope names the object format, so engines whose blocks are laid out differently never
+    share objects.
 
 Anything else (MLA's single latent cache, hybrid models, padded pages, quantised caches with
 separate scales, float32 caches, which kvcore's layout cannot name) is refused with an error
@@ -127,14 +140,17 @@ def cache_layout(kv_cache_config: Any) -> kvcore.CacheLayout:
 class LayerMapping:
     """Per-layer K and V tensors for kvcore's ``DeviceCache``, and how block ids translate.
 
-    ``kvcore_block = vllm_block * id_scale`` (2 for the K-and-V-together form, else 1).
-    ``kv_format`` names the physical form; it is part of every key.
+    ``kvcore_block = vllm_block * id_scale`` (2 for the K-and-V-together form split inside
+    each layer, else 1). ``kv_format`` names the physical form. ``layout`` is how the tensors
+    describe the cache to kvcore's ``DeviceCache`` and ``TransferManager``; it stores the same
+    objects as the scheduler's layout.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     id_scale: int
     kv_format: str
+    layout: kvcore.CacheLayout
 
     def to_kvcore(self, vllm_block_ids: list[int]) -> list[int]:
         scale = self.id_scale
@@ -219,4 +235,19 @@ def map_layer_tensors(
     if len(forms) != 1:
         raise UnsupportedCacheError(f"layers mix physical KV forms {sorted(forms)}")
     form = forms.pop()
-    return LayerMapping(k=k, v=v, id_scale=2 if form == FORM_JOINED else 1, kv_format=form)
+    if form == FORM_JOINED and len(layer_names) % 2 == 0:
+        # halves of the layer list: each layer's whole blocks, half the pieces per object
+        whole = [kv_caches[name].view(num_blocks, -1) for name in layer_names]
+        half_list = len(whole) // 2
+        paired = kvcore.CacheLayout(
+            **{
+                **layout.model_dump(),
+                "num_layers": layout.num_layers // 2,
+                "head_dim": 2 * layout.head_dim,
+            }
+        )
+        return LayerMapping(
+            k=whole[:half_list], v=whole[half_list:], id_scale=1, kv_format=form, layout=paired
+        )
+    scale = 2 if form == FORM_JOINED else 1
+    return LayerMapping(k=k, v=v, id_scale=scale, kv_format=form, layout=layout)

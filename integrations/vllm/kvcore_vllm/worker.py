@@ -84,7 +84,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.mapping = map_layer_tensors(kv_caches, self.layer_names, self.layout, self.num_blocks)
-        self.cache = DeviceCache(self.layout, self.mapping.k, self.mapping.v)
+        self.cache = DeviceCache(self.mapping.layout, self.mapping.k, self.mapping.v)
         self._on_gpu = bool(getattr(self.cache, "on_gpu", False))
         log.info(
             "KVCoreConnector rank %d/%d: %d layers x %d blocks (%s form) on backend %r",
@@ -105,7 +105,7 @@ class WorkerSide:
         if backend is None:
             return None
         config: dict[str, Any] = {
-            "layout": self.layout,
+            "layout": self.mapping.layout if self.mapping is not None else self.layout,
             "max_model_len": self.max_model_len,
             "rank": self.rank,
             "world_size": self.world_size,

@@ -143,7 +143,9 @@ def test_scope_names_model_dtype_block_size_and_namespace(vllm_config: Any) -> N
 # -- the cache layout ----------------------------------------------------------------------
 
 
-def _kv_cache_config(spec: Any = None, num_blocks: int = NUM_BLOCKS) -> Any:
+def _kv_cache_config(
+    spec: Any = None, num_blocks: int = NUM_BLOCKS, layers: list[str] = LAYERS
+) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = spec or FullAttentionSpec(
@@ -152,7 +154,7 @@ def _kv_cache_config(spec: Any = None, num_blocks: int = NUM_BLOCKS) -> Any:
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=list(LAYERS), kv_cache_spec=spec)],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=list(layers), kv_cache_spec=spec)],
     )
 
 
@@ -167,34 +169,49 @@ def _split_tensor() -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("make", "form"), [(_joined_tensor, FORM_JOINED), (_split_tensor, FORM_SPLIT)]
+    ("make", "form", "num_layers"),
+    [
+        (_joined_tensor, FORM_JOINED, 2),
+        (_joined_tensor, FORM_JOINED, 3),  # odd: each layer's block split in two
+        (_split_tensor, FORM_SPLIT, 2),
+    ],
 )
-def test_blocks_round_trip_through_kvcore_without_copies(make: Any, form: str) -> None:
+def test_blocks_round_trip_through_kvcore_without_copies(
+    make: Any, form: str, num_layers: int
+) -> None:
     """Blocks 3 and 5 of one cache, written through kvcore and read into blocks 7 and 9 of
     another, arrive byte for byte; no other block of either cache changes."""
-    layout = cache_layout(_kv_cache_config())
-    src = {name: make() for name in LAYERS}
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    layout = cache_layout(_kv_cache_config(layers=layers))
+    src = {name: make() for name in layers}
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     before = {name: t.clone() for name, t in src.items()}
     block = (lambda t, b: t[b]) if form == FORM_JOINED else (lambda t, b: t[:, b])
-    m_src = map_layer_tensors(src, LAYERS, layout, NUM_BLOCKS)
-    m_dst = map_layer_tensors(dst, LAYERS, layout, NUM_BLOCKS)
+    m_src = map_layer_tensors(src, layers, layout, NUM_BLOCKS)
+    m_dst = map_layer_tensors(dst, layers, layout, NUM_BLOCKS)
     assert m_src.kv_format == form
     # views over vLLM's memory, not copies
     assert m_src.k[0].data_ptr() == src[LAYERS[0]].data_ptr()
+    if form == FORM_JOINED and num_layers % 2 == 0:  # halves of the layer list
+        assert (m_src.id_scale, m_src.layout.num_layers) == (1, num_layers // 2)
+        assert len(m_src.k) == len(m_src.v) == num_layers // 2
+    elif form == FORM_JOINED:  # halves of each layer's block, kvcore block 2b for vLLM's b
+        assert (m_src.id_scale, m_src.layout) == (2, layout)
+    assert m_src.layout.stores_like(layout)
+    # the backend is opened with the scheduler's layout, as the connector's backends are
     backend = kvcore.open_backend("memory", {}, context={"layout": layout})
-    config = {"layout": layout, "max_model_len": 2048}
+    config = {"layout": m_src.layout, "max_model_len": 2048}
     keys = ["a" * 64, "b" * 64]
-    with TransferManager(config, DeviceCache(layout, m_src.k, m_src.v), backend) as tm:
+    with TransferManager(config, DeviceCache(m_src.layout, m_src.k, m_src.v), backend) as tm:
         ids = m_src.to_kvcore([3, 5])
         result = tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": ids}).result()
         assert result.num_blocks == 2
-    with TransferManager(config, DeviceCache(layout, m_dst.k, m_dst.v), backend) as tm:
+    with TransferManager(config, DeviceCache(m_dst.layout, m_dst.k, m_dst.v), backend) as tm:
         ids = m_dst.to_kvcore([7, 9])
         result = tm.read({"task_id": "r", "keys": keys, "device_block_ids": ids}).result()
         assert result.num_blocks == 2
     backend.close()
-    for name in LAYERS:
+    for name in layers:
         assert torch.equal(block(dst[name], 7), block(src[name], 3))
         assert torch.equal(block(dst[name], 9), block(src[name], 5))
         untouched = [b for b in range(NUM_BLOCKS) if b not in (7, 9)]
