@@ -8,7 +8,9 @@ Every engine is a fresh process; each one first serves a short warm-up prompt.
 
 - **TTFT, recomputed vs restored** (kv_file): a 6000-token prompt on an engine without the
   connector, and on a fresh engine with KVCoreConnector over a kv_file store that an earlier
-  engine filled with that prompt (the store's files are in the page cache). TTFT is vLLM's
+  engine filled with that prompt. The store's files are in whatever state the kernel left them:
+  on this project's machines DAMON pages out file pages idle for ~30 s, which an engine's
+  start-up takes, so a restore reads part of the store from disk. TTFT is vLLM's
   own first-token latency of the request. Goal: restored <= 0.25x recomputed. The restored
   engine's tokens are compared with the recomputed engine's.
 - **Per-step overhead when nothing is stored**: two engines in one process, one without the
@@ -21,7 +23,9 @@ Every engine is a fresh process; each one first serves a short warm-up prompt.
 - **vLLM's MooncakeStoreConnector vs KVCoreConnector on kv_mooncake**: the same master (with a
   storage node holding the data, ``standalone-store`` mode for vLLM's connector), the same
   prompt, each restoring into a fresh engine; ratio = MooncakeStoreConnector's restored TTFT
-  over ours (goal >= 1.0: ours is no slower).
+  over ours (goal >= 1.0: ours is no slower). Ours twice: as configured by default (a digest
+  object beside each block, checked on every read: kv_mooncake keeps no checksum) and with
+  ``verify_blocks="never"``, which checks as little as vLLM's connector does.
 
 Contenders alternate within every repetition; figures are medians (ranges beside them).
 One JSON object on stdout. Needs vLLM: run it with integrations/vllm/.venv/bin/python (created
