@@ -119,16 +119,6 @@ class HostBuffers:
             raise ValueError("segmented host buffers have no single view: use views()")
         return _view(self.ptrs[block][part], self.nbytes[part])
 
-    def spans(self) -> list[tuple[int, int]]:
-        """Every byte these buffers cover, as sorted disjoint ``(start, end)`` address spans
-        (what a zero-copy client must have registered)."""
-        return merge_spans(
-            (ptr, ptr + size)
-            for block in range(self.num_blocks)
-            for part in range(len(self.nbytes))
-            for ptr, size in self.segments(block, part)
-        )
-
     def flat(self) -> tuple[list[int], list[int]]:
         """Pointers and sizes in ``[block][part]`` order, as batch client APIs take them
         (contiguous buffers only)."""

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the cores kvcore's threads run on.
 IO_CPUS_ENV = "KVCORE_IO_CPUS"
 
-_lock = threading.Lock()
 _chosen: frozenset[int] | None = None  # set_io_cpus
 _cached: tuple[int, frozenset[int]] | None = None  # (pid, cores) of the default
 
@@ -118,8 +117,7 @@ def set_io_cpus(cpus: Iterable[int] | str | None) -> None:
         chosen = frozenset(int(c) for c in cpus)
         if not chosen or min(chosen) < 0:
             raise ConfigError(f"io_cpus: {sorted(chosen)} names no valid core")
-    with _lock:
-        _chosen = chosen
+    _chosen = chosen
 
 
 def usable_cpus() -> int:

@@ -68,6 +68,13 @@ def test_a_bad_core_list_names_the_variable(text):
         threads.parse_cpu_list(text)
 
 
+def test_a_bad_environment_value_is_refused_when_the_manager_starts(monkeypatch):
+    monkeypatch.setenv(threads.IO_CPUS_ENV, "2-x")
+    layout = lay()
+    with pytest.raises(ConfigError, match=r"KVCORE_IO_CPUS: '2-x'"):
+        TransferManager({"layout": layout, "max_model_len": 64}, cache_of(layout, np.uint16))
+
+
 def test_set_io_cpus_refuses_nothing_and_negative_cores():
     for bad in ([], [-1]):
         with pytest.raises(ConfigError, match="io_cpus"):

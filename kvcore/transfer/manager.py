@@ -26,7 +26,7 @@ from kvcore.errors import ConfigError
 from kvcore.metrics import Metrics
 from kvcore.registry import open_backend
 from kvcore.schemas import FlushTask, QueryTask, ReadTask, SwapTask, TaskResult, WriteTask
-from kvcore.threads import thread_pool
+from kvcore.threads import io_cpus, thread_pool
 from kvcore.transfer.blocks import BlockTasks
 from kvcore.transfer.caches import DeviceCache, HostCache
 from kvcore.transfer.config import TransferConfig
@@ -70,6 +70,7 @@ class TransferManager:
         except ValidationError as exc:
             raise ConfigError.from_validation("transfer config", exc) from None
         self.layout = cfg.layout
+        io_cpus()  # a bad KVCORE_IO_CPUS is refused here, naming it, not warned per thread
         self._owns_backend = isinstance(backend, str)
         if isinstance(backend, str):
             backend = open_backend(backend, backend_config, context=cfg.context, strict=cfg.strict)

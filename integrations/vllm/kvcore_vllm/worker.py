@@ -105,7 +105,7 @@ class WorkerSide:
         if backend is None:
             return None
         config: dict[str, Any] = {
-            "layout": self.mapping.layout if self.mapping is not None else self.layout,
+            "layout": self.cache.layout,  # the mapping's: see LayerMapping.layout
             "max_model_len": self.max_model_len,
             "rank": self.rank,
             "world_size": self.world_size,

@@ -138,7 +138,7 @@ class MooncakeBackend:
                 return present
         # otherwise the get's own per-object answers (-704 for a miss) end the run
         m = present * parts
-        ok, code = self._transfer("read", keys[:m], objects.head(m), request)
+        ok, code = self._transfer("read", keys[:m], objects.slice(0, m), request)
         n = leading_run(ok, parts)
         if code is None and n == present:
             return present  # with the existence check's failure, if one ended the run
@@ -476,9 +476,6 @@ class _Objects:
         pieces = None if self.pieces is None else self.pieces[lo:hi]
         return _Objects(self.ptrs[lo:hi], self.sizes[lo:hi], pieces)
 
-    def head(self, n: int) -> _Objects:
-        return self.slice(0, n)
-
     def pick(self, indices: Sequence[int]) -> _Objects:
         pieces = None if self.pieces is None else [self.pieces[i] for i in indices]
         return _Objects([self.ptrs[i] for i in indices], [self.sizes[i] for i in indices], pieces)
@@ -488,7 +485,8 @@ class _Objects:
         return name if self.pieces is None else f"{name}_multi_buffers"
 
     def piece_count(self) -> int:
-        return len(self.sizes) if self.pieces is None else sum(len(p) for p in self.pieces)
+        counts = self.counts()
+        return len(self.sizes) if counts is None else sum(counts)
 
     def counts(self) -> list[int] | None:
         """Pieces per object (None: one each)."""
