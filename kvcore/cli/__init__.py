@@ -54,6 +54,24 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Any:
     return parse
 
 
+def count_option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    minimum: int,
+    maximum: int | None,
+    default: int | None,
+    help_text: str,
+    **extra: Any,
+) -> None:
+    """An integer option from ``minimum`` to ``maximum`` (None: no upper bound); the help
+    says its default, which argparse fills in."""
+    if default is not None:
+        help_text += " (default: %(default)s)"
+    parser.add_argument(
+        flag, type=_int_at_least(minimum, maximum), default=default, help=help_text, **extra
+    )
+
+
 def _installed_names() -> str:
     from kvcore.registry import available_backends
 
@@ -109,7 +127,9 @@ def _parser() -> _Parser:
         "and report what opening says, e.g. a missing vendor SDK or an unreachable server",
     )
 
-    def backend_args(sp: argparse.ArgumentParser, what: str) -> None:
+    def backend_command(name: str, what: str, **texts: str) -> argparse.ArgumentParser:
+        """A command that runs on one backend: ``--backend``, ``--config`` and the rest."""
+        sp = sub.add_parser(name, **texts)
         sp.add_argument(
             "--backend",
             default="file",
@@ -136,59 +156,40 @@ def _parser() -> _Parser:
             "backend's clear hook)",
         )
         sp.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+        return sp
 
-    d = sub.add_parser(
+    d = backend_command(
         "demo",
+        "run the workload on",
         help="replay a multi-turn chat workload through a backend, every byte verified",
         description="Replay conversations that share a system prompt and grow turn by turn "
         "through the TransferManager: each turn restores the stored prefix, verifies every "
         "restored byte, computes the rest and writes it back.",
     )
-    backend_args(d, "run the workload on")
-    d.add_argument(
-        "--conversations",
-        type=_int_at_least(1, 1000),
-        default=8,
-        help="conversations replayed side by side (default: %(default)s)",
-    )
-    d.add_argument(
-        "--turns",
-        type=_int_at_least(1, 100),
-        default=6,
-        help="turns per conversation (default: %(default)s)",
-    )
-    d.add_argument(
-        "--seed", type=_int_at_least(0), default=0, help="seed of the token streams (default: 0)"
-    )
-    d.add_argument(
+    count_option(d, "--conversations", 1, 1000, 8, "conversations replayed side by side")
+    count_option(d, "--turns", 1, 100, 6, "turns per conversation")
+    count_option(d, "--seed", 0, None, 0, "seed of the token streams")
+    count_option(
+        d,
         "--metrics-port",
-        type=_int_at_least(0, 65535),
-        default=None,
-        metavar="PORT",
-        help="serve the run's Prometheus metrics on 127.0.0.1:PORT/metrics while it runs "
+        0,
+        65535,
+        None,
+        "serve the run's Prometheus metrics on 127.0.0.1:PORT/metrics while it runs "
         "(0: any free port) (default: no endpoint)",
+        metavar="PORT",
     )
 
-    bench = sub.add_parser(
+    bench = backend_command(
         "bench",
+        "measure",
         help="backend throughput through kvcore beside same-run baselines",
         description="Write, query and read blocks of the typical layout (28 layers x 8 heads x "
         "64 tokens x 128 dim, bfloat16: 7 MiB per block) through kvcore, beside memcpy and "
         "the backend's own raw baseline measured in the same run.",
     )
-    backend_args(bench, "measure")
-    bench.add_argument(
-        "--blocks",
-        type=_int_at_least(1, 4096),
-        default=64,
-        help="blocks per operation, 7 MiB each (default: %(default)s)",
-    )
-    bench.add_argument(
-        "--repeats",
-        type=_int_at_least(1, 1000),
-        default=5,
-        help="repetitions; figures are their medians (default: %(default)s)",
-    )
+    count_option(bench, "--blocks", 1, 4096, 64, "blocks per operation, 7 MiB each")
+    count_option(bench, "--repeats", 1, 1000, 5, "repetitions; figures are their medians")
     bench.add_argument(
         "--plot",
         metavar="FILE.png",

@@ -25,7 +25,7 @@ from kvcore.cli.console import CommandConsole, step_progress
 from kvcore.cli.errors import ExitCode
 from kvcore.keys import KeyScope, block_hashes
 from kvcore.metrics import serve_prometheus
-from kvcore.schemas import BackendContext, CacheLayout
+from kvcore.schemas import BackendContext, CacheLayout, TaskResult
 from kvcore.transfer import DeviceCache, TransferManager
 
 LAYOUT = CacheLayout(
@@ -36,20 +36,35 @@ SYSTEM_PROMPT_TOKENS = 256
 
 
 @dataclass
+class Moved:
+    """Blocks moved in one direction over the run, and the time the manager reported."""
+
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, result: TaskResult) -> None:
+        self.blocks += result.num_blocks
+        self.bytes += result.bytes
+        self.seconds += result.timings_s.get("total", 0.0)
+
+    @property
+    def gbps(self) -> float:
+        """10^9 bytes per second, as in every kvcore figure."""
+        return self.bytes / 1e9 / self.seconds if self.seconds else 0.0
+
+
+@dataclass
 class Totals:
     turns: int = 0
     prompt_tokens: int = 0
     prompt_blocks: int = 0
-    blocks_read: int = 0
-    blocks_written: int = 0
     blocks_skipped: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_s: float = 0.0
-    write_s: float = 0.0
     mismatches: int = 0
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
+    read: Moved = field(default_factory=Moved)
+    written: Moved = field(default_factory=Moved)
 
 
 def expected_block(key: str, part: str) -> np.ndarray:
@@ -133,7 +148,7 @@ def run_workload(
                 histories[conv] = one_turn(
                     tm, engine, workload, totals, histories[conv], turn, conv
                 )
-                hit = 100 * totals.blocks_read / max(totals.prompt_blocks, 1)
+                hit = 100 * totals.read.blocks / max(totals.prompt_blocks, 1)
                 progress.advance(note=f"hit rate {hit:.1f} %")
     return totals
 
@@ -171,9 +186,7 @@ def one_turn(
         }
     ).result()
     restored = res.num_blocks
-    totals.read_s += res.timings_s.get("total", 0.0)
-    totals.bytes_read += res.bytes
-    totals.blocks_read += restored
+    totals.read.add(res)
     if res.error:
         _error(totals, f"{tid} read: {res.error}")
     for j in range(restored):
@@ -185,10 +198,8 @@ def one_turn(
     wres = tm.write_back(
         {"task_id": f"{tid}-write", "keys": keys, "device_block_ids": ids, "token_ids": full}
     ).result()
-    totals.write_s += wres.timings_s.get("total", 0.0)
-    totals.blocks_written += wres.num_blocks
+    totals.written.add(wres)
     totals.blocks_skipped += wres.skipped_blocks
-    totals.bytes_written += wres.bytes
     if wres.error:
         _error(totals, f"{tid} write: {wres.error}")
     totals.turns += 1
@@ -206,21 +217,20 @@ def _error(totals: Totals, msg: str) -> None:
 def summary(
     totals: Totals, backend: Backend, elapsed: float, data: str, staging_bytes: int
 ) -> dict[str, Any]:
-    gb = 1e9  # GB/s are 10^9 bytes per second in every kvcore figure
     return {
         "backend": backend.name,
         "namespace": backend.context.namespace,
         "turns": totals.turns,
         "prompt_tokens": totals.prompt_tokens,
         "prompt_blocks": totals.prompt_blocks,
-        "hit_rate": totals.blocks_read / max(totals.prompt_blocks, 1),
-        "blocks_read": totals.blocks_read,
-        "blocks_written": totals.blocks_written,
+        "hit_rate": totals.read.blocks / max(totals.prompt_blocks, 1),
+        "blocks_read": totals.read.blocks,
+        "blocks_written": totals.written.blocks,
         "blocks_skipped": totals.blocks_skipped,
-        "bytes_read": totals.bytes_read,
-        "bytes_written": totals.bytes_written,
-        "read_gbps": totals.bytes_read / gb / totals.read_s if totals.read_s else 0.0,
-        "write_gbps": totals.bytes_written / gb / totals.write_s if totals.write_s else 0.0,
+        "bytes_read": totals.read.bytes,
+        "bytes_written": totals.written.bytes,
+        "read_gbps": totals.read.gbps,
+        "write_gbps": totals.written.gbps,
         "mismatches": totals.mismatches,
         "errors": totals.errors,
         "error_samples": totals.error_samples,

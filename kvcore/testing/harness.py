@@ -155,6 +155,17 @@ class Harness:
         done = self.backend.read(self.request(seq, start, n, **buffers, **kw))
         return done, extract()
 
+    def assert_reads_back(self, seq: Sequence_, stored: int, *, version: int = 0) -> None:
+        """Read all of ``seq`` and assert that exactly its first ``stored`` blocks come back,
+        byte for byte as written (with ``version``).
+
+        .. versionadded:: 0.2
+        """
+        done, got = self.read(seq)
+        assert done == stored, f"read {done} blocks where {stored} are stored"
+        wrong = blocks_equal(got[:stored], self.payload(seq, 0, stored, version))
+        assert wrong == [], f"blocks {wrong} came back with other bytes than were written"
+
     def write_request(
         self, seq: Sequence_, start: int = 0, n: int | None = None, *, version: int = 0, **kw
     ) -> BlockRequest:

@@ -92,29 +92,20 @@ def small_layout(dtype: str = "bfloat16") -> CacheLayout:
     )
 
 
+def open_without_layout(target: str | type, config: dict, context: dict) -> Backend:
+    """The backend opened as tools open it: ``layout=None`` (strict: hook errors raise)."""
+    return open_backend(target, config, context={**context, "layout": None}, strict=True)
+
+
 def deadline_layout(num_blocks: int = _DEADLINE_MAX_BLOCKS) -> CacheLayout:
     """Small parts (1 KiB), many blocks: the mid-operation deadline test's layout. Many small
     objects make a batch slow on any backend without needing much memory."""
-    return CacheLayout(
-        num_layers=4,
-        num_heads=2,
-        block_size=4,
-        head_dim=16,
-        dtype="bfloat16",
-        num_blocks=num_blocks,
-    )
+    return CacheLayout(num_layers=4, num_heads=2, block_size=4, head_dim=16, num_blocks=num_blocks)
 
 
 def capacity_layout(num_blocks: int = 4096) -> CacheLayout:
     """The layout of the capacity test: 16 KiB per part, 32 KiB per block."""
-    return CacheLayout(
-        num_layers=4,
-        num_heads=4,
-        block_size=16,
-        head_dim=32,
-        dtype="bfloat16",
-        num_blocks=num_blocks,
-    )
+    return CacheLayout(num_layers=4, num_heads=4, block_size=16, head_dim=32, num_blocks=num_blocks)
 
 
 @dataclass(frozen=True)
@@ -296,9 +287,7 @@ class BackendConformance:
     def test_large_batch(self, harness: Harness) -> None:
         seq = harness.new_sequence(32)
         assert harness.write(seq) == 32
-        done, got = harness.read(seq)
-        assert done == 32
-        assert blocks_equal(got, harness.payload(seq, 0, 32)) == []
+        harness.assert_reads_back(seq, 32)
 
     # -- leading-run semantics -------------------------------------------------------------
 
@@ -312,26 +301,19 @@ class BackendConformance:
     def test_absence_is_not_a_failure(self, harness: Harness) -> None:
         """``Outcome.failure`` is for failures: a block that is simply not stored is a clean
         miss, or the engine would count every cold prefix as a backend error."""
+
+        def plain_count(what: str, got: int, want: int) -> None:
+            assert got == want, f"{what}: {int(got)} blocks, expected {want}"
+            assert getattr(got, "failure", None) is None, (
+                f"{what} reported failure {got.failure!r}: absence must be a plain short count"
+            )
+
         seq = harness.new_sequence(3)
-        for what, got in (
-            ("query of unwritten blocks", harness.query(seq)),
-            ("read of unwritten blocks", harness.read(seq)[0]),
-        ):
-            assert got == 0
-            assert getattr(got, "failure", None) is None, (
-                f"{what} reported failure {got.failure!r}: absence must be a plain short count"
-            )
-        written = harness.write(seq, 0, 2)
-        assert written == 2
-        assert getattr(written, "failure", None) is None
-        for what, got in (
-            ("query past the stored blocks", harness.query(seq)),
-            ("read past the stored blocks", harness.read(seq)[0]),
-        ):
-            assert got == 2
-            assert getattr(got, "failure", None) is None, (
-                f"{what} reported failure {got.failure!r}: absence must be a plain short count"
-            )
+        plain_count("query of unwritten blocks", harness.query(seq), 0)
+        plain_count("read of unwritten blocks", harness.read(seq)[0], 0)
+        plain_count("write of two blocks", harness.write(seq, 0, 2), 2)
+        plain_count("query past the stored blocks", harness.query(seq), 2)
+        plain_count("read past the stored blocks", harness.read(seq)[0], 2)
 
     @exercises(*DATA_HOOKS)
     def test_gap_ends_the_run(self, harness: Harness) -> None:
@@ -339,9 +321,7 @@ class BackendConformance:
         assert harness.write(seq, 0, 2) == 2
         assert harness.write(seq, 3, 2) in (0, 1, 2)  # may be refused without block 2
         assert harness.query(seq) == 2
-        done, got = harness.read(seq)
-        assert done == 2
-        assert blocks_equal(got[:2], harness.payload(seq, 0, 2)) == []
+        harness.assert_reads_back(seq, 2)
 
     @exercises(*DATA_HOOKS)
     def test_run_stops_where_stored_blocks_end(self, harness: Harness) -> None:
@@ -401,12 +381,7 @@ class BackendConformance:
         opened for tools, or an engine that shares a store with another layout) any size
         reaches the backend, so that is where the kit asks."""
         try:
-            backend = open_backend(
-                backend_target,
-                backend_config,
-                context={**backend_context, "layout": None},
-                strict=True,
-            )
+            backend = open_without_layout(backend_target, backend_config, backend_context)
         except ConfigError as exc:
             pytest.skip(f"backend needs a layout to open: {exc}")
         harness = Harness(backend, small_layout())
@@ -432,9 +407,7 @@ class BackendConformance:
         assert harness.write(seq) == 4
         assert harness.write(seq) == 4
         assert harness.query(seq) == 4
-        done, got = harness.read(seq)
-        assert done == 4
-        assert blocks_equal(got, harness.payload(seq, 0, 4)) == []
+        harness.assert_reads_back(seq, 4)
 
     @exercises("kvcore_write", "kvcore_read")
     def test_rewrite_never_mixes_versions(self, harness: Harness) -> None:
@@ -474,25 +447,20 @@ class BackendConformance:
         n = 2 * cap.nbytes // block + 1
         h = open_harness(capacity_layout(max(n, 16)), config=cap.config)
         seq = h.new_sequence(n)
-        acked = h.write(seq)
-        kept = h.query(seq)
-        assert kept >= acked, (
-            f"write acknowledged {int(acked)} of {n} blocks ({n * block} bytes, about twice the "
-            f"declared capacity of {cap.nbytes}), but a query right after counts {int(kept)}: "
-            "a write must never acknowledge blocks the store did not keep"
+        acked = _written_and_kept(
+            h, seq, f"{n} blocks ({n * block} bytes, about twice the declared capacity)"
         )
         done, got = h.read(seq, 0, int(acked))
         assert done == acked, f"read restores {int(done)} of the {int(acked)} acknowledged blocks"
         assert blocks_equal(got, h.payload(seq, 0, int(acked))) == []
         third = max(1, cap.nbytes // (3 * block))
         for k in range(6):
-            batch = h.new_sequence(third)
-            acked = h.write(batch)
-            kept = h.query(batch)
-            assert kept >= acked, (
-                f"batch {k} of {third} blocks (a third of the capacity, after "
-                f"{k * third * block + n * block} bytes already written): write acknowledged "
-                f"{int(acked)}, a query right after counts {int(kept)}"
+            written_before = k * third * block + n * block
+            _written_and_kept(
+                h,
+                h.new_sequence(third),
+                f"batch {k} of {third} blocks (a third of the capacity, after {written_before} "
+                "bytes already written)",
             )
 
     @requires(persistent=True)
@@ -675,17 +643,13 @@ class BackendConformance:
 
     @exercises("kvcore_remove", *DATA_HOOKS)
     def test_remove_deletes_the_requested_blocks(self, harness: Harness) -> None:
-        backend = harness.backend
-        _require_hook(backend, "kvcore_remove")
-        seq = harness.new_sequence(5)
-        assert harness.write(seq) == 5
+        backend, seq = _stored_for_removal(harness, 5)
         removed = backend.remove(harness.request(seq, 3, 2))
         assert removed == 2, f"remove of 2 stored blocks reported {int(removed)}"
         assert harness.query(seq, 3) == 0, "removed blocks are still found"
         assert harness.read(seq, 3)[0] == 0, "removed blocks can still be read"
         assert harness.query(seq) == 3, "remove of blocks 3-4 dropped blocks 0-2"
-        done, got = harness.read(seq)
-        assert done == 3 and blocks_equal(got[:3], harness.payload(seq, 0, 3)) == []
+        harness.assert_reads_back(seq, 3)
         again = backend.remove(harness.request(seq, 3, 2))
         assert again == 0, f"a second remove of the same blocks reported {int(again)}"
         never = backend.remove(harness.request(harness.new_sequence(2)))
@@ -694,16 +658,12 @@ class BackendConformance:
         assert partly == 3, f"remove of 5 blocks of which 3 were stored reported {int(partly)}"
         assert harness.query(seq) == 0
         assert harness.write(seq) == 5, "blocks cannot be written again after a remove"
-        done, got = harness.read(seq)
-        assert done == 5 and blocks_equal(got, harness.payload(seq, 0, 5)) == []
+        harness.assert_reads_back(seq, 5)
 
     @requires(addressing="key")
     @exercises("kvcore_remove", *DATA_HOOKS)
     def test_remove_of_middle_blocks_keeps_the_others(self, harness: Harness) -> None:
-        backend = harness.backend
-        _require_hook(backend, "kvcore_remove")
-        seq = harness.new_sequence(5)
-        assert harness.write(seq) == 5
+        backend, seq = _stored_for_removal(harness, 5)
         assert backend.remove(harness.request(seq, 1, 2)) == 2
         assert harness.query(seq) == 1
         assert harness.query(seq, 3) == 2, "remove of blocks 1-2 dropped blocks 3-4"
@@ -806,9 +766,7 @@ class BackendConformance:
         written = harness.write(seq)
         assert written in (0, 1)
         if written:
-            done, got = harness.read(seq)
-            assert done == 1
-            assert blocks_equal(got, harness.payload(seq, 0, 1)) == []
+            harness.assert_reads_back(seq, 1)
 
     @exercises()
     def test_unknown_config_field_is_named(
@@ -837,12 +795,7 @@ class BackendConformance:
         a backend with ``layout=None``: it answers queries, or refuses with a ConfigError that
         says what it needs - never an AttributeError on None."""
         try:
-            bare = open_backend(
-                backend_target,
-                backend_config,
-                context={**backend_context, "layout": None},
-                strict=True,
-            )
+            bare = open_without_layout(backend_target, backend_config, backend_context)
         except ConfigError:
             return  # a clear refusal is allowed
         with bare:
@@ -980,6 +933,27 @@ class BackendConformance:
 
 def _backend_class(target: str | type) -> type:
     return load_backend_class(target) if isinstance(target, str) else target
+
+
+def _written_and_kept(h: Harness, seq: Sequence_, what: str) -> int:
+    """Write ``seq``; assert a query right after finds at least what the write acknowledged
+    (a write must never acknowledge blocks the store did not keep). Returns the count."""
+    acked = h.write(seq)
+    kept = h.query(seq)
+    assert kept >= acked, (
+        f"{what}: write acknowledged {int(acked)}, but a query right after counts {int(kept)}: "
+        "a write must never acknowledge blocks the store did not keep"
+    )
+    return int(acked)
+
+
+def _stored_for_removal(harness: Harness, n: int) -> tuple[Backend, Sequence_]:
+    """The harness's backend (skipping when it has no ``kvcore_remove``) and ``n`` blocks
+    written to it."""
+    _require_hook(harness.backend, "kvcore_remove")
+    seq = harness.new_sequence(n)
+    assert harness.write(seq) == n
+    return harness.backend, seq
 
 
 def _require_hook(backend: Backend, hook: str) -> None:

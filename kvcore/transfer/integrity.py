@@ -14,6 +14,7 @@ Backends that verify what they return (``Capabilities.checksums``, kv_file) skip
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -67,11 +68,15 @@ class VerifiedBlocks:
             part_nbytes=(self.size,),
         )
 
-    def _buffer(self, n: int) -> tuple[np.ndarray, HostBuffers]:
-        buf = np.empty(max(n, 1) * self.size, dtype=np.uint8)
+    def _digest_buffers(self, request: BlockRequest, n: int) -> tuple[np.ndarray, BlockRequest]:
+        """A buffer for the digests of the first ``n`` blocks of ``request`` (exactly ``n``
+        digests long), and the request that stores them from it or reads them into it."""
+        buf = np.empty(n * self.size, dtype=np.uint8)
         base = buf.ctypes.data
-        ptrs = tuple((base + i * self.size,) for i in range(n))
-        return buf, HostBuffers(ptrs=ptrs, nbytes=(self.size,))
+        host = HostBuffers(
+            ptrs=tuple((base + i * self.size,) for i in range(n)), nbytes=(self.size,)
+        )
+        return buf, self._digests(request.slice(0, n), host=host)
 
     @staticmethod
     def digest(host: HostBuffers, block: int) -> bytes:
@@ -86,41 +91,36 @@ class VerifiedBlocks:
 
     def query(self, request: BlockRequest) -> Outcome:
         """Leading blocks whose parts and digest are all stored."""
-        data = self.backend.query(request)
-        if data == 0:
-            return data
-        sums = self.backend.query(self._digests(request.slice(0, data)))
-        return sums if sums < data else data
+        return _with_digests(
+            self.backend.query(request),
+            lambda n: self.backend.query(self._digests(request.slice(0, n))),
+        )
 
     def write(self, request: BlockRequest) -> Outcome:
         """Store the parts, then the digests of the blocks stored; a block counts with both."""
-        got = self.backend.write(request)
-        if got == 0:
-            return got
-        assert request.host is not None
-        buf, host = self._buffer(got)
-        for i in range(got):
-            buf[i * self.size : (i + 1) * self.size] = np.frombuffer(
-                self.digest(request.host, i), dtype=np.uint8
-            )
-        sums = self.backend.write(self._digests(request.slice(0, got), host=host))
-        return sums if sums < got else got
+        return _with_digests(self.backend.write(request), lambda n: self._store_digests(request, n))
 
     def read(self, request: BlockRequest) -> Outcome:
         """Read the parts and the digests; count the leading blocks whose bytes match."""
-        got = self.backend.read(request)
-        if got == 0:
-            return got
+        return _with_digests(self.backend.read(request), lambda n: self._check_digests(request, n))
+
+    def _store_digests(self, request: BlockRequest, n: int) -> Outcome:
         assert request.host is not None
-        buf, host = self._buffer(got)
-        sums = self.backend.read(self._digests(request.slice(0, got), host=host))
-        n = min(int(got), int(sums))
-        for i in range(n):
+        digests = b"".join(self.digest(request.host, i) for i in range(n))
+        buf, sums_request = self._digest_buffers(request, n)
+        buf[:] = np.frombuffer(digests, dtype=np.uint8)
+        return self.backend.write(sums_request)
+
+    def _check_digests(self, request: BlockRequest, n: int) -> Outcome:
+        """Read the digests of the first ``n`` blocks read; the first block that differs from
+        its digest ends the run (and is removed)."""
+        assert request.host is not None
+        buf, sums_request = self._digest_buffers(request, n)
+        sums = self.backend.read(sums_request)
+        for i in range(min(n, int(sums))):
             if self.digest(request.host, i) != buf[i * self.size : (i + 1) * self.size].tobytes():
                 return self._corrupt(request, i)
-        if sums < got:
-            return sums
-        return got
+        return sums
 
     def _corrupt(self, request: BlockRequest, i: int) -> Outcome:
         block = request.start_block + i
@@ -147,3 +147,13 @@ class VerifiedBlocks:
 
     def implements(self, hook: str) -> bool:
         return self.backend.implements(hook)
+
+
+def _with_digests(data: Outcome, digests: Callable[[int], Outcome]) -> Outcome:
+    """Blocks that count: ``data`` is what the backend did with the blocks' parts, and
+    ``digests(n)`` does the same for the digests of the first ``n`` of them. The shorter
+    outcome wins, so a block counts only when both hold (and a failure is kept)."""
+    if data == 0:
+        return data
+    sums = digests(int(data))
+    return sums if sums < data else data
