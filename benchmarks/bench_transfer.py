@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--fsync", default=None, help="kv_file fsync policy (default: its default)")
     ap.add_argument("--io-threads", type=int, default=None, help="kv_file io_threads")
     ap.add_argument("--pipeline-blocks", type=int, default=16, help="staged path's span")
+    ap.add_argument("--pipeline-depth", type=int, default=None, help="staged path's depth")
     ap.add_argument(
         "--root", default=None, help="disk directory for the cold-read store (default: a temp dir)"
     )
@@ -202,17 +203,19 @@ def main() -> None:
         resident_ok = backend.capabilities.segmented_host
         base = {"layout": layout, "max_model_len": n * layout.block_size, "default_timeout_s": 600,
                 "read_workers": 1, "write_workers": 1}  # fmt: skip
-        staged = TransferManager(
-            {**base, "storage_io": "staged", "pipeline_blocks": args.pipeline_blocks}, src, backend
-        )
+        staged_cfg: dict[str, object] = {
+            "storage_io": "staged",
+            "pipeline_blocks": args.pipeline_blocks,
+        }
+        if args.pipeline_depth:
+            staged_cfg["pipeline_depth"] = args.pipeline_depth
+        staged = TransferManager({**base, **staged_cfg}, src, backend)
         resident = (
             TransferManager({**base, "storage_io": "host_resident"}, src, backend)
             if resident_ok
             else None
         )
-        staged_disk = TransferManager(
-            {**base, "storage_io": "staged", "pipeline_blocks": args.pipeline_blocks}, dst, disk
-        )
+        staged_disk = TransferManager({**base, **staged_cfg}, dst, disk)
         regions, host = _staging(layout, n)
         for r in regions:
             r.array[:] = np.random.default_rng(2).integers(0, 256, r.nbytes, dtype=np.uint8)
