@@ -20,6 +20,7 @@ __all__ = [
     "KeyScope",
     "NameRows",
     "block_hashes",
+    "name_columns",
     "names_in_scope",
     "object_name",
     "object_names",
@@ -160,6 +161,18 @@ class NameRows(Sequence[tuple[str, ...]]):
     def column(self, part: int) -> list[str]:
         """Every block's name of part ``part`` (index into the request's ``parts``)."""
         return self._columns[part]
+
+
+def name_columns(names: Sequence[Sequence[str]], num_parts: int) -> list[Sequence[str]]:
+    """A request's object names as one sequence per part (``names[i][j]`` for every block
+    ``i``, for each part ``j``). Free for names kvcore built (:class:`NameRows`); one pass over
+    plain rows, which a ``BlockRequest`` built by other code may carry.
+
+    .. versionadded:: 0.2
+    """
+    if isinstance(names, NameRows):
+        return [names.column(j) for j in range(num_parts)]
+    return [[row[j] for row in names] for j in range(num_parts)]
 
 
 def object_names(

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvcore.keys import KeyScope, block_hashes, object_name, object_names, root_hash
+from kvcore.keys import KeyScope, block_hashes, name_columns, object_name, object_names, root_hash
 
 TOKENS = list(range(1000, 1000 + 70))
 
@@ -84,3 +84,13 @@ def test_key_format_is_pinned():
     assert block_hashes(TOKENS[:16], 16)[0] == (
         "24054ab1e8f9ef2e38280754c67d1e7fd32247a2e33d72de46eaf8c3f218e98b"
     )
+
+
+def test_name_columns_of_kvcore_names_and_of_plain_rows() -> None:
+    names = object_names(["a", "b", "c"], ["k", "v"], namespace="ns", rank=0, world_size=1)
+    rows = tuple(tuple(row) for row in names)
+    want = [[row[0] for row in rows], [row[1] for row in rows]]
+    assert [list(c) for c in name_columns(names, 2)] == want
+    assert [list(c) for c in name_columns(rows, 2)] == want  # built by other code
+    assert [list(c) for c in name_columns(names[1:], 2)] == [w[1:] for w in want]
+    assert name_columns((), 2) == [[], []]

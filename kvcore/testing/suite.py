@@ -291,6 +291,20 @@ class BackendConformance:
 
     # -- leading-run semantics -------------------------------------------------------------
 
+    @exercises(*DATA_HOOKS)
+    def test_object_names_as_plain_rows(self, harness: Harness) -> None:
+        """``BlockRequest.object_names`` is typed as rows of names. Code other than
+        ``Backend.request`` (an engine adapter, a 0.1 caller) builds it as plain tuples, and a
+        backend must take those as it takes the names kvcore builds."""
+        seq = harness.new_sequence(3)
+        assert harness.write(seq, 0, 2) == 2
+        assert harness.backend.query(_plain_rows(harness.request(seq))) == 2
+        request, extract = harness.read_request(seq)
+        assert harness.backend.read(_plain_rows(request)) == 2
+        assert blocks_equal(extract()[:2], harness.payload(seq, 0, 2)) == []
+        assert harness.backend.write(_plain_rows(harness.write_request(seq, 2, 1))) == 1
+        harness.assert_reads_back(seq, 3)
+
     @exercises("kvcore_query", "kvcore_read")
     def test_missing_keys_query_zero_and_read_zero(self, harness: Harness) -> None:
         seq = harness.new_sequence(3)
@@ -933,6 +947,11 @@ class BackendConformance:
 
 def _backend_class(target: str | type) -> type:
     return load_backend_class(target) if isinstance(target, str) else target
+
+
+def _plain_rows(request: BlockRequest) -> BlockRequest:
+    """The request with its object names as a tuple of tuples."""
+    return replace(request, object_names=tuple(tuple(row) for row in request.object_names))
 
 
 def _written_and_kept(h: Harness, seq: Sequence_, what: str) -> int:

@@ -38,6 +38,7 @@ from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, writ
 from kv_file.paths import StoreDir, discard, name_digest
 from kv_file.removals import RemovalCounter
 from kvcore import BlockRequest, Outcome, leading_run
+from kvcore.keys import name_columns
 from kvcore.threads import start_thread, thread_pool, usable_cpus
 
 __all__ = ["FileBackend"]
@@ -140,7 +141,7 @@ class FileBackend:
         self._see_removals()
         known = self._index.by_name.__contains__  # without the lock: a dict probe is atomic
         names = request.object_names
-        columns = [names.column(j) for j in range(len(request.parts))]
+        columns = name_columns(names, len(request.parts))
         total = request.num_blocks
         for lo in range(0, total, _QUERY_DEADLINE_STRIDE):
             hi = min(total, lo + _QUERY_DEADLINE_STRIDE)
