@@ -54,7 +54,7 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Any:
     return parse
 
 
-def count_option(
+def _count_option(
     parser: argparse.ArgumentParser,
     flag: str,
     minimum: int,
@@ -166,10 +166,10 @@ def _parser() -> _Parser:
         "through the TransferManager: each turn restores the stored prefix, verifies every "
         "restored byte, computes the rest and writes it back.",
     )
-    count_option(d, "--conversations", 1, 1000, 8, "conversations replayed side by side")
-    count_option(d, "--turns", 1, 100, 6, "turns per conversation")
-    count_option(d, "--seed", 0, None, 0, "seed of the token streams")
-    count_option(
+    _count_option(d, "--conversations", 1, 1000, 8, "conversations replayed side by side")
+    _count_option(d, "--turns", 1, 100, 6, "turns per conversation")
+    _count_option(d, "--seed", 0, None, 0, "seed of the token streams")
+    _count_option(
         d,
         "--metrics-port",
         0,
@@ -188,8 +188,8 @@ def _parser() -> _Parser:
         "64 tokens x 128 dim, bfloat16: 7 MiB per block) through kvcore, beside memcpy and "
         "the backend's own raw baseline measured in the same run.",
     )
-    count_option(bench, "--blocks", 1, 4096, 64, "blocks per operation, 7 MiB each")
-    count_option(bench, "--repeats", 1, 1000, 5, "repetitions; figures are their medians")
+    _count_option(bench, "--blocks", 1, 4096, 64, "blocks per operation, 7 MiB each")
+    _count_option(bench, "--repeats", 1, 1000, 5, "repetitions; figures are their medians")
     bench.add_argument(
         "--plot",
         metavar="FILE.png",

@@ -92,7 +92,7 @@ def small_layout(dtype: str = "bfloat16") -> CacheLayout:
     )
 
 
-def open_without_layout(target: str | type, config: dict, context: dict) -> Backend:
+def _open_without_layout(target: str | type, config: dict, context: dict) -> Backend:
     """The backend opened as tools open it: ``layout=None`` (strict: hook errors raise)."""
     return open_backend(target, config, context={**context, "layout": None}, strict=True)
 
@@ -395,7 +395,7 @@ class BackendConformance:
         opened for tools, or an engine that shares a store with another layout) any size
         reaches the backend, so that is where the kit asks."""
         try:
-            backend = open_without_layout(backend_target, backend_config, backend_context)
+            backend = _open_without_layout(backend_target, backend_config, backend_context)
         except ConfigError as exc:
             pytest.skip(f"backend needs a layout to open: {exc}")
         harness = Harness(backend, small_layout())
@@ -809,7 +809,7 @@ class BackendConformance:
         a backend with ``layout=None``: it answers queries, or refuses with a ConfigError that
         says what it needs - never an AttributeError on None."""
         try:
-            bare = open_without_layout(backend_target, backend_config, backend_context)
+            bare = _open_without_layout(backend_target, backend_config, backend_context)
         except ConfigError:
             return  # a clear refusal is allowed
         with bare:
