@@ -15,6 +15,7 @@ from typing import Any
 
 import pluggy
 
+from kvcore import events as ev
 from kvcore.keys import object_names
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
@@ -66,6 +67,10 @@ class Backend:
         layout = context.layout
         self._parts = layout.parts if layout is not None else ("k", "v")
         self._layout = layout
+        #: what the store gains and loses (:mod:`kvcore.events`); free while nobody listens
+        self.events = ev.EventStream(context.namespace, self._watch)
+        #: the kinds the backend reports itself while watched (kvcore then does not)
+        self._reported_by_backend: frozenset[str] = frozenset()
 
     # -- building requests ---------------------------------------------------------------
 
@@ -159,7 +164,10 @@ class Backend:
     def write(self, request: BlockRequest) -> Outcome:
         """Leading blocks durably stored; 0 on any backend failure."""
         self._check_buffers(request)
-        return self._call("write", self._write, request, {"request": request})
+        done = self._call("write", self._write, request, {"request": request})
+        if done and self.events.active and ev.STORED not in self._reported_by_backend:
+            self._publish_blocks(ev.STORED, request, int(done))
+        return done
 
     def flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> Outcome:
         """Blocks whose residency record changed; 0 for backends without a token index."""
@@ -173,9 +181,14 @@ class Backend:
         ``kvcore_remove``. 0, with a failure saying so, for backends without the hook."""
         if not self.implements("kvcore_remove"):
             return Outcome(0, f"backend {self.name!r} cannot remove blocks")
-        return self._call(
+        removed = self._call(
             "remove", self._pm.hook.kvcore_remove, request, {"request": request}, leading=False
         )
+        if removed and self.events.active and ev.REMOVED not in self._reported_by_backend:
+            # which of the blocks had objects is the backend's secret: every name of the
+            # request is reported (for an index, removing an absent object changes nothing)
+            self._publish_blocks(ev.REMOVED, request, request.num_blocks)
+        return removed
 
     def clear(self) -> Outcome:
         """Objects removed from this backend's namespace (all ranks); see ``kvcore_clear``."""
@@ -203,6 +216,8 @@ class Backend:
             self.metrics.observe("clear", time.monotonic() - t0, calls=1, invalid_results=1)
             return Outcome(0, "invalid result", "invalid_result")
         self.metrics.observe("clear", time.monotonic() - t0, calls=1, objects_removed=result)
+        if self.events.active and ev.CLEARED not in self._reported_by_backend:
+            self.events.publish(ev.CLEARED)
         return Outcome(result, getattr(result, "failure", None))
 
     def implements(self, hook_name: str) -> bool:
@@ -262,9 +277,10 @@ class Backend:
         return dict(out or {})
 
     def close(self) -> None:
-        """Close the backend once; later calls are no-ops."""
+        """Close the backend once; later calls are no-ops. Subscriptions to its events end."""
         if self._closed:
             return
+        self.events.close()  # the last subscription to go stops the backend's reporting
         self._closed = True
         self._lifecycle("close", self._pm.hook.kvcore_close)
         self._pm.unregister(self.plugin)
@@ -278,6 +294,52 @@ class Backend:
     def __repr__(self) -> str:
         c = self.capabilities
         return f"<kvcore.Backend {self.name!r} addressing={c.addressing} io={c.io}>"
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _watch(self, active: bool) -> None:
+        """The stream's first subscriber arrived (True) or its last one left (False)."""
+        if not self.implements("kvcore_watch") or (self._closed and active):
+            return
+        kinds = self._lifecycle(
+            "watch", self._pm.hook.kvcore_watch, report=self._report if active else None
+        )
+        reported = frozenset(kinds or ()) if active else frozenset()
+        unknown = reported - set(ev.KINDS)
+        if unknown:
+            msg = f"backend {self.name!r} kvcore_watch returned unknown kinds {sorted(unknown)}"
+            if self.strict:
+                raise BackendContractError(msg)
+            self._failures.warning(("watch", "kinds"), "%s; ignored", msg)
+            reported -= unknown
+        self._reported_by_backend = reported
+
+    def _report(
+        self,
+        kind: str,
+        names: Sequence[str] = (),
+        sizes: Sequence[int] | None = None,
+        origin: str = ev.LOCAL,
+    ) -> None:
+        """What a watched backend calls (``kvcore_watch``): one change it saw."""
+        if kind not in ev.KINDS or origin not in (ev.LOCAL, ev.PEER):
+            msg = f"backend {self.name!r} reported kind {kind!r}, origin {origin!r}"
+            if self.strict:
+                raise BackendContractError(msg)
+            self.metrics.add("watch", invalid_results=1)
+            self._failures.warning(("watch", "report"), "%s; dropped", msg)
+            return
+        self.events.publish(kind, names, sizes, origin=origin)
+
+    def _publish_blocks(self, kind: str, request: BlockRequest, n: int) -> None:
+        """Every object of the first ``n`` blocks of ``request``, as one event."""
+        sizes_per_part = (
+            request.host.nbytes
+            if request.host is not None
+            else self._expected_part_bytes(request) or [0] * len(request.parts)
+        )
+        names = [name for row in request.object_names[:n] for name in row]
+        self.events.publish(kind, names, list(sizes_per_part) * n)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ Semantics shared by the data hooks:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import pluggy
 
@@ -65,6 +65,7 @@ OPTIONAL_HOOKS = (
     "kvcore_unregister_buffer",
     "kvcore_stats",
     "kvcore_raw_baseline",
+    "kvcore_watch",
     "kvcore_close",
 )
 
@@ -235,6 +236,46 @@ def kvcore_raw_baseline(ptr: int, nbytes: int, object_nbytes: int) -> Mapping[st
         ``kvcore bench`` compares against memcpy only.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_watch(report: Callable[..., None] | None) -> Collection[str] | None:
+    """Start (``report`` given) or stop (``None``) reporting the changes only the backend sees.
+
+    kvcore publishes every write, remove and clear it makes through the backend on the
+    backend's event stream (:mod:`kvcore.events`). What it cannot see is what the backend
+    does on its own, above all capacity evictions, and, for a store several processes share,
+    what the others change. kvcore calls this hook with a callable when the stream gets its
+    first subscriber and with ``None`` when the last one leaves (and before ``kvcore_close``),
+    so a backend with nobody listening does no work for events. Optional: without it the
+    stream carries what kvcore sees.
+
+    Until stopped, the backend calls, from any of its threads::
+
+        report(kind, names, sizes=None, origin="local")
+
+    - ``kind``: ``"evicted"`` (dropped for capacity or expiry), ``"stored"``, ``"removed"``,
+      ``"cleared"`` (every object of the namespace is gone) or ``"resync"`` (the backend
+      lost track: consumers must forget what they knew);
+    - ``names``: the objects' names (empty for ``cleared`` and ``resync``);
+    - ``sizes``: each object's payload bytes, or None when unknown;
+    - ``origin``: ``"local"`` when this opened backend made the change, ``"peer"`` for
+      another process or client sharing the store.
+
+    ``report`` is cheap (it queues) and never raises for a valid call; call it in the order
+    the changes happened.
+
+    :param report: the callable, or None to stop.
+    :return: when starting, the kinds the backend reports itself for its own calls as well
+        (e.g. ``{"stored", "removed", "evicted", "cleared"}`` for a backend whose report is
+        one ordered record of every change); kvcore then does not also publish those kinds
+        from the calls it makes. ``None`` or empty: kvcore publishes stored, removed and
+        cleared itself, the backend only what kvcore cannot see.
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.3
     """
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import Field
@@ -19,11 +21,13 @@ from kvcore.schemas import StrictModel
 __all__ = [
     "KeyScope",
     "NameRows",
+    "ObjectName",
     "block_hashes",
     "name_columns",
     "names_in_scope",
     "object_name",
     "object_names",
+    "parse_object_name",
     "root_hash",
 ]
 
@@ -209,3 +213,44 @@ def names_in_scope(
             names = [f"{namespace}/{k}{tail}" for k in keys]
         columns.append(names)
     return NameRows(columns, len(keys))
+
+
+class ObjectName(NamedTuple):
+    """The fields of an object name kvcore built (:func:`object_names`).
+
+    .. versionadded:: 0.3
+    """
+
+    namespace: str
+    block_key: str
+    part: str
+    rank: int
+    world_size: int
+    weight_version: str
+
+
+# {namespace}/{key}/{part}/r{rank}of{world}[/w{version}]; the namespace may hold slashes
+# (the key and the fields after it never do)
+_NAME_RE = re.compile(
+    r"^(?P<namespace>.*)/(?P<key>[^/]+)/(?P<part>[^/]+)/r(?P<rank>\d+)of(?P<world>\d+)"
+    r"(?:/w(?P<version>[A-Za-z0-9._-]{0,64}))?$"
+)
+
+
+def parse_object_name(name: str) -> ObjectName | None:
+    """The fields of ``name`` if kvcore built it, else None (an adapter may store objects
+    under an engine's own names, FastDeploy's say: those are opaque).
+
+    .. versionadded:: 0.3
+    """
+    m = _NAME_RE.match(name)
+    if m is None:
+        return None
+    return ObjectName(
+        m["namespace"],
+        m["key"],
+        m["part"],
+        int(m["rank"]),
+        int(m["world"]),
+        m["version"] or "",
+    )

@@ -131,6 +131,10 @@ class Recorder(MemoryBackend):
         return {"write_gbps": gib / max(t1 - t0, 1e-9), "read_gbps": gib / max(t2 - t1, 1e-9)}
 
     @kvcore.hookimpl
+    def kvcore_watch(self, report):
+        record("kvcore_watch")  # the reference store drops nothing on its own: no kinds
+
+    @kvcore.hookimpl
     def kvcore_close(self):
         record("kvcore_close")
 

@@ -1,4 +1,4 @@
-"""The ``kvcore`` command: backends, demo, bench, check.
+"""The ``kvcore`` command: backends, demo, bench, check, events.
 
 Errors are one line, ``kvcore: error: <what went wrong>``, with an exit code per kind of error
 (:class:`kvcore.cli.errors.ExitCode`); ``--debug`` or ``KVCORE_DEBUG=1`` adds the traceback.
@@ -219,6 +219,42 @@ def _parser() -> _Parser:
         metavar="EXPR",
         help="only the kit's tests matching this pytest -k expression (default: all)",
     )
+    e = sub.add_parser(
+        "events",
+        help="follow a store's events (stored, removed, evicted, cleared) as JSON lines",
+        description="Open a backend for one namespace and print each event of its stream as "
+        "one JSON object per line (kvcore.events.StoreEvent): what a router's index would "
+        "follow. kv_file reports every change in its directory, whoever makes it.",
+    )
+    e.add_argument("name", metavar="NAME", help=f"backend to follow, one of: {installed}")
+    e.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON_OR_PATH",
+        help="backend config: a JSON object or the path of a JSON file (default: the "
+        "backend's defaults)",
+    )
+    e.add_argument(
+        "--namespace",
+        default="default",
+        help="the namespace whose events to follow (default: %(default)s, an engine's default)",
+    )
+    _count_option(e, "--count", 1, None, None, "stop after this many events (default: never)")
+    e.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long (default: never; Ctrl-C stops too)",
+    )
+    _count_option(
+        e,
+        "--max-queue",
+        1,
+        None,
+        1 << 20,
+        "objects queued before a slow reader gets one `resync` event instead",
+    )
     return p
 
 
@@ -234,6 +270,8 @@ def _runner(command: str) -> Any:
         from kvcore.cli.demo import run
     elif command == "bench":
         from kvcore.cli.bench import run
+    elif command == "events":
+        from kvcore.cli.events import run
     else:
         from kvcore.cli.check import run
     return run

@@ -1,0 +1,360 @@
+"""What a store gains and loses, as events: a stream per opened backend, and what follows one.
+
+Routers place a request on the replica whose tiers already hold its prefix (llm-d's KV-cache
+indexer, NVIDIA Dynamo's KV router); they learn what is where from events. Every opened
+:class:`kvcore.Backend` has an :class:`EventStream` (``backend.events``):
+
+- ``stored``: objects a write acknowledged (names, payload sizes);
+- ``removed``: objects ``remove`` deleted (every name of the removed blocks);
+- ``evicted``: objects the backend dropped on its own (capacity), as it reports them through
+  the ``kvcore_watch`` hook;
+- ``cleared``: every object of the namespace is gone;
+- ``resync``: this subscriber fell behind and events were dropped: forget everything the
+  stream said before (as vLLM's ``AllBlocksCleared``); never a silent gap.
+
+kvcore reports what it sees through the facade (writes, removes, clears); a backend reports
+what only it can see (``kvcore_watch``: its evictions, and for a store that several processes
+share, the others' changes, ``origin="peer"``). A store shared by processes: kv_file reports
+every change in the directory, whoever made it, in one order, so one process's stream
+describes the whole store.
+
+Every event carries a sequence number, increasing by one per event on its stream, the
+namespace, the weight version of its names and each name's part. A subscriber's queue is
+bounded (in objects): when it is full, its queue is replaced by one ``resync`` event. With no
+subscriber nothing is built: publishing is one attribute read.
+
+:class:`StoreIndex` is the reference consumer: the objects a store holds, built from events
+alone, as a router would.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvcore.keys import parse_object_name
+
+__all__ = [
+    "CLEARED",
+    "EVICTED",
+    "KINDS",
+    "LOCAL",
+    "PEER",
+    "REMOVED",
+    "RESYNC",
+    "STORED",
+    "EventStream",
+    "StoreEvent",
+    "StoreIndex",
+    "Subscription",
+]
+
+STORED = "stored"
+REMOVED = "removed"
+EVICTED = "evicted"
+CLEARED = "cleared"
+RESYNC = "resync"
+KINDS = (STORED, REMOVED, EVICTED, CLEARED, RESYNC)
+#: the kinds whose events name objects
+OBJECT_KINDS = frozenset((STORED, REMOVED, EVICTED))
+
+#: this opened backend made the change (its write, remove, clear or eviction)
+LOCAL = "local"
+#: another process or client sharing the store made it, as the backend observed
+PEER = "peer"
+
+#: objects a subscriber's queue holds by default before it falls back to one ``resync``
+DEFAULT_QUEUE_OBJECTS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    """One change of a store.
+
+    :param seq: the stream's sequence number: one more than the event before it on the stream
+        (a subscriber sees increasing numbers; a ``resync`` marks where it lost events).
+    :param kind: ``stored``, ``removed``, ``evicted``, ``cleared`` or ``resync``.
+    :param namespace: the opened backend's namespace.
+    :param names: the objects' names (none for ``cleared`` and ``resync``).
+    :param sizes: each object's payload bytes (0 where unknown).
+    :param parts: each object's part (``k``, ``v``, ``sum``, ...; ``""`` for names kvcore did
+        not build, such as an engine's own).
+    :param weight_version: the weight version the names carry (``""`` for none).
+    :param origin: ``local`` (this opened backend) or ``peer`` (another process sharing it).
+    :param time: wall-clock seconds when the event was published.
+    """
+
+    seq: int
+    kind: str
+    namespace: str
+    names: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
+    parts: tuple[str, ...] = ()
+    weight_version: str = ""
+    origin: str = LOCAL
+    time: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``kvcore events`` prints one per line)."""
+        out = asdict(self)
+        for field in ("names", "sizes", "parts"):
+            out[field] = list(out[field])
+        return out
+
+
+class Subscription:
+    """One consumer's bounded queue of a stream's events. Thread-safe.
+
+    Take events with :meth:`get` (one, waiting up to ``timeout``), :meth:`drain` (all queued)
+    or by iterating (until :meth:`close` or the stream closes). ``resyncs`` counts how often
+    the queue overflowed.
+    """
+
+    def __init__(self, stream: EventStream, max_objects: int) -> None:
+        if max_objects < 1:
+            raise ValueError(f"max_objects must be >= 1, got {max_objects}")
+        self._stream = stream
+        self.max_objects = max_objects
+        self._queue: deque[StoreEvent] = deque()
+        self._objects = 0
+        self._ready = threading.Condition(threading.Lock())
+        self.resyncs = 0
+        self.closed = False
+
+    def _offer(self, event: StoreEvent) -> None:
+        """Queue ``event`` (called by the stream, in sequence order)."""
+        weight = max(1, len(event.names))
+        with self._ready:
+            if self.closed:
+                return
+            if self._objects + weight > self.max_objects:
+                # fell behind: everything queued is replaced by one resync, then the news if
+                # it fits (the resync takes the number of the last event it stands for, so a
+                # subscriber's numbers keep increasing)
+                keep = 1 + weight <= self.max_objects
+                seq = event.seq - 1 if keep else event.seq
+                self._queue.clear()
+                self._queue.append(StoreEvent(seq, RESYNC, event.namespace, time=event.time))
+                self._objects = 1
+                self.resyncs += 1
+                if not keep:
+                    self._ready.notify_all()
+                    return
+            self._queue.append(event)
+            self._objects += weight
+            self._ready.notify_all()
+
+    def get(self, timeout: float | None = None) -> StoreEvent | None:
+        """The next event, waiting up to ``timeout`` seconds (None: until one comes or the
+        subscription closes); None when none came."""
+        with self._ready:
+            if not self._queue and not self.closed:
+                self._ready.wait_for(lambda: self._queue or self.closed, timeout)
+            if not self._queue:
+                return None
+            event = self._queue.popleft()
+            self._objects -= max(1, len(event.names))
+            return event
+
+    def drain(self) -> list[StoreEvent]:
+        """Every queued event, oldest first (without waiting)."""
+        with self._ready:
+            events = list(self._queue)
+            self._queue.clear()
+            self._objects = 0
+        return events
+
+    def __iter__(self) -> Iterator[StoreEvent]:
+        while True:
+            event = self.get()
+            if event is None:
+                return
+            yield event
+
+    def close(self) -> None:
+        """Stop receiving; a waiting :meth:`get` returns. The last subscription to close
+        stops the backend's own reporting."""
+        with self._ready:
+            if self.closed:
+                return
+            self.closed = True
+            self._ready.notify_all()
+        self._stream._unsubscribe(self)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EventStream:
+    """The events of one opened backend (see the module docstring).
+
+    ``on_watch(True)`` is called when the first subscriber arrives and ``on_watch(False)`` when
+    the last one leaves: the facade starts and stops the backend's own reporting there.
+    """
+
+    def __init__(self, namespace: str, on_watch: Callable[[bool], None] | None = None) -> None:
+        self.namespace = namespace
+        self._on_watch = on_watch
+        self._lock = threading.Lock()
+        self._subs: tuple[Subscription, ...] = ()
+        self._seq = 0
+        self._closed = False
+
+    @property
+    def active(self) -> bool:
+        """Whether anyone listens (publishers check this before building an event)."""
+        return bool(self._subs)
+
+    def subscribe(self, max_objects: int = DEFAULT_QUEUE_OBJECTS) -> Subscription:
+        """A new subscription, receiving every event published from now on.
+
+        :param max_objects: objects its queue holds before it falls back to one ``resync``.
+        """
+        sub = Subscription(self, max_objects)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the event stream is closed (its backend was closed)")
+            first = not self._subs
+            self._subs = (*self._subs, sub)
+        if first and self._on_watch is not None:
+            self._on_watch(True)
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            if sub not in self._subs:
+                return
+            self._subs = tuple(s for s in self._subs if s is not sub)
+            last = not self._subs
+        if last and self._on_watch is not None:
+            self._on_watch(False)
+
+    def publish(
+        self,
+        kind: str,
+        names: Sequence[str] = (),
+        sizes: Sequence[int] | None = None,
+        *,
+        origin: str = LOCAL,
+    ) -> None:
+        """Give every subscriber one event per weight version among ``names``.
+
+        :param sizes: each object's payload bytes (None: unknown, 0 each).
+        """
+        if not self._subs:
+            return
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {list(KINDS)}")
+        if kind in OBJECT_KINDS and not names:
+            return
+        names = tuple(names)
+        if sizes is None:
+            sizes = (0,) * len(names)
+        elif len(sizes) != len(names):
+            raise ValueError(f"{len(sizes)} sizes for {len(names)} names")
+        now = time.time()
+        with self._lock:  # one order for every subscriber
+            for version, group in _by_weight_version(names, sizes):
+                self._seq += 1
+                event = StoreEvent(
+                    seq=self._seq,
+                    kind=kind,
+                    namespace=self.namespace,
+                    names=tuple(n for n, _, _ in group),
+                    sizes=tuple(int(s) for _, s, _ in group),
+                    parts=tuple(p for _, _, p in group),
+                    weight_version=version,
+                    origin=origin,
+                    time=now,
+                )
+                for sub in self._subs:
+                    sub._offer(event)
+
+    def close(self) -> None:
+        """Close every subscription (their iterators end); no subscriber can join after."""
+        with self._lock:
+            self._closed = True
+            subs = self._subs
+        for sub in subs:
+            sub.close()
+
+
+def _by_weight_version(
+    names: tuple[str, ...], sizes: Sequence[int]
+) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """``(weight version, [(name, size, part), ...])`` groups, in the names' order."""
+    if not names:
+        return [("", [])]
+    groups: dict[str, list[tuple[str, int, str]]] = {}
+    for name, size in zip(names, sizes, strict=True):
+        parsed = parse_object_name(name)
+        version, part = ("", "") if parsed is None else (parsed.weight_version, parsed.part)
+        groups.setdefault(version, []).append((name, size, part))
+    return list(groups.items())
+
+
+class StoreIndex:
+    """The objects a store holds, built from its events alone: what a router keeps.
+
+    ``objects`` maps each name to its payload bytes. A ``cleared`` or ``resync`` event empties
+    the index (after a resync, what the store still holds is unknown: forgotten, not guessed).
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[str, int] = {}
+        self.last_seq = 0
+        self.resyncs = 0
+
+    def apply(self, event: StoreEvent) -> None:
+        kind = event.kind
+        if kind == STORED:
+            self.objects.update(zip(event.names, event.sizes, strict=True))
+        elif kind in (REMOVED, EVICTED):
+            for name in event.names:
+                self.objects.pop(name, None)
+        elif kind in (CLEARED, RESYNC):
+            self.objects.clear()
+            self.resyncs += kind == RESYNC
+        self.last_seq = event.seq
+
+    def apply_all(self, events: Iterable[StoreEvent]) -> int:
+        """Apply ``events`` in order; returns how many."""
+        n = 0
+        for event in events:
+            self.apply(event)
+            n += 1
+        return n
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.objects
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+    def blocks(self, parts: Sequence[str] = ("k", "v")) -> set[tuple[str, str, int, int, str]]:
+        """Blocks whose every part in ``parts`` is held, as ``(namespace, block key, rank,
+        world size, weight version)`` (names kvcore built only)."""
+        seen: dict[tuple[str, str, int, int, str], set[str]] = {}
+        for name in self.objects:
+            parsed = parse_object_name(name)
+            if parsed is None:
+                continue
+            block = (
+                parsed.namespace,
+                parsed.block_key,
+                parsed.rank,
+                parsed.world_size,
+                parsed.weight_version,
+            )
+            seen.setdefault(block, set()).add(parsed.part)
+        want = set(parts)
+        return {block for block, have in seen.items() if want <= have}
