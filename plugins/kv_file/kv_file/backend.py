@@ -30,14 +30,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 import kvcore
+from kv_file.catalog import Catalog
 from kv_file.config import FileConfig, safe_namespace
-from kv_file.index import Index
-from kv_file.names import load_names, save_names
+from kv_file.journal import Kind
 from kv_file.objfile import encode_name, header_size
 from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, write_object
 from kv_file.paths import StoreDir, discard, name_digest
-from kv_file.removals import RemovalCounter
 from kvcore import BlockRequest, Outcome, leading_run
+from kvcore import events as ev
 from kvcore.keys import name_columns
 from kvcore.threads import start_thread, thread_pool, usable_cpus
 
@@ -51,6 +51,8 @@ _INLINE_BYTES = 1 << 20
 _QUERY_DEADLINE_STRIDE = 1024
 #: Blocks whose names a query hashes at once when the index has not learned them yet.
 _QUERY_HASH_CHUNK = 512
+#: While watched, other processes' changes are applied (and reported) this often at least.
+_FOLLOW_INTERVAL_S = 0.05
 
 _READ_COUNTERS = {
     ReadOutcome.OK: "read_hits",
@@ -104,32 +106,33 @@ class FileBackend:
         self._sync_dirs = config.fsync == "data_and_dir"
         self._counters = kvcore.Counters()
         self._failures = kvcore.OnceLogger(log)
-        self._index = Index(
-            config.capacity_bytes, config.high_watermark, config.low_watermark, self._delete
-        )
         self._direct = DirectReads(config.direct_reads)
         self._cpus = usable_cpus()
-        self._removals = RemovalCounter(self._dir.removals_path)
-        self._removals_seen = self._removals.value()  # read before the scan: it sees them all
-        self._resync_lock = threading.Lock()
         self._counters.add("temps_removed", self._dir.remove_stale_temps())
-        strays: list[str] = []
-        self._index.load((f.digest, f.size, f.mtime_ns) for f in self._dir.scan(strays=strays))
-        self._discard_strays(strays)
         fits = None if self._payload is None else self._fits_some_part
-        self._index.name_all(load_names(self._dir.names_path), fits)
-        self._names_saved = self._index.names_changed
-        self._index.reserve(0)  # the capacity may have been lowered
+        #: what the directory holds, the same in every process that has it open
+        self._catalog = Catalog(
+            self._dir,
+            config.capacity_bytes,
+            config.high_watermark,
+            config.low_watermark,
+            fits=fits,
+            delete_files=self._delete,
+            counters=self._counters,
+        )
+        self._index = self._catalog.index
+        self._catalog.admit([0])  # the capacity may have been lowered: evict down to it
         self._pool = thread_pool(config.io_threads, "kv_file-io")
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
         if config.rescan_interval_s > 0:
             self._rescanner = start_thread(self._rescan_loop, "kv_file-rescan")
+        self._watch_stop: threading.Event | None = None
         log.info(
             "kv_file store at %s: %d objects, %d of %d bytes, fsync=%s",
             self._dir.path,
             len(self._index),
-            self._index.used,
+            self._index.files_bytes,
             config.capacity_bytes,
             config.fsync,
         )
@@ -138,7 +141,7 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_query(self, request: BlockRequest) -> int:
-        self._see_removals()
+        self._catalog.sync()  # what other processes stored, removed or evicted meanwhile
         known = self._index.by_name.__contains__  # without the lock: a dict probe is atomic
         names = request.object_names
         columns = name_columns(names, len(request.parts))
@@ -195,6 +198,9 @@ class FileBackend:
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
+        hits: list[int] = []
+        adopted: list[tuple[int, int, bytes | None]] = []
+        gone: list[int] = []
 
         def read_one(k: int) -> str:
             i, j, name, raw, digest = self._locate(request, k)
@@ -208,18 +214,24 @@ class FileBackend:
                 direct=self._direct,
             )
             if outcome is ReadOutcome.OK:
-                if not index.learn(name, digest):  # written by another process: adopt it
-                    named = name if expected in (None, host.nbytes[j]) else None
-                    index.add(digest, header_size(len(raw)) + host.nbytes[j], named, reserved=False)
+                if not index.learn(name, digest):  # a file no record told of: adopt it
+                    named = raw if expected in (None, host.nbytes[j]) else None
+                    adopted.append((digest, header_size(len(raw)) + host.nbytes[j], named))
                 index.touch(digest, time.time_ns())
+                hits.append(digest)
             elif outcome is ReadOutcome.MISNAMED:
                 index.unname(name)
             elif outcome is not ReadOutcome.WRONG_SIZE:  # the file is gone or was removed
-                index.drop(digest)
+                gone.append(digest)
             return _READ_COUNTERS[outcome]
 
         workers = self._read_workers(request)
-        outcomes, errors = self._run(request, read_one, host.nbytes, workers, "io_errors")
+        try:
+            outcomes, errors = self._run(request, read_one, host.nbytes, workers, "io_errors")
+        finally:  # what the read learned, for every process: after the data, off its path
+            self._catalog.adopted(adopted)
+            self._catalog.gone(gone)
+            self._catalog.read(hits)
         return self._answer(outcomes, errors, len(request.parts))
 
     @kvcore.hookimpl
@@ -231,7 +243,8 @@ class FileBackend:
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
-        planned: dict[int, tuple[bytes, int, int, str | None]] = {}
+        catalog = self._catalog
+        planned: dict[int, tuple[bytes, int, int, bytes | None]] = {}
         before: list[str | None] = [None] * (request.num_blocks * len(request.parts))
         pinned: list[int] = []  # acknowledged objects: evictions pass them over until we return
         written_dirs: dict[str, list[int]] = {}
@@ -239,20 +252,19 @@ class FileBackend:
             if k % len(request.parts) == 0 and request.expired():
                 before[k] = "deadline"
                 break
-            _, j, name, raw, digest = self._locate(request, k)
+            _, j, _, raw, digest = self._locate(request, k)
             size = header_size(len(raw)) + host.nbytes[j]
             # named only as an object of its part's size (the core checks buffers against the
             # layout; this keeps any other object from ever being counted by its name)
-            named = (
-                name if self._payload_bytes(request.parts[j]) in (None, host.nbytes[j]) else None
-            )
+            named = raw if self._payload_bytes(request.parts[j]) in (None, host.nbytes[j]) else None
             if self._hold_stored(digest, named, size):
                 pinned.append(digest)
                 before[k] = "write_skipped"  # names are content-derived: same name, same bytes
             else:
                 planned[k] = (raw, digest, size, named)
         order = list(planned)
-        admitted = index.reserve_run([planned[k][2] for k in order])
+        # skipped objects are being stored again: most recently used, for every process
+        admitted = catalog.admit([planned[k][2] for k in order], touched=pinned)
         for k in order[admitted:]:
             before[k] = "write_refused"
             del planned[k]
@@ -273,9 +285,9 @@ class FileBackend:
                     sync=self._sync,
                 )
             except OSError:
-                index.release(size)
+                catalog.release(size)
                 raise
-            index.add(digest, size, named, reserved=True, pin=True)
+            catalog.stored(digest, size, named, pin=True)
             pinned.append(digest)
             if self._sync_dirs:
                 written_dirs.setdefault(self._dir.subdir(digest), []).append(k)
@@ -292,8 +304,9 @@ class FileBackend:
                     for k in ks:
                         outcomes[k], errors[k] = "write_errors", exc
         finally:
-            for _, _, size, _ in reserved.values():  # stopped before they were written
-                index.release(size)
+            unused = sum(size for _, _, size, _ in reserved.values())  # stopped before written
+            if unused:
+                catalog.release(unused)
             index.unpin(pinned)
         return self._answer(outcomes, errors, len(request.parts))
 
@@ -301,7 +314,8 @@ class FileBackend:
     def kvcore_remove(self, request: BlockRequest) -> int:
         """Unlink this rank's objects of the request's blocks. Durable as the rename of a
         write is (with ``fsync=data_and_dir``, the directories are synced); processes sharing
-        the directory see it at their next query (see :mod:`kv_file.removals`)."""
+        the directory see it at their next query (see :mod:`kv_file.journal`)."""
+        self._catalog.sync()
         blocks = 0
         removed: list[int] = []
         failure: OSError | None = None
@@ -350,13 +364,13 @@ class FileBackend:
     def kvcore_stats(self) -> dict[str, float]:
         index = self._index
         out = self._counters.snapshot()
-        with index.lock:
-            out.update(
-                objects=float(len(index.lru)),
-                bytes_used=float(index.used),
-                capacity_bytes=float(index.capacity),
-                evictions=float(index.evictions),
-            )
+        out.update(
+            objects=float(len(index)),
+            bytes_used=float(self._catalog.used()),
+            capacity_bytes=float(index.capacity),
+            evictions=float(self._catalog.evictions),
+            journal_bytes=float(self._catalog.journal.size),
+        )
         out["direct_reads"] = float(self._direct.count)
         return out
 
@@ -386,27 +400,43 @@ class FileBackend:
         return {"write_gbps": gb / (t1 - t0), "read_gbps": gb / (t2 - t1)}
 
     @kvcore.hookimpl
+    def kvcore_watch(self, report: Callable[..., None] | None) -> set[str] | None:
+        """Report every change of the directory, whoever makes it, in the journal's order
+        (see :mod:`kv_file.catalog`): a router following any one process sees the store."""
+        if self._watch_stop is not None:  # stop the follower first: it reports
+            self._watch_stop.set()
+            self._watch_stop = None
+        if report is None:
+            self._catalog.report = None
+            return None
+        with self._catalog.journal.locked():  # from here on, every record is reported
+            self._catalog.sync()
+            self._catalog.report = report
+        self._watch_stop = stop = threading.Event()
+        start_thread(lambda: self._follow(stop), "kv_file-events")
+        return {ev.STORED, ev.REMOVED, ev.EVICTED}
+
+    def _follow(self, stop: threading.Event) -> None:
+        """While watched: apply (and so report) other processes' records promptly, also when
+        this process makes no call."""
+        while not stop.wait(_FOLLOW_INTERVAL_S):
+            try:
+                self._catalog.sync()
+            except Exception as exc:  # keep following; the next call applies what is left
+                self._failures.warning(("follow", type(exc)), "kv_file events: %r", exc)
+
+    @kvcore.hookimpl
     def kvcore_close(self) -> None:
         self._stop.set()
+        if self._watch_stop is not None:
+            self._watch_stop.set()
         if self._rescanner is not None:
             self._rescanner.join()
         self._pool.shutdown(wait=True)
         self.save_recency()
-        self.save_names()
-        self._removals.close()
+        self._catalog.close()
 
     # -- what a restart rebuilds from ------------------------------------------------------
-
-    def save_names(self) -> None:
-        """Snapshot the learned names (see :mod:`kv_file.names`) if they changed since."""
-        changed = self._index.names_changed
-        if changed == self._names_saved:
-            return
-        try:
-            save_names(self._dir.names_path, self._dir.names_temp_path(), self._index.named())
-            self._names_saved = changed
-        except OSError as exc:  # a hint only: the next start hashes names instead
-            log.warning("kv_file could not save its name snapshot: %s", exc)
 
     def save_recency(self) -> int:
         """Write the times of recent read hits to the files' mtimes, which a restart orders by.
@@ -424,44 +454,20 @@ class FileBackend:
     # -- cross-process visibility ----------------------------------------------------------
 
     def rescan(self) -> None:
-        """Pick up objects other processes wrote and forget those they evicted or removed."""
-        index = self._index
-        started = index.stamp()
-        with index.lock:
-            known = set(index.lru)
-        seen: set[int] = set()
-        fresh = []
-        strays: list[str] = []
-        for f in self._dir.scan(skip=known, strays=strays):
-            seen.add(f.digest)
-            if f.size >= 0:
-                fresh.append((f.digest, f.size, f.mtime_ns))
-        index.load(fresh)
-        for digest in known - seen:
-            index.drop(digest, older_than=started)
-        self._discard_strays(strays)
-        index.reserve(0)
-        self._counters.add("rescans")
-        self._counters.add("adopted", len(fresh))
+        """A full scan: adopt files no record told of, forget files that are gone, free the
+        reservations of processes that died (see :meth:`Catalog.reconcile`)."""
+        self._catalog.reconcile()
+        self._catalog.admit([0])  # adopted files may pass the capacity: evict down to it
 
     def _rescan_loop(self) -> None:
         while not self._stop.wait(self.config.rescan_interval_s):
             try:
                 self.save_recency()
-                self.save_names()
-                self.rescan()
+                # every process applies every record: one of them scanning is enough
+                if self._catalog.scan_due(self.config.rescan_interval_s):
+                    self.rescan()
             except Exception as exc:  # keep scanning later; a failed scan only delays adoption
                 log.warning("kv_file rescan of %s failed: %r", self._dir.path, exc)
-
-    def _see_removals(self) -> None:
-        """Forget files other processes removed, before a query could count them."""
-        if self._removals.value() == self._removals_seen:
-            return
-        with self._resync_lock:
-            now = self._removals.value()  # read before the scan, which then sees its removals
-            if now != self._removals_seen:
-                self.rescan()
-                self._removals_seen = now
 
     def _look(self, digest: int, size: int | None) -> os.stat_result | None:
         """The ``lstat`` of ``digest``'s object file if it is a regular file (of ``size`` bytes,
@@ -472,7 +478,7 @@ class FileBackend:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            self._index.drop(digest)  # evicted or removed by another process
+            self._catalog.gone([digest])  # deleted without a record (by hand, a crash)
             return None
         if stat.S_ISREG(st.st_mode) and size in (None, st.st_size):
             return st
@@ -485,17 +491,19 @@ class FileBackend:
         st = self._look(digest, size)
         if st is None:
             return False
-        self._index.add(digest, st.st_size, name, reserved=False)
-        self._counters.add("adopted")
+        self._catalog.adopted([(digest, st.st_size, encode_name(name))])
         return True
 
-    def _hold_stored(self, digest: int, name: str | None, size: int) -> bool:
+    def _hold_stored(self, digest: int, name: bytes | None, size: int) -> bool:
         """Whether a write may skip this object: :meth:`_look` finds it, ``size`` bytes (names
         are content-derived, so it holds the same bytes). It is then pinned until the write
-        returns, so no eviction removes it before the write acknowledges it."""
+        returns, so no eviction of this process removes it before the write acknowledges it."""
         if self._look(digest, size) is None:
             return False
-        self._index.hold(digest, size, name)
+        if self._index.size_of(digest) != size:  # in place, but no record told of it
+            self._catalog.adopted([(digest, size, name)])
+        if not self._index.hold(digest):
+            return False  # evicted since
         if os.path.lexists(self._dir.object_path(digest)):  # pinned: no eviction of ours now
             return True
         self._index.unpin([digest])  # an eviction deleted it between the two looks
@@ -510,24 +518,19 @@ class FileBackend:
         try:
             os.unlink(self._dir.object_path(digest))
         except FileNotFoundError:
+            self._catalog.gone([digest])
             return False
-        finally:  # unless the unlink failed otherwise: the file and its bytes are still there
-            if not os.path.lexists(self._dir.object_path(digest)):
-                self._index.drop(digest)
         return True
 
     def _removed(self, digests: list[int]) -> None:
-        """Make removals durable (per the fsync policy) and tell every process sharing the
-        directory about them."""
+        """Make removals durable (per the fsync policy) and record them: every process
+        sharing the directory forgets them before its next answer."""
         if not digests:
             return
         if self._sync_dirs:
             for d in {self._dir.subdir(digest) for digest in digests}:
                 _fsync_dir(d)
-        before, after = self._removals.bump()
-        with self._resync_lock:
-            if self._removals_seen == before:  # else another process removed some meanwhile
-                self._removals_seen = after
+        self._catalog.gone(digests, Kind.REMOVED)
 
     def _discard(self, path: str, seen: os.stat_result, digest: int) -> None:
         """Remove what is at an object's path that is not the object, then forget it."""
@@ -538,7 +541,7 @@ class FileBackend:
             self._failures.warning(
                 ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
             )
-        self._index.drop(digest)
+        self._catalog.gone([digest])
 
     def _discard_strays(self, paths: Iterable[str]) -> None:
         """Remove non-files a scan found under object names (never objects of anyone's)."""
@@ -552,7 +555,8 @@ class FileBackend:
                 )
 
     def _delete(self, digests: list[int]) -> None:
-        """Delete evicted objects' files (the index calls this before it frees their bytes)."""
+        """Delete evicted objects' files (the catalog calls this before it frees their
+        bytes)."""
         for digest in digests:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._dir.object_path(digest))

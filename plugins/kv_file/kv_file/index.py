@@ -1,15 +1,14 @@
-"""The in-memory index: which objects are on disk, their sizes, LRU order and the byte budget.
+"""The in-memory index: which objects are in the directory, their sizes, names and LRU order.
 
-Rebuilt from a directory scan at open (file sizes and modification times). A read hit moves
-an object to the recent end here and records when; the backend writes those times to the files'
-mtimes later in one batch (:meth:`Index.take_touched`), so recency survives a restart without a
-metadata write on every read. Names are learned as they are used: after the first
-lookup a query is one dict probe per name, with no hashing and no system call.
+Every process that has the directory open keeps one, and applies the directory's journal
+(:mod:`kv_file.journal`) to it in order, so all of them hold the same objects in the same
+order; the bytes in flight (reservations) are in the shared ledger, not here. What is only
+this process's: the names it learned for objects found by a scan, the objects a write in
+progress acknowledges (pinned: eviction passes them over), and the times of its read hits,
+which the backend writes to the files' mtimes in batches (:meth:`Index.take_touched`), so a
+store rebuilt from a scan still knows their recency.
 
-The byte budget holds at every moment, not just on average: ``used`` counts every indexed
-file and every write in flight, and an evicted file's bytes leave ``used`` only once the file
-is deleted. Admissions are serialised (:meth:`Index.reserve`), so no write starts while the
-files that make room for it still exist.
+After the first lookup a query is one dict probe per name, with no hashing and no system call.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["Entry", "Index"]
@@ -27,32 +26,24 @@ __all__ = ["Entry", "Index"]
 class Entry:
     size: int
     name: str | None = None  # learned on first use; None for files found by a scan
-    stamp: int = 0  # insertion sequence, so a scan that started earlier cannot drop it
+    stamp: int = 0  # when it was indexed, so a scan that started earlier cannot drop it
+    logged_touch: float = 0.0  # when this process last put a read of it in the journal
 
 
 class Index:
-    """Thread-safe; ``by_name`` may be probed without the lock (a dict probe is atomic).
+    """Thread-safe; ``by_name`` may be probed without the lock (a dict probe is atomic)."""
 
-    ``delete_files(digests)`` deletes evicted objects' files; it is called without the lock.
-    """
-
-    def __init__(
-        self, capacity: int, high: float, low: float, delete_files: Callable[[list[int]], None]
-    ) -> None:
+    def __init__(self, capacity: int, high: float, low: float) -> None:
         self.capacity = capacity
         self.high_bytes = int(capacity * high)
         self.low_bytes = int(capacity * low)
         self.lock = threading.Lock()
         self.lru: OrderedDict[int, Entry] = OrderedDict()  # oldest first
         self.by_name: dict[str, int] = {}
-        self.used = 0  # bytes of indexed files, writes in flight and victims not yet deleted
-        self.evictions = 0
-        self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit
-        self.names_changed = 0  # bumped whenever by_name changes: when to save a snapshot
+        self.files_bytes = 0  # bytes of the indexed files
+        self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit here
         self._stamps = itertools.count(1)
         self._pinned: Counter[int] = Counter()  # objects a write in progress acknowledges
-        self._admission = threading.Lock()
-        self._delete_files = delete_files
 
     def stamp(self) -> int:
         return next(self._stamps)
@@ -62,48 +53,6 @@ class Index:
     def learn(self, name: str, digest: int) -> bool:
         """Remember ``name`` for ``digest`` if the digest is indexed; True when it is."""
         return self.learn_many([name], [digest]) == 1
-
-    def touch(self, digest: int, now_ns: int) -> None:
-        with self.lock:
-            if digest in self.lru:
-                self.lru.move_to_end(digest)
-                self.touched[digest] = now_ns
-
-    def take_touched(self) -> dict[int, int]:
-        """The read hits not yet written to disk (still indexed), and forget them."""
-        with self.lock:  # evicted entries already left it (_forget)
-            touched, self.touched = self.touched, {}
-            return touched
-
-    # -- changes ---------------------------------------------------------------------------
-
-    def load(self, found: Iterable[tuple[int, int, int]]) -> None:
-        """Add scanned ``(digest, size, mtime_ns)`` files not yet indexed, oldest first."""
-        with self.lock:
-            fresh = [f for f in found if f[0] not in self.lru]
-            fresh.sort(key=lambda f: f[2])
-            for digest, size, _ in fresh:
-                self.lru[digest] = Entry(size, None, self.stamp())
-                self.used += size
-
-    def name_all(self, names: dict[int, str], fits: Callable[[str, int], bool] | None) -> int:
-        """Give names (from a snapshot) to indexed digests that have none, where ``fits(name,
-        size)`` says the file's size is one the name can have; returns how many were named."""
-        named = 0
-        with self.lock:
-            for digest, entry in self.lru.items():
-                if entry.name is None:
-                    name = names.get(digest)
-                    if (
-                        name is not None
-                        and name not in self.by_name
-                        and (fits is None or fits(name, entry.size))
-                    ):
-                        entry.name = name
-                        self.by_name[name] = digest
-                        named += 1
-            self.names_changed += named
-        return named
 
     def learn_many(
         self, names: list[str], digests: list[int], sizes: list[int | None] | None = None
@@ -120,10 +69,12 @@ class Index:
                 if entry is None or (sizes is not None and sizes[k] not in (None, entry.size)):
                     return k
                 if entry.name is None:
-                    entry.name = name
-                    self.by_name[name] = digest
-                    self.names_changed += 1
+                    self._name(entry, digest, name)
         return len(names)
+
+    def size_of(self, digest: int) -> int | None:
+        entry = self.lru.get(digest)
+        return None if entry is None else entry.size
 
     def unname(self, name: str) -> None:
         """Forget that ``name`` is stored at the digest it was learned with (it was wrong)."""
@@ -133,33 +84,96 @@ class Index:
                 entry = self.lru.get(digest)
                 if entry is not None and entry.name == name:
                     entry.name = None
-                self.names_changed += 1
 
     def named(self) -> list[tuple[int, str]]:
         with self.lock:
             return [(d, e.name) for d, e in self.lru.items() if e.name is not None]
 
-    def add(
-        self, digest: int, size: int, name: str | None, *, reserved: bool, pin: bool = False
-    ) -> None:
-        """Index a file now on disk. ``reserved``: its bytes were counted by :meth:`reserve`.
-        ``pin``: also pin it (see :meth:`pin`), atomically, so no eviction comes between."""
+    def unnamed(self) -> list[int]:
         with self.lock:
-            self._add(digest, size, name, reserved=reserved)
+            return [d for d, e in self.lru.items() if e.name is None]
+
+    def snapshot(self) -> list[tuple[int, int, str | None]]:
+        """``(digest, size, name)`` of every object, least recently used first."""
+        with self.lock:
+            return [(d, e.size, e.name) for d, e in self.lru.items()]
+
+    # -- changes (as the journal's records say) ---------------------------------------------
+
+    def add(self, digest: int, size: int, name: str | None, *, pin: bool = False) -> Entry | None:
+        """Index a file now in place (replacing what was at its digest, which is returned);
+        ``pin``: also pin it (see :meth:`hold`), atomically, so no eviction comes between."""
+        with self.lock:
+            old = self.lru.pop(digest, None)
+            if old is not None:  # replaced in place (a concurrent writer of the same name)
+                self.files_bytes -= old.size
+                if old.name is not None and old.name != name:
+                    self.by_name.pop(old.name, None)
+                if name is None:
+                    name = old.name
+            self.lru[digest] = Entry(size, name, self.stamp())
+            self.files_bytes += size
+            if name is not None:
+                self.by_name[name] = digest
             if pin:
                 self._pinned[digest] += 1
+            return old
 
-    def hold(self, digest: int, size: int, name: str | None) -> None:
-        """Pin a file found on disk with ``size`` bytes, indexing it first if needed."""
+    def drop(self, digest: int) -> Entry | None:
+        """Forget a file that is gone; returns its entry (None if it was not indexed)."""
+        with self.lock:
+            entry = self.lru.pop(digest, None)
+            if entry is None:
+                return None
+            self.touched.pop(digest, None)
+            self.files_bytes -= entry.size
+            if entry.name is not None:
+                self.by_name.pop(entry.name, None)
+            return entry
+
+    def touch(self, digest: int, now_ns: int | None = None) -> None:
+        """Most recently used now; ``now_ns``: a read hit of this process, to save as mtime."""
+        with self.lock:
+            if digest in self.lru:
+                self.lru.move_to_end(digest)
+                if now_ns is not None:
+                    self.touched[digest] = now_ns
+
+    def due_for_log(self, digest: int, now: float, every_s: float) -> bool:
+        """Whether a read of ``digest`` should go into the journal (at most one per
+        ``every_s`` per object and process: recency that fine is all LRU needs)."""
         with self.lock:
             entry = self.lru.get(digest)
-            if entry is None or entry.size != size:
-                self._add(digest, size, name, reserved=False)
-            elif entry.name is None and name is not None and name not in self.by_name:
-                entry.name = name
-                self.by_name[name] = digest
-                self.names_changed += 1
+            if entry is None or now - entry.logged_touch < every_s:
+                return False
+            entry.logged_touch = now
+            return True
+
+    def clear(self) -> list[tuple[int, Entry]]:
+        """Forget everything (a journal read from its start follows); returns what was."""
+        with self.lock:
+            old = list(self.lru.items())
+            self.lru.clear()
+            self.by_name.clear()
+            self.touched.clear()
+            self.files_bytes = 0
+            return old
+
+    def take_touched(self) -> dict[int, int]:
+        """The read hits not yet written to disk (still indexed), and forget them."""
+        with self.lock:
+            touched, self.touched = self.touched, {}
+            return touched
+
+    # -- pins and eviction ------------------------------------------------------------------
+
+    def hold(self, digest: int) -> bool:
+        """Pin an indexed object until :meth:`unpin` (False: it is not indexed)."""
+        with self.lock:
+            if digest not in self.lru:
+                return False
             self._pinned[digest] += 1
+            return True
 
     def unpin(self, digests: Iterable[int]) -> None:
         """Let objects pinned by :meth:`add` or :meth:`hold` be evicted again."""
@@ -171,99 +185,40 @@ class Index:
                 else:
                     del self._pinned[digest]
 
-    def drop(self, digest: int, older_than: int | None = None) -> Entry | None:
-        """Forget a file that is gone (or corrupt). ``older_than``: only if stamped before."""
-        with self.lock:
-            entry = self.lru.get(digest)
-            if entry is None or (older_than is not None and entry.stamp >= older_than):
-                return None
-            return self._forget(digest)
+    def plan_admission(self, in_flight: int, sizes: list[int]) -> tuple[list[int], int]:
+        """What admitting writes of ``sizes`` (in order) takes, with ``in_flight`` bytes
+        reserved by writes already running: the LRU victims to evict first, and how many of
+        the sizes fit then (a leading run).
 
-    def reserve(self, size: int) -> bool:
-        """:meth:`reserve_run` of one object: whether ``size`` bytes were reserved."""
-        return self.reserve_run([size]) == 1
-
-    def reserve_run(self, sizes: list[int]) -> int:
-        """Count bytes for writes about to start: the leading run of ``sizes`` that fits.
-
-        Eviction is as if the objects were written one by one: whenever the next one would pass
-        the high watermark, LRU objects that no write in progress holds (pinned) are evicted
-        down to the low watermark. Victims leave the index at once (no query counts them, no
-        read finds them), their files are deleted, and only then do their bytes leave ``used``. Admissions wait
-        for each other, so bytes on disk never exceed the capacity: nothing is admitted
-        against room that victims' files still take. Returns how many sizes were reserved.
+        Eviction is as if the objects were written one by one: whenever the next one would
+        pass the high watermark, LRU objects no write of this process holds (pinned) are
+        evicted down to the low watermark. Nothing changes here: the caller deletes the
+        victims' files, then records their eviction.
         """
-        if not sizes:
-            return 0
-        with self._admission:
-            with self.lock:
-                victims = self._pick_victims(sizes)
-            if victims:
-                self._delete_files([digest for digest, _ in victims])
-                with self.lock:
-                    self.used -= sum(nbytes for _, nbytes in victims)
-                    self.evictions += len(victims)
-            admitted = 0
-            with self.lock:
-                for size in sizes:
-                    if self.used + size > self.capacity:
-                        break  # pinned objects and writes in flight hold the rest
-                    self.used += size
-                    admitted += 1
-        return admitted
-
-    def release(self, size: int) -> None:
-        """Give back a reservation whose write failed (its temp file is already gone)."""
         with self.lock:
-            self.used -= size
+            projected = self.files_bytes + in_flight
+            if projected + sum(sizes) <= self.high_bytes:
+                return [], len(sizes)
+            candidates = ((d, e.size) for d, e in self.lru.items() if d not in self._pinned)
+            victims: list[int] = []
+            admitted = 0
+            for size in sizes:
+                if projected + size > self.high_bytes:
+                    while projected + size > self.low_bytes:
+                        victim = next(candidates, None)
+                        if victim is None:
+                            break
+                        victims.append(victim[0])
+                        projected -= victim[1]
+                if projected + size > self.capacity:
+                    break  # this one will not be admitted, nor any after it
+                projected += size
+                admitted += 1
+            return victims, admitted
 
-    # -- internals (lock held) -------------------------------------------------------------
-
-    def _add(self, digest: int, size: int, name: str | None, *, reserved: bool) -> None:
-        old = self.lru.pop(digest, None)
-        if old is not None:  # replaced in place (a concurrent writer of the same name)
-            self.used -= old.size
-            if old.name is not None and old.name != name:
-                self.by_name.pop(old.name, None)
-        if not reserved:
-            self.used += size
-        self.lru[digest] = Entry(size, name, self.stamp())
-        if name is not None:
-            self.by_name[name] = digest
-            self.names_changed += 1
-
-    def _pick_victims(self, sizes: list[int]) -> list[tuple[int, int]]:
-        """Unpinned LRU entries to evict before writing objects of ``sizes`` one by one;
-        forgotten here, their bytes still counted in ``used`` until their files are gone."""
-        projected = self.used
-        if projected + sizes[0] <= self.high_bytes and projected + sum(sizes) <= self.high_bytes:
-            return []
-        candidates = ((d, e.size) for d, e in self.lru.items() if d not in self._pinned)
-        victims: list[tuple[int, int]] = []
-        for size in sizes:
-            if projected + size > self.high_bytes:
-                while projected + size > self.low_bytes:
-                    victim = next(candidates, None)
-                    if victim is None:
-                        break
-                    victims.append(victim)
-                    projected -= victim[1]
-            projected += size
-            if projected > self.capacity:
-                break  # this one will not be admitted, nor any after it
-        for digest, _ in victims:
-            self._forget(digest, keep_bytes=True)
-        return victims
-
-    def _forget(self, digest: int, *, keep_bytes: bool = False) -> Entry:
-        entry = self.lru.pop(digest)
-        self.touched.pop(digest, None)
-        if not keep_bytes:
-            self.used -= entry.size
-        if entry.name is not None:
-            self.by_name.pop(entry.name, None)
-            self.names_changed += 1
-        return entry
+    def _name(self, entry: Entry, digest: int, name: str) -> None:
+        entry.name = name
+        self.by_name[name] = digest
 
     def __len__(self) -> int:
         return len(self.lru)

@@ -57,18 +57,9 @@ class StoreDir:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, 0o700)
 
-    @property
-    def names_path(self) -> str:
-        """The snapshot of learned names (see :mod:`kv_file.names`)."""
-        return os.path.join(self.path, "names.idx")
-
-    @property
-    def removals_path(self) -> str:
-        """The counter of removals every process sharing the namespace watches."""
-        return os.path.join(self.path, "removals")
-
-    def names_temp_path(self) -> str:
-        return self._temp(self.path, "names")
+    def meta_temp_path(self, stem: str) -> str:
+        """A fresh temp name for a file of the store's own (the journal) in its directory."""
+        return self._temp(self.path, stem)
 
     def subdir(self, digest: int) -> str:
         return self._subdirs[digest >> 120]

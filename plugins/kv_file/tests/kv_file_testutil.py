@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -103,6 +104,14 @@ def query(backend: kvcore.Backend, keys: list[str]) -> int:
 
 def object_files(root: str) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kv"))
+
+
+def forget_journal(root: str, namespace: str = "default") -> None:
+    """Delete a store's journal and ledger, as if an older kv_file (before 0.3) had written it
+    or the journal were lost: the next open rebuilds from a scan, ordering files by mtime."""
+    for name in ("journal", "ledger"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, namespace, name))
 
 
 def disk_bytes(root: str) -> int:

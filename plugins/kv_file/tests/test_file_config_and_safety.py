@@ -39,9 +39,9 @@ def test_permissions_are_private(tmp_path) -> None:
         os.umask(old)
     ns = tmp_path / "s" / "default"
     assert stat.S_IMODE(ns.stat().st_mode) == 0o700
-    for d in ns.iterdir():  # the fan-out directories, and the name snapshot
+    for d in ns.iterdir():  # the fan-out directories, the journal and its ledger
         assert stat.S_IMODE(d.stat().st_mode) == (0o700 if d.is_dir() else 0o600), d
-    assert (ns / "names.idx").is_file()
+    assert (ns / "journal").is_file() and (ns / "ledger").is_file()
     files = object_files(str(ns))
     assert files
     for f in files:

@@ -1,0 +1,336 @@
+"""The catalog: what a store directory holds, kept the same in every process that opens it.
+
+The in-memory :class:`~kv_file.index.Index` answers lookups; the shared
+:class:`~kv_file.journal.Journal` orders every change. Every change goes the same way: take
+the journal's lock, read and apply what others recorded, do the change (delete victims' files,
+reserve bytes), record it, apply the record. So every process's index holds the same objects
+in the same LRU order, admissions in every process are serialised against one count of bytes
+(files of every process plus every write in flight), and the journal is one ordered account of
+the store that the backend reports as events (``kvcore_watch``), whoever made each change.
+
+The backend moves bytes; the catalog knows what is where.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import kvcore
+from kv_file.index import Entry, Index
+from kv_file.journal import Journal, JournalError, Kind, Record
+from kv_file.objfile import header_size
+from kv_file.objio import read_name
+from kv_file.paths import StoreDir, discard
+from kvcore import events as ev
+
+__all__ = ["Catalog"]
+
+log = logging.getLogger("kvcore.file")
+
+#: a read hit goes into the journal at most once per object and process in this interval
+TOUCH_LOG_INTERVAL_S = 1.0
+#: the journal is rewritten compactly when it passes this many bytes...
+_COMPACT_MIN_BYTES = 256 << 10
+#: ...and this many times what its live objects need
+_COMPACT_FACTOR = 4
+
+_EVENT_KINDS = {
+    Kind.STORED: ev.STORED,
+    Kind.EVICTED: ev.EVICTED,
+    Kind.REMOVED: ev.REMOVED,
+    Kind.GONE: ev.REMOVED,
+}
+
+
+class Catalog:
+    """The shared index of one opened store (see the module docstring). Thread-safe.
+
+    :param delete_files: deletes the object files of the given digests (evictions).
+    """
+
+    def __init__(
+        self,
+        store_dir: StoreDir,
+        capacity: int,
+        high: float,
+        low: float,
+        *,
+        fits: Callable[[str, int], bool] | None,
+        delete_files: Callable[[list[int]], None],
+        counters: kvcore.Counters,
+    ) -> None:
+        self._dir = store_dir
+        self.index = Index(capacity, high, low)
+        self._fits = fits
+        self._delete_files = delete_files
+        self._counters = counters
+        self.token = int.from_bytes(os.urandom(4), "little") or 1
+        self.journal = Journal(
+            store_dir.path, self.token, lambda: store_dir.meta_temp_path("journal")
+        )
+        self.report: Callable[..., None] | None = None
+        self.evictions = 0  # objects this process evicted
+        with self.journal.locked():
+            self._catch_up()
+        self.reconcile()
+
+    # -- reading what others did -------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Apply what other processes recorded since (one read of shared memory when nothing
+        is new)."""
+        if self.journal.behind():
+            with self.journal.locked():
+                self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Apply every record committed since the last call (lock held)."""
+        try:
+            restart, records = self.journal.read_new()
+        except JournalError as exc:
+            log.warning(
+                "kv_file: the journal of %s is damaged (%s); rebuilding it from a scan",
+                self._dir.path,
+                exc,
+            )
+            self._counters.add("journal_rebuilds")
+            self._rebuild()
+            return
+        if restart:
+            before = dict(self.index.clear())
+            self._apply(records, quiet=True)
+            self._report_difference(before)
+        else:
+            self._apply(records)
+
+    def _apply(
+        self, records: Iterable[Record], *, pin: frozenset[int] = frozenset(), quiet: bool = False
+    ) -> None:
+        """Change the index as ``records`` say, and report the changes to a watcher."""
+        index, token = self.index, self.token
+        runs: list[tuple[str, str, list[str], list[int]]] = []  # (kind, origin, names, sizes)
+        for r in records:
+            kind = r.kind
+            if kind is Kind.TOUCHED:
+                index.touch(r.digest)
+                continue
+            if kind is Kind.STORED:
+                name = None if r.name is None else r.name.decode("utf-8", "surrogatepass")
+                # the index learns a name only for a file of a size its part can have (another
+                # layout's object under the same name is never counted: a lookup removes it)
+                fits = name is not None and (self._fits is None or self._fits(name, r.size))
+                pinned = r.digest in pin and r.origin == token
+                index.add(r.digest, r.size, name if fits else None, pin=pinned)
+                size = r.size
+            else:
+                entry = index.drop(r.digest)
+                if entry is None:
+                    continue
+                name, size = entry.name, entry.size
+            if self.report is None or quiet or name is None:
+                continue
+            payload = size - header_size(len(name.encode("utf-8", "surrogatepass")))
+            what, origin = _EVENT_KINDS[kind], ev.LOCAL if r.origin == token else ev.PEER
+            if runs and runs[-1][0] == what and runs[-1][1] == origin:
+                runs[-1][2].append(name)
+                runs[-1][3].append(payload)
+            else:
+                runs.append((what, origin, [name], [payload]))
+        report = self.report
+        if report is not None:
+            for what, origin, names, sizes in runs:
+                report(what, names, sizes, origin)
+
+    def _report_difference(self, before: dict[int, Entry]) -> None:
+        """After re-reading a replaced journal: report what came and went meanwhile."""
+        report = self.report
+        if report is None:
+            return
+        with self.index.lock:
+            now = dict(self.index.lru)
+        gone = [e for d, e in before.items() if d not in now and e.name is not None]
+        came = [e for d, e in now.items() if d not in before and e.name is not None]
+        for kind, entries in ((ev.EVICTED, gone), (ev.STORED, came)):
+            if entries:
+                names = [e.name for e in entries if e.name is not None]
+                sizes = [e.size - header_size(len(n.encode("utf-8", "surrogatepass")))
+                         for e, n in zip(entries, names, strict=True)]  # fmt: skip
+                report(kind, names, sizes, ev.PEER)
+
+    def _commit(self, records: list[Record], *, pin: frozenset[int] = frozenset()) -> None:
+        """Record ``records`` and apply them (lock held, caught up)."""
+        if not records:
+            return
+        self.journal.append(records)
+        self._apply(records, pin=pin)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        size = self.journal.size
+        if size < _COMPACT_MIN_BYTES:
+            return
+        live = self.index.snapshot()
+        need = sum(48 + (0 if n is None else len(n)) for _, _, n in live)
+        if size < _COMPACT_FACTOR * need:
+            return
+        self.journal.replace(self._records_of(live))
+        self._counters.add("journal_compactions")
+
+    def _records_of(self, live: Iterable[tuple[int, int, str | None]]) -> list[Record]:
+        return [
+            Record(Kind.STORED, d, s, None if n is None else n.encode("utf-8", "surrogatepass"),
+                   self.token)
+            for d, s, n in live
+        ]  # fmt: skip
+
+    # -- changes this process makes -----------------------------------------------------------
+
+    def admit(self, sizes: list[int], touched: Sequence[int] = ()) -> int:
+        """Reserve bytes for writes of ``sizes`` (in order), evicting LRU objects first as
+        needed; returns how many (a leading run) were admitted. ``touched``: objects the write
+        skips as already stored, now most recently used."""
+        with self.journal.locked():
+            self._catch_up()
+            victims, admitted = self.index.plan_admission(self.journal.reserved(), sizes)
+            if victims:
+                self._delete_files(victims)  # before their bytes count as free
+                self.evictions += len(victims)
+            records = [Record(Kind.EVICTED, d, origin=self.token) for d in victims]
+            records += [Record(Kind.TOUCHED, d, origin=self.token) for d in touched]
+            self._commit(records)
+            self.journal.reserve(sum(sizes[:admitted]))
+        return admitted
+
+    def stored(self, digest: int, size: int, name: bytes | None, *, pin: bool) -> None:
+        """A written file is in place: its reservation becomes a file (``pin``: kept from
+        eviction until :meth:`Index.unpin`)."""
+        with self.journal.locked():
+            self._catch_up()
+            self.journal.reserve(-size)
+            record = Record(Kind.STORED, digest, size, name, self.token)
+            self._commit([record], pin=frozenset((digest,)) if pin else frozenset())
+
+    def release(self, size: int) -> None:
+        """Give back the reservation of a write that failed (its temp file is gone)."""
+        with self.journal.locked():
+            self.journal.reserve(-size)
+
+    def adopted(self, files: Sequence[tuple[int, int, bytes | None]]) -> None:
+        """Files found in place that the index lacked (a write this process could not see
+        recorded: an older kv_file, a crash between rename and record)."""
+        if files:
+            with self.journal.locked():
+                self._catch_up()
+                fresh = [(d, s, n) for d, s, n in files if self.index.size_of(d) != s]
+                self._commit([Record(Kind.STORED, d, s, n, self.token) for d, s, n in fresh])
+            self._counters.add("adopted", len(files))
+
+    def read(self, digests: Iterable[int]) -> None:
+        """Read hits: most recently used, here now and for every process soon."""
+        now = time.monotonic()
+        due = [d for d in digests if self.index.due_for_log(d, now, TOUCH_LOG_INTERVAL_S)]
+        if due:
+            with self.journal.locked():
+                self._catch_up()
+                self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in due])
+
+    def gone(self, digests: Iterable[int], kind: Kind = Kind.GONE) -> None:
+        """Objects no longer in place: removed by this process (``REMOVED``), or found
+        missing or not what their name promises (``GONE``)."""
+        digests = list(digests)
+        if digests:
+            with self.journal.locked():
+                self._catch_up()
+                known = [d for d in digests if self.index.size_of(d) is not None]
+                self._commit([Record(kind, d, origin=self.token) for d in known])
+
+    # -- a full scan --------------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Make the catalog match the directory: adopt files no record mentions (with their
+        names, from the snapshot or their headers), forget files that are gone, free the
+        reservations of processes that died. Corrects what a crash left; cheap otherwise."""
+        mark = self.index.stamp()
+        with self.index.lock:
+            known = set(self.index.lru)
+        strays: list[str] = []
+        found = list(self._dir.scan(skip=known, strays=strays))
+        seen = {f.digest for f in found}
+        # oldest first: a store without a journal (kv_file < 0.3) keeps its LRU order
+        fresh = sorted((f for f in found if f.size >= 0), key=lambda f: f.mtime_ns)
+        adopt: list[tuple[int, int, bytes | None]] = []
+        for f in fresh:
+            raw = read_name(self._dir.object_path(f.digest))  # the file's own word
+            if raw is None:
+                strays.append(self._dir.object_path(f.digest))  # no valid object of any name
+                continue
+            adopt.append((f.digest, f.size, raw))
+        self._dir.remove_stale_temps()
+        with self.journal.locked():
+            self._catch_up()
+            records = []
+            with self.index.lock:
+                lost = [
+                    d
+                    for d in known - seen
+                    if d in self.index.lru and self.index.lru[d].stamp < mark
+                ]
+            records += [
+                Record(Kind.GONE, d, origin=self.token)
+                for d in lost
+                if not _regular_file(self._dir.object_path(d))  # gone, or a stray now
+            ]
+            records += [
+                Record(Kind.STORED, d, s, n, self.token)
+                for d, s, n in adopt
+                if self.index.size_of(d) is None and _regular_file(self._dir.object_path(d))
+            ]
+            self.journal.reap()
+            self.journal.scanned(time.time_ns())
+            self._commit(records)
+        for path in strays:
+            try:
+                if discard(path):
+                    self._counters.add("foreign_removed")
+            except OSError as exc:
+                log.warning("kv_file cannot remove %s: %s", path, exc)
+        self._counters.add("rescans")
+        self._counters.add("adopted", len(adopt))
+
+    def scan_due(self, interval_s: float) -> bool:
+        """Whether no process sharing the directory ran a full scan in ``interval_s``."""
+        return time.time_ns() - self.journal.last_scan_ns >= interval_s * 1e9
+
+    def _rebuild(self) -> None:
+        """A new journal from the directory (lock held): the old one did not parse."""
+        self.index.clear()
+        records = [
+            Record(Kind.STORED, f.digest, f.size, read_name(self._dir.object_path(f.digest)),
+                   self.token)
+            for f in sorted(self._dir.scan(), key=lambda f: f.mtime_ns)
+        ]  # fmt: skip
+        self.journal.replace(records)
+        self._apply(records, quiet=True)
+
+    # -- bytes -------------------------------------------------------------------------------
+
+    def used(self) -> int:
+        """Bytes of every file in place and every write in flight, in every process."""
+        with self.journal.locked():
+            self._catch_up()
+            return self.index.files_bytes + self.journal.reserved()
+
+    def close(self) -> None:
+        self.report = None
+        self.journal.close()
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -1,0 +1,150 @@
+"""The journal: every process's index is the same, a restarted store knows every name at once,
+a damaged journal or none at all is rebuilt from the files, and compaction keeps it small."""
+
+from __future__ import annotations
+
+import os
+
+from kv_file.journal import Journal, JournalError, Kind, Record, decode
+from kv_file_testutil import forget_journal, object_files, open_store, read_verified, write
+
+KEYS = [f"n{i}" for i in range(8)]
+
+
+def _journal(root: str) -> str:
+    return os.path.join(root, "default", "journal")
+
+
+def test_a_restarted_store_knows_every_name_at_open(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    store = open_store(root)
+    assert write(store, KEYS) == len(KEYS)
+    store.close()
+    reopened = open_store(root)
+    assert len(reopened.plugin._index.by_name) == 2 * len(KEYS)  # K and V of each block
+    assert reopened.query(reopened.request("q", KEYS)) == len(KEYS)
+    assert read_verified(reopened, KEYS) == len(KEYS)
+    reopened.close()
+    assert not [n for n in os.listdir(os.path.join(root, "default")) if n.endswith(".tmp")]
+
+
+def test_a_damaged_journal_is_rebuilt_from_the_files(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    store = open_store(root)
+    assert write(store, KEYS) == len(KEYS)
+    store.close()
+    with open(_journal(root), "r+b") as f:
+        f.seek(4)
+        f.write(b"\xff")  # a record's kind no reader knows
+    reopened = open_store(root)
+    stats = reopened.stats()
+    assert stats["backend_journal_rebuilds"] == 1
+    assert stats["backend_objects"] == 2 * len(KEYS)
+    assert len(reopened.plugin._index.by_name) == 2 * len(KEYS)  # from the files' headers
+    assert read_verified(reopened, KEYS) == len(KEYS)
+    reopened.close()
+
+
+def test_a_store_without_a_journal_is_adopted_with_its_names(tmp_path) -> None:
+    """A store an older kv_file wrote (no journal): the files' own headers name them."""
+    root = str(tmp_path / "s")
+    store = open_store(root)
+    assert write(store, KEYS) == len(KEYS)
+    store.close()
+    forget_journal(root)
+    reopened = open_store(root)
+    assert reopened.stats()["backend_adopted"] == 2 * len(KEYS)
+    assert reopened.query(reopened.request("q", KEYS)) == len(KEYS)
+    assert read_verified(reopened, KEYS) == len(KEYS)
+    reopened.close()
+
+
+def test_the_journal_follows_a_full_store(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    probe = open_store(str(tmp_path / "probe"))
+    assert write(probe, ["x"]) == 1
+    one_block = sum(os.path.getsize(p) for p in object_files(str(tmp_path / "probe")))
+    probe.close()
+    cfg = {"capacity_bytes": one_block, "high_watermark": 1.0, "low_watermark": 0.5}
+    store = open_store(root, **cfg)
+    assert write(store, ["a"]) == 1
+    store.close()
+    store = open_store(root, **cfg)
+    assert write(store, ["b"]) == 1  # evicts a
+    store.close()
+    reopened = open_store(root, **cfg)
+    b_names = set(reopened.request("q", ["b"]).object_names[0])
+    assert set(reopened.plugin._index.by_name) == b_names
+    reopened.close()
+
+
+def test_every_process_index_is_the_same_without_a_scan(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    cfg = {"rescan_interval_s": 0}
+    a, b = open_store(root, **cfg), open_store(root, **cfg)
+    assert write(a, KEYS[:4]) == 4
+    assert write(b, KEYS[4:]) == 4
+    assert read_verified(a, KEYS[:1]) == 1  # a read: most recently used, for both
+    a.plugin._catalog.sync()
+    b.plugin._catalog.sync()
+    assert list(a.plugin._index.lru) == list(b.plugin._index.lru)
+    assert a.stats()["backend_bytes_used"] == b.stats()["backend_bytes_used"]
+    assert b.remove(b.request("r", KEYS[:2])) == 2
+    assert a.query(a.request("q", KEYS[:2])) == 0  # seen at once, no scan
+    a.close()
+    b.close()
+
+
+def test_compaction_keeps_the_journal_small_and_the_order(tmp_path) -> None:
+    root = str(tmp_path / "s")
+    store = open_store(root, rescan_interval_s=0)
+    assert write(store, KEYS) == len(KEYS)
+    catalog = store.plugin._catalog
+    for _ in range(4000):  # reads are recorded at most once a second per object: force them
+        with catalog.journal.locked():
+            catalog._catch_up()
+            catalog._commit([Record(Kind.TOUCHED, d) for d in list(catalog.index.lru)[:2]])
+    assert store.stats()["backend_journal_compactions"] >= 1
+    assert os.path.getsize(_journal(root)) < 64 << 10
+    order = list(catalog.index.lru)
+    store.close()
+    reopened = open_store(root)
+    assert list(reopened.plugin._index.lru) == order
+    assert read_verified(reopened, KEYS) == len(KEYS)
+    reopened.close()
+
+
+def test_records_round_trip_and_damage_is_detected(tmp_path) -> None:
+    records = [
+        Record(Kind.STORED, 2**128 - 1, 4096, b"ns/" + b"x" * 70_000, 7),
+        Record(Kind.TOUCHED, 5),
+        Record(Kind.EVICTED, 9, origin=3),
+    ]
+    data = b"".join(r.encode() for r in records)
+    assert decode(data) == records
+    for cut in (3, 41, len(data) - 1):
+        try:
+            decode(data[:cut])
+        except JournalError:
+            continue
+        raise AssertionError(f"a journal cut at byte {cut} parsed")
+
+
+def test_a_dead_process_reservation_is_freed_by_a_scan(tmp_path) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir()
+    journal = Journal(str(directory), 1, lambda: str(directory / "j.tmp"))
+    with journal.locked():
+        journal.reserve(1000)
+        # a slot of a process that is gone (pid 2**31-1 never runs)
+        journal._map[64 + 32 : 64 + 64] = (
+            (5).to_bytes(4, "little")
+            + (2**31 - 1).to_bytes(4, "little")
+            + (0).to_bytes(8, "little")
+            + (777).to_bytes(8, "little")
+            + bytes(8)
+        )
+        assert journal.reserved() == 1777
+        assert journal.reap() == 777
+        assert journal.reserved() == 1000
+    journal.close()
