@@ -41,6 +41,8 @@ class ConfigError(KVCoreError, ValueError):
     def from_validation(cls, what: str, exc: ValidationError) -> ConfigError:
         lines = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-            lines.append(f"  {loc}: {err['msg']}")
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            # a model-level check names its fields in its message
+            lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         return cls(f"invalid {what}:\n" + "\n".join(lines))

@@ -45,6 +45,8 @@ __all__ = [
     "TaskResult",
     "WriteTask",
     "check_weight_version",
+    "interval_field",
+    "timeout_field",
 ]
 
 _WEIGHT_VERSION_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
@@ -434,6 +436,17 @@ def timeout_field(default: float | None, description: str) -> Any:
     """A timeout in seconds: positive, finite, at most :data:`MAX_TIMEOUT_S`."""
     return Field(
         default=default, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description=description
+    )
+
+
+def interval_field(default: float, description: str) -> Any:
+    """A duration in seconds where 0 means "never" or "at once": finite, at most
+    :data:`MAX_TIMEOUT_S`, like every timeout (a backend's config uses it for its own waits).
+
+    .. versionadded:: 0.3
+    """
+    return Field(
+        default=default, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description=description
     )
 
 

@@ -645,3 +645,21 @@ def test_close_never_hangs_on_a_stuck_backend_and_frees_nothing_in_use():
     release.set()  # the stuck call now writes into its staging buffer: still allocated
     time.sleep(0.3)
     tm._test_backend.close()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"max_model_len": 64},
+        {"max_model_len": 64, "context": {"rank": 0}},
+        {"max_model_len": 64, "rank": 0, "namespace": "m"},
+    ],
+    ids=["no engine facts", "context without layout", "top-level facts without layout"],
+)
+def test_a_config_without_its_engine_layout_names_layout(config: dict) -> None:
+    """Not ``context: Field required`` (an internal field): the user left out the layout."""
+    with pytest.raises(kvcore.ConfigError) as info:
+        TransferManager(config, None, None)
+    message = str(info.value)
+    assert "\n  layout: missing: the engine's cache layout" in message, message
+    assert "context: Field required" not in message

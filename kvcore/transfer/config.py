@@ -109,7 +109,9 @@ class TransferConfig(EnvConfig):
             return data
         moved = {k: data[k] for k in _CONTEXT_FIELDS if k in data}
         if not moved:
-            return data
+            # no engine facts at all: the check below names what is missing (the layout),
+            # not the internal field that would hold it
+            return data if "context" in data else {**data, "context": {}}
         rest = {k: v for k, v in data.items() if k not in moved}
         context = rest.get("context") or {}
         if isinstance(context, BackendContext):
@@ -120,7 +122,11 @@ class TransferConfig(EnvConfig):
     @model_validator(mode="after")
     def _needs_layout(self) -> TransferConfig:
         if self.context.layout is None:
-            raise ValueError("context.layout is required: the manager sizes everything from it")
+            raise ValueError(
+                "layout: missing: the engine's cache layout (num_layers, num_heads, block_size, "
+                "head_dim, dtype), as `layout` or `context.layout`; the manager sizes "
+                "everything from it"
+            )
         return self
 
     # the engine facts, as 0.1 callers read them

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvcore.schemas import timeout_field
+
 __all__ = [
     "SGLANG_KEYS",
     "SGLANG_KEY_PREFIXES",
@@ -85,10 +87,8 @@ class StorageSettings(BaseModel):
         description="leading part of every object's namespace (default: 'sglang-<model>'); "
         "engines that should share pages must use the same one",
     )
-    timeout_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="deadline of each storage call (default: the backend's default_timeout_s)",
+    timeout_s: float | None = timeout_field(
+        None, "deadline of each storage call (default: the backend's default_timeout_s)"
     )
     weight_version: str = Field(
         default="",

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["ConnectorSettings", "SettingsError", "load_settings"]
+from kvcore.schemas import interval_field, timeout_field
+
+__all__ = [
+    "ConnectorSettings",
+    "SettingsError",
+    "TierSettings",
+    "load_settings",
+    "load_tier_settings",
+]
 
 #: Where the settings come from, for error messages.
 SOURCE = "kv_transfer_config.kv_connector_extra_config"
@@ -43,17 +51,15 @@ class ConnectorSettings(BaseModel):
     weight_version: str = Field(
         default="", description="ends every object name; bump it when the weights change"
     )
-    load_timeout_s: float = Field(
-        default=10.0, gt=0, description="a load that has not finished by then is recomputed"
+    load_timeout_s: float = timeout_field(
+        10.0, "a load that has not finished by then is recomputed"
     )
-    save_timeout_s: float = Field(default=30.0, gt=0, description="deadline of one save task")
-    lookup_timeout_s: float = Field(
-        default=2.0, gt=0, description="scheduler-side existence check (it blocks scheduling)"
+    save_timeout_s: float = timeout_field(30.0, "deadline of one save task")
+    lookup_timeout_s: float = timeout_field(
+        2.0, "scheduler-side existence check (it blocks scheduling)"
     )
-    lookup_backoff_s: float = Field(
-        default=10.0,
-        ge=0,
-        description="after a failed or slow lookup, lookups are skipped (misses) this long",
+    lookup_backoff_s: float = interval_field(
+        10.0, "after a failed or slow lookup, lookups are skipped (misses) this long"
     )
     save_decode_blocks: bool = Field(
         default=True,
@@ -64,10 +70,8 @@ class ConnectorSettings(BaseModel):
         description="what vLLM does with blocks that failed to load: recompute them (a cache "
         "tier's failure is a miss) or fail the request",
     )
-    reopen_interval_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="a backend that failed to open is tried again after this long (0: never)",
+    reopen_interval_s: float = interval_field(
+        30.0, "a backend that failed to open is tried again after this long (0: never)"
     )
     transfer: dict[str, Any] = Field(
         default_factory=dict,
@@ -85,3 +89,80 @@ def load_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
             where = ".".join(str(p) for p in err["loc"]) or "(root)"
             problems.append(f"  {SOURCE}.{where}: {err['msg']}")
         raise SettingsError("invalid KVCoreConnector config:\n" + "\n".join(problems)) from None
+
+
+#: Where the tier's settings come from, for error messages.
+TIER_SOURCE = "kv_connector_extra_config.secondary_tiers[type=kvcore]"
+
+
+class TierSettings(BaseModel):
+    """One kvcore entry of ``secondary_tiers`` (``type`` and ``module_path`` are vLLM's;
+    only ``backend`` is required)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(min_length=1, description="kvcore backend name: file, mooncake, ...")
+    backend_config: dict[str, Any] = Field(
+        default_factory=dict, description="the backend's own config (see its README)"
+    )
+    namespace: str = Field(
+        default="default",
+        min_length=1,
+        description="user scope: engines share chunks only within one namespace",
+    )
+    model_id: str | None = Field(
+        default=None,
+        min_length=1,
+        description="model identity in every key (default: vLLM's model name); set it when the "
+        "same weights are served under different names",
+    )
+    weight_version: str = Field(
+        default="", description="ends every object name; bump it when the weights change"
+    )
+    load_timeout_s: float = timeout_field(
+        10.0, "a promotion job not finished by then fails (its chunks are recomputed)"
+    )
+    store_timeout_s: float = timeout_field(30.0, "deadline of one store job")
+    lookup_timeout_s: float = timeout_field(
+        2.0, "deadline of one batched existence check (run off the scheduler's thread)"
+    )
+    load_workers: int = Field(default=2, ge=1, le=64, description="promotion jobs run at once")
+    store_workers: int = Field(default=2, ge=1, le=64, description="store jobs run at once")
+    max_queued_stores: int = Field(
+        default=256,
+        ge=1,
+        description="store jobs waiting for a worker; past it a store is dropped (a future "
+        "miss, counted), so a slow backend never holds the primary tier's chunks",
+    )
+    enable_kv_events: bool = Field(
+        default=False,
+        description="publish BlockStored/BlockRemoved for what the store gains and loses "
+        "(needs vLLM's kv_events_config); evictions and other processes' changes included "
+        "where the backend reports them",
+    )
+    locality: str | None = Field(
+        default=None, description="LOCAL or REMOTE: where the store is relative to this engine"
+    )
+
+    @field_validator("locality")
+    @classmethod
+    def _locality(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from vllm.v1.kv_offload.base import Locality  # vLLM's own names and error
+
+        return Locality(value).value
+
+
+def load_tier_settings(settings: dict[str, Any]) -> TierSettings:
+    """Validate a kvcore tier's settings; raise :class:`SettingsError` naming each bad key."""
+    try:
+        return TierSettings.model_validate(dict(settings))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(root)"
+            problems.append(f"  {TIER_SOURCE}.{where}: {err['msg']}")
+        raise SettingsError(
+            "invalid kvcore secondary tier config:\n" + "\n".join(problems)
+        ) from None

@@ -10,13 +10,24 @@ every object name (each rank stores its own slice of the heads).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import kvcore
-from kvcore_vllm.config import ConnectorSettings
+from kvcore.keys import parse_object_name, root_hash
+from kvcore_vllm.config import ConnectorSettings, TierSettings
+from kvcore_vllm.context import engine_world
 
-__all__ = ["KeyChain", "engine_layout", "engine_object_names", "key_scope", "model_identity"]
+__all__ = [
+    "ChunkKeys",
+    "KeyChain",
+    "chunk_scope",
+    "engine_layout",
+    "engine_object_names",
+    "key_scope",
+    "model_identity",
+]
 
 
 def model_identity(vllm_config: Any, settings: ConnectorSettings) -> str:
@@ -126,7 +137,6 @@ def engine_object_names(
 ) -> list[tuple[str, ...]]:
     """``[block][part]`` names under which a running engine stores ``token_ids``' full blocks."""
     from kvcore_vllm.config import load_settings
-    from kvcore_vllm.scheduler import engine_world
 
     settings = load_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
     layout = engine_layout(vllm_config)
@@ -140,3 +150,62 @@ def engine_object_names(
         weight_version=settings.weight_version,
     )
     return [tuple(n) for n in names]
+
+
+# -- the secondary tier's chunk keys ---------------------------------------------------------
+
+
+def chunk_scope(offloading_spec: Any, settings: TierSettings, chunk_bytes: int) -> kvcore.KeyScope:
+    """What must match for two engines to share a chunk of vLLM's CPU primary tier: the model,
+    vLLM's own description of the chunk's format (the fields vLLM's ``fs`` tier names its
+    directory by: dtype, tokens per hash, blocks per chunk, KV cache groups, parallel layout
+    unless the layout is parallelism-agnostic, canonical format), the chunk's bytes, vLLM's
+    release, the namespace and the weight version."""
+    import vllm
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    mapper = FileMapper.from_offloading_spec(
+        root_dir="",
+        offloading_spec=offloading_spec,
+        blocks_per_file=offloading_spec.blocks_per_chunk,
+        parallel_agnostic=True,
+    )
+    fields = mapper.get_run_config()
+    extra = {k: json.dumps(v, sort_keys=True) for k, v in fields.items()}
+    extra["chunk_bytes"] = str(chunk_bytes)
+    extra["engine"] = "vllm-" + ".".join(str(vllm.__version__).split(".")[:2])
+    extra["object_format"] = "tier-chunk-1"
+    return kvcore.KeyScope(
+        model=settings.model_id or str(fields.get("model_name", "")),
+        namespace=settings.namespace,
+        weight_version=settings.weight_version,
+        extra=extra,
+    )
+
+
+class ChunkKeys:
+    """vLLM's chunk keys (``OffloadKey``: block hash and group) as kvcore block keys, and back.
+
+    A block key is the scope's digest (128 bits, hex) followed by the chunk key in hex: two
+    scopes never share a key, one scope always maps a chunk to the same key in every process,
+    and an object name read from an event gives its chunk key back (other processes' stores
+    and evictions included), with no table to keep.
+    """
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, scope: kvcore.KeyScope) -> None:
+        self.prefix = root_hash(scope).hex()[:32]
+
+    def key(self, offload_key: bytes) -> str:
+        return self.prefix + offload_key.hex()
+
+    def offload_key(self, name: str) -> bytes | None:
+        """The chunk key of object ``name``; None for objects of another scope."""
+        parsed = parse_object_name(name)
+        if parsed is None or not parsed.block_key.startswith(self.prefix):
+            return None
+        try:
+            return bytes.fromhex(parsed.block_key[len(self.prefix) :])
+        except ValueError:
+            return None

@@ -28,9 +28,9 @@ from typing import Any
 from kvcore.transfer import DeviceCache, TransferManager
 from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings
+from kvcore_vllm.context import backend_context, engine_world
 from kvcore_vllm.layout import LayerMapping, cache_layout, map_layer_tensors
 from kvcore_vllm.metadata import BlockRun, StepMetadata
-from kvcore_vllm.scheduler import backend_context, engine_world
 from kvcore_vllm.stats import CounterSet, delta
 
 __all__ = ["WorkerSide", "worker_rank"]

@@ -82,8 +82,8 @@ def remove_rank_objects(
     kvcore's ``Backend.remove`` on a backend opened as that rank (Mooncake: the cluster forgets
     them for every client at once)."""
     from kvcore_vllm.config import load_settings
+    from kvcore_vllm.context import backend_context, engine_world
     from kvcore_vllm.keys import engine_block_keys, engine_layout
-    from kvcore_vllm.scheduler import backend_context, engine_world
 
     import kvcore
 

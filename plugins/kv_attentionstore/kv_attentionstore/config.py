@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 import kvcore
 from kv_attentionstore.sdk_loader import ConstructorShape, SdkModule, detect_constructor
 from kvcore.errors import ConfigError
+from kvcore.schemas import timeout_field
 
 #: FastDeploy's variables whose names do not follow ``AS_<FIELD>``, and the field each sets.
 FASTDEPLOY_ALIASES = {"ENABLE_EP_DP_IN_FD": "enable_ep_dp_in_fd", "FD_AS_ONLY_FLUSH": "only_flush"}
@@ -64,16 +65,16 @@ class AttentionStoreConfig(kvcore.BackendConfig):
     attention_type: str = Field(
         default="MHA", min_length=1, description="AttentionType member (kv_bytes constructor)"
     )
-    readiness_timeout_s: float = Field(
-        default=300.0, gt=0, description="how long opening waits for the SDK to become ready"
+    readiness_timeout_s: float = timeout_field(
+        300.0, "how long opening waits for the SDK to become ready"
     )
-    readiness_poll_s: float = Field(default=5.0, gt=0, description="pause between readiness probes")
+    readiness_poll_s: float = timeout_field(5.0, "pause between readiness probes")
     write_slice_block_num: int = Field(default=100, gt=0, description="blocks per SDK write call")
-    write_slice_timeout: float = Field(
-        default=10.0, gt=0, description="timeout of one write slice (capped by the deadline)"
+    write_slice_timeout: float = timeout_field(
+        10.0, "timeout of one write slice (capped by the deadline)"
     )
-    write_total_timeout: float | None = Field(
-        default=None, gt=0, description="cap on a whole write; None: the request's deadline only"
+    write_total_timeout: float | None = timeout_field(
+        None, "cap on a whole write; None: the request's deadline only"
     )
     only_flush: bool = Field(
         default=False,

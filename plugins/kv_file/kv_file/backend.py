@@ -91,7 +91,18 @@ class FileBackend:
         self.config = config
         directory = config.namespace or safe_namespace(context.namespace, "context namespace")
         self._dir = StoreDir(config.root, directory)
-        self._dir.create()
+        try:
+            self._dir.create()
+        except OSError as exc:  # one line naming the setting, not a raw OS error
+            failed = exc.filename or config.root
+            why = _describe(exc)
+            parent = os.path.dirname(os.path.abspath(failed))
+            if exc.errno == errno.ENOENT and os.path.isdir(parent):
+                why = f"the file system at {parent!r} does not let directories be created"
+            raise kvcore.ConfigError(
+                f"invalid config for backend 'file':\n  root: {config.root!r} cannot hold a "
+                f"store: creating {failed!r} failed: {why}"
+            ) from None
         # every object name starts with the engine's namespace; a directory may hold several
         # (a configured `namespace` puts engines of any namespace into one directory)
         self._name_prefix = encode_name(f"{context.namespace}/")
@@ -287,7 +298,8 @@ class FileBackend:
             except OSError:
                 catalog.release(size)
                 raise
-            catalog.stored(digest, size, named, pin=True)
+            if not catalog.stored(digest, size, named, pin=True):
+                return "write_refused"  # evicted by another process before it counted
             pinned.append(digest)
             if self._sync_dirs:
                 written_dirs.setdefault(self._dir.subdir(digest), []).append(k)

@@ -205,14 +205,20 @@ class Catalog:
             self.journal.reserve(sum(sizes[:admitted]))
         return admitted
 
-    def stored(self, digest: int, size: int, name: bytes | None, *, pin: bool) -> None:
+    def stored(self, digest: int, size: int, name: bytes | None, *, pin: bool) -> bool:
         """A written file is in place: its reservation becomes a file (``pin``: kept from
-        eviction until :meth:`Index.unpin`)."""
+        eviction until :meth:`Index.unpin`). False when the file is gone already: another
+        process evicted or removed what was at its place after the rename (it may have been
+        another writer's copy of the same object), so it is not recorded, nor acknowledged."""
         with self.journal.locked():
             self._catch_up()
             self.journal.reserve(-size)
+            if not _regular_file(self._dir.object_path(digest)):
+                self._counters.add("write_lost")
+                return False
             record = Record(Kind.STORED, digest, size, name, self.token)
             self._commit([record], pin=frozenset((digest,)) if pin else frozenset())
+            return True
 
     def release(self, size: int) -> None:
         """Give back the reservation of a write that failed (its temp file is gone)."""

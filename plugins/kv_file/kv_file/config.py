@@ -10,8 +10,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 import kvcore
+from kvcore.schemas import interval_field
 
-__all__ = ["FileConfig", "default_root", "safe_namespace"]
+__all__ = ["FileConfig", "check_root", "default_root", "safe_namespace"]
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
@@ -20,6 +21,31 @@ def default_root() -> str:
     """``$XDG_CACHE_HOME/kvcore``, else ``~/.cache/kvcore``: works with no settings at all."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(base) / "kvcore")
+
+
+def check_root(root: Path) -> None:
+    """Refuse a root that can never hold a store, in one line that says why: it is a file,
+    or lies under one. (Whether it can be created is known only by creating it: the backend
+    reports that, naming ``root`` too.)"""
+    if root.exists() or root.is_symlink():
+        if not root.is_dir():
+            raise ValueError(f"{str(root)!r} is {_kind(root)}, not a directory")
+        return
+    for parent in root.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(
+                    f"{str(root)!r} lies under {str(parent)!r}, which is {_kind(parent)}"
+                )
+            return
+
+
+def _kind(path: Path) -> str:
+    if path.is_symlink() and not path.exists():
+        return "a dangling symlink"
+    if path.is_file():
+        return "a regular file"
+    return "not a directory (a device, a FIFO or a socket)"
 
 
 def safe_namespace(value: str, field: str = "namespace") -> str:
@@ -66,11 +92,11 @@ class FileConfig(kvcore.BackendConfig):
         description="read objects the page cache does not hold with O_DIRECT (page-aligned "
         "buffers only); false: always read through the page cache",
     )
-    rescan_interval_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="seconds between scans that pick up other processes' writes and "
-        "evictions, and between saves of read recency to file mtimes (0: never; recency is "
+    rescan_interval_s: float = interval_field(
+        30.0,
+        "seconds between full scans of the directory (one process of those sharing it scans; "
+        "a scan adopts files no process recorded and frees the reservations of processes "
+        "that died) and between saves of read recency to file mtimes (0: never; recency is "
         "then saved at close)",
     )
 
@@ -79,7 +105,9 @@ class FileConfig(kvcore.BackendConfig):
     def _root(cls, value: str) -> str:
         if not value or "\x00" in value:
             raise ValueError("root must be a non-empty path without NUL")
-        return str(Path(value).expanduser())
+        root = Path(value).expanduser()
+        check_root(root)
+        return str(root)
 
     @field_validator("namespace")
     @classmethod

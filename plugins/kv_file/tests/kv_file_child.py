@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 
@@ -52,11 +53,42 @@ def remove(root: str, keys: list[str]) -> None:
     print(json.dumps({"removed": int(removed)}), flush=True)
 
 
+def churn(root: str, worker: int, seconds: float, capacity: int, out: str) -> None:
+    """Write for ``seconds``: batches of new blocks of this worker's and blocks of a pool all
+    workers share, into a store smaller than what they write; now and then read back blocks
+    written before (asserting exact bytes when found). Appends each batch's acknowledged keys
+    to ``out`` as a JSON line as it goes (the parent may SIGKILL us), then this process's
+    stats."""
+    store = open_store(root, capacity_bytes=capacity, rescan_interval_s=2.0)
+    rng = random.Random(worker)
+    shared = [f"shared-{i}" for i in range(48)]
+    acked: list[str] = []
+    log = open(out, "a", buffering=1)  # noqa: SIM115 (line-buffered: a SIGKILL keeps lines)
+    print("ready", flush=True)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        batch = [f"own-{worker}-{n + i}" for i in range(3)] + rng.sample(shared, 3)
+        rng.shuffle(batch)
+        n += 3
+        done = int(write(store, batch))
+        acked += batch[:done]
+        log.write(json.dumps(batch[:done]) + "\n")
+        if acked and rng.random() < 0.3:
+            read_verified(store, rng.sample(acked, min(4, len(acked))))  # exact, or a miss
+    stats = store.stats()
+    store.close()
+    log.write(json.dumps({"stats": stats}) + "\n")
+    log.close()
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "crash":
         crash(args[0], args[1], int(args[2]))
     elif mode == "remove":
         remove(args[0], json.loads(args[1]))
+    elif mode == "churn":
+        churn(args[0], int(args[1]), float(args[2]), int(args[3]), args[4])
     else:
         share(args[0], int(args[1]), int(args[2]), int(args[3]))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
+import subprocess
+import sys
 
 import pytest
 from kv_file import FileConfig
@@ -93,12 +97,49 @@ def test_sizes_are_kvcore_byte_sizes(raw: object, expected: int) -> None:
         ("io_threads", 0),
         ("low_watermark", 1.5),
         ("root", ""),
+        ("default_timeout_s", float("inf")),
+        ("default_timeout_s", 1e10),
+        ("rescan_interval_s", float("inf")),
+        ("rescan_interval_s", 1e10),
     ],
 )
 def test_bad_settings_name_the_field(tmp_path, field: str, value: object) -> None:
     cfg = {"root": str(tmp_path), field: value}
     with pytest.raises(ConfigError, match=field):
         kvcore.open_backend("file", cfg)
+
+
+def _root_cases(tmp_path) -> dict[str, tuple[str, str]]:
+    regular = tmp_path / "a-file"
+    regular.write_text("x")
+    return {
+        "a regular file": (str(regular), "is a regular file, not a directory"),
+        "under a regular file": (str(regular / "store"), "lies under .* which is a regular file"),
+        "under a device": ("/dev/null/store", "lies under '/dev/null', which is not a directory"),
+        "in /proc": ("/proc/kvcore-store", "does not let directories be created"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["a regular file", "under a regular file", "under a device", "in /proc"]
+)
+def test_a_root_that_cannot_hold_a_store_is_one_line_naming_root(tmp_path, case: str) -> None:
+    root, why = _root_cases(tmp_path)[case]
+    with pytest.raises(ConfigError) as info:
+        kvcore.open_backend("file", {"root": root})
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid config for backend 'file':" and len(lines) == 2, lines
+    assert lines[1].startswith("  root: ") and root in lines[1]
+    assert re.search(why, lines[1]), lines[1]
+    # the CLI prints it as one line
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcore", "demo", "--config", json.dumps({"root": root})],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    errors = [line for line in out.stderr.splitlines() if line.startswith("kvcore: error:")]
+    assert len(errors) == 1 and "root:" in errors[0] and re.search(why, errors[0]), out.stderr
 
 
 def test_watermarks_must_be_ordered(tmp_path) -> None:

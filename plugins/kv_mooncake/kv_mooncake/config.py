@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from kvcore import BackendConfig, ByteSize, ConfigError
+from kvcore.schemas import MAX_TIMEOUT_S, interval_field, timeout_field
 
 __all__ = ["FASTDEPLOY_ENV", "MIN_LOCAL_BUFFER", "MooncakeConfig"]
 
@@ -78,12 +79,13 @@ class MooncakeConfig(BackendConfig):
         le=65535,
         description="port of the master's HTTP /health endpoint (None: skip that check)",
     )
-    connect_timeout_s: float = Field(
-        default=2.0, gt=0, description="how long the start-up reachability checks may take"
+    connect_timeout_s: float = timeout_field(
+        2.0, "how long the start-up reachability checks may take"
     )
     rpc_timeout_ms: int = Field(
         default=3000,
         gt=0,
+        le=int(MAX_TIMEOUT_S * 1000),
         description="bound on one master RPC (sets MC_RPC_TIMEOUT_MS unless already set)",
     )
     max_batch_bytes: ByteSize = Field(
@@ -107,11 +109,10 @@ class MooncakeConfig(BackendConfig):
         "object stored in its place. false: objects read or looked up in the last lease "
         "period (~10 s) stay, and remove reports them as a failure",
     )
-    close_timeout_s: float = Field(
-        default=5.0,
-        ge=0,
-        description="how long close() waits for Mooncake's client to shut down before "
-        "leaving it to finish in the background",
+    close_timeout_s: float = interval_field(
+        5.0,
+        "how long close() waits for Mooncake's client to shut down before leaving it to "
+        "finish in the background",
     )
     config_path: str | None = Field(
         default=None, description="FastDeploy's Mooncake JSON file (MOONCAKE_CONFIG_PATH)"

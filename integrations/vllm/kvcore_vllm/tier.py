@@ -1,0 +1,438 @@
+"""``KVCoreTier``: any kvcore backend as a secondary tier of vLLM's ``TieringOffloadingSpec``.
+
+vLLM's native offloading puts a CPU primary tier in front of secondary tiers; a secondary tier
+moves whole chunks between the primary tier's memory and its store. Selected in
+``kv_connector_extra_config``::
+
+    "spec_name": "TieringOffloadingSpec",
+    "secondary_tiers": [{"type": "kvcore", "backend": "file",
+                         "backend_config": {"root": "/nvme/kv", "capacity_bytes": "500GiB"}}]
+
+(``"type": "kvcore"`` is registered by the package's ``vllm.general_plugins`` entry point;
+``{"type": "KVCoreTier", "module_path": "kvcore_vllm.tier"}`` works without it.)
+
+- Data: one chunk is one stored object (part ``chunk``), read into and written from the
+  primary tier's own memory: the host buffers point into it, and the region is registered
+  with the backend once. A backend that keeps no checksum of its own (``memory``, Mooncake)
+  gets kvcore's block digests (:class:`kvcore.transfer.integrity.VerifiedBlocks`), so a
+  corrupted object is a miss and never reaches the primary tier.
+- Keys: a chunk's vLLM key (block hash and group) in a kvcore key scoped to the model, the
+  primary tier's format (vLLM's own run fields: dtype, tokens per hash, chunk size, parallel
+  layout), the chunk size and the weight version (:class:`kvcore_vllm.keys.ChunkKeys`).
+- Jobs run on this tier's threads, loads apart from stores; ``get_finished_jobs`` reports
+  them. A promotion that reads part of its chunks reports ``successful_keys``; a store queue
+  past ``max_queued_stores`` drops stores (counted) so a slow backend never holds the primary
+  tier's chunks. Lookups are vLLM's asynchronous lookups, one batched ``query`` per request.
+- Failures are misses: a backend error, a corrupt object or a deadline fails the job (or its
+  tail); nothing raises into vLLM's scheduler.
+- Events (``enable_kv_events``): what the backend's event stream says the store gained and
+  lost, evictions and other processes' changes included where the backend reports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+import kvcore
+from kvcore import events as ev
+from kvcore.requests import HostBuffers
+from kvcore.threads import thread_pool
+from kvcore.transfer.integrity import VerifiedBlocks
+from kvcore_vllm.config import load_tier_settings
+from kvcore_vllm.keys import ChunkKeys, chunk_scope
+
+__all__ = ["KVCoreTier"]
+
+log = logging.getLogger("vllm.kvcore_vllm.tier")
+#: The object part of a chunk.
+PART = "chunk"
+#: Prometheus names of the tier's counters (labelled by tier type), and what they count.
+_COUNTERS = {
+    "lookup_chunks": "chunks looked up in the kvcore tier",
+    "lookup_hits": "chunks the kvcore tier's lookups found",
+    "lookup_errors": "batched lookups that failed (their chunks counted as misses)",
+    "load_chunks": "chunks asked of the kvcore tier by promotions",
+    "load_failed_chunks": "chunks a promotion did not deliver (recomputed by vLLM)",
+    "load_errors": "promotions that failed for a backend error, a corrupt object or a deadline",
+    "store_chunks": "chunks given to the kvcore tier to store",
+    "store_failed_chunks": "chunks a store job did not store (a future miss)",
+    "store_dropped_chunks": "chunks dropped because the store queue was full",
+    "events_unmapped": "store events naming objects outside this tier's key scope (skipped)",
+}
+
+
+def _metric(name: str) -> str:
+    return f"vllm:kv_offload_tiering_kvcore_{name}"
+
+
+class _Lookups(AsyncLookupManager):
+    """vLLM's asynchronous lookups; each request's batch is one leading-run ``query`` per gap."""
+
+    def __init__(self, tier: KVCoreTier, tier_type: str) -> None:
+        self._tier = tier
+        super().__init__(tier_type=tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
+        return self._tier._exists(keys, req_context.req_id)
+
+
+class KVCoreTier(SecondaryTierManager):
+    """A secondary tier stored by any installed kvcore backend (see the module docstring)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **settings: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.settings = cfg = load_tier_settings(settings)  # bad settings fail start-up
+        kvcore.check_backend_config(cfg.backend, cfg.backend_config)
+        self.locality = Locality(cfg.locality) if cfg.locality is not None else None
+        region = np.asarray(primary_kv_view).reshape(-1).view(np.uint8)
+        self._base = int(region.ctypes.data)
+        self._chunk_bytes = int(primary_kv_view.strides[0])
+        self._num_chunks = int(primary_kv_view.shape[0])
+        self._region_bytes = self._num_chunks * self._chunk_bytes
+        self.keys = ChunkKeys(chunk_scope(offloading_spec, cfg, self._chunk_bytes))
+        context: dict[str, Any] = {"namespace": cfg.namespace}
+        if cfg.weight_version:
+            context["weight_version"] = cfg.weight_version
+        self.backend = kvcore.open_backend(cfg.backend, cfg.backend_config, context=context)
+        caps = self.backend.capabilities
+        if caps.io != "host" or caps.addressing != "key":
+            self.backend.close()
+            raise ValueError(
+                f"{cfg.backend!r} is a {caps.addressing}-addressed, {caps.io}-I/O backend; the "
+                "kvcore tier stores chunks by key from host memory"
+            )
+        self.store = self.backend if caps.checksums else VerifiedBlocks(self.backend, 1)
+        self.backend.register_buffer(self._base, self._region_bytes)  # once, for every job
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._reported: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._facade_reported: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._queued_stores = 0
+        self._finished: deque[JobResult] = deque()
+        self._failed_loads: deque[list[OffloadKey]] = deque()
+        self._loads = thread_pool(cfg.load_workers, "kvcore-tier-load")
+        self._stores = thread_pool(cfg.store_workers, "kvcore-tier-store")
+        self._closed = False
+        self._events: list[OffloadingEvent] | None = None
+        self._subscription: ev.Subscription | None = None
+        if cfg.enable_kv_events:
+            events_config = getattr(offloading_spec, "kv_events_config", None)
+            if events_config is not None and events_config.enable_kv_cache_events:
+                self._events = []
+                self._subscription = self.backend.events.subscribe()
+            else:
+                log.warning(
+                    "kvcore tier: enable_kv_events is set but vLLM's KV cache events are off "
+                    "(kv_events_config); the tier publishes none"
+                )
+        self._lookups = _Lookups(self, tier_type)
+        log.info(
+            "kvcore tier %r: backend %r, %d chunks of %d bytes registered, namespace %r",
+            tier_type,
+            cfg.backend,
+            self._num_chunks,
+            self._chunk_bytes,
+            cfg.namespace,
+        )
+
+    # -- vLLM's tier contract -----------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        n = len(job_metadata.keys)
+        with self._lock:
+            full = self._queued_stores >= self.settings.max_queued_stores or self._closed
+            if not full:
+                self._queued_stores += 1
+                self._in_flight += 1
+        if full:  # a store dropped is a future miss; the primary tier's chunks are released
+            self._count(store_chunks=n, store_dropped_chunks=n)
+            self._finished.append(JobResult(job_metadata.job_id, success=False))
+            return
+        self._stores.submit(self._run_store, job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        with self._lock:
+            self._in_flight += 1
+        self._loads.submit(self._run_load, job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        # a failed promotion's chunks are misses for the requests that looked them up, so
+        # the scheduler does not promote them again and again (vLLM's livelock #49176)
+        while self._failed_loads:
+            self._lookups.mark_miss(self._failed_loads.popleft())
+        results = []
+        while self._finished:
+            results.append(self._finished.popleft())
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._in_flight > 0 or bool(self._finished)
+
+    def drain_jobs(self) -> None:
+        """Every submitted job ends: each backend call ends by its deadline (a stuck one is
+        answered at the deadline, the tier does not wait past it)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._subscription is None or self._events is None:
+            return ()
+        for event in self._subscription.drain():
+            self._translate(event)
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        """Finish running jobs (bounded by their deadlines), stop every thread, close the
+        backend: no kvcore thread or store file is left."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stores.shutdown(wait=True, cancel_futures=True)
+        self._loads.shutdown(wait=True, cancel_futures=True)
+        with self._idle:  # cancelled jobs never ran: they end here, failed
+            self._idle.notify_all()
+        self._lookups.shutdown()
+        if self._subscription is not None:
+            self._subscription.close()
+        self.backend.unregister_buffer(self._base)
+        self.backend.close()
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {
+            _metric(name): OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+            for name, doc in _COUNTERS.items()
+        }
+        for name, doc in _FACADE_COUNTERS.items():
+            defs[_metric(name)] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+        return defs
+
+    def get_stats(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        label = (self.tier_type,)
+        with self._lock:
+            for name, value in self._counts.items():
+                step = value - self._reported[name]
+                if step:
+                    stats.increase_counter(_metric(name), step, label)
+                    self._reported[name] = value
+        snapshot = self.backend.metrics.snapshot()
+        for name, keys in _FACADE_COUNTERS_FROM.items():
+            now = sum(v for k, v in snapshot.items() if k.split(".")[0] in keys)
+            step = now - self._facade_reported.get(name, 0.0)
+            if step:
+                stats.increase_counter(_metric(name), step, label)
+                self._facade_reported[name] = now
+        return None if stats.is_empty() else stats
+
+    # -- the work -----------------------------------------------------------------------------
+
+    def _request(self, task: str, keys: Collection[OffloadKey], timeout_s: float,
+                 chunk_ids: Any = None) -> Any:  # fmt: skip
+        host = None
+        if chunk_ids is not None:
+            base, size = self._base, self._chunk_bytes
+            ids = [int(c) for c in chunk_ids]
+            if any(not 0 <= c < self._num_chunks for c in ids):
+                raise ValueError(f"chunk ids {ids} outside the primary tier's {self._num_chunks}")
+            host = HostBuffers(ptrs=tuple((base + c * size,) for c in ids), nbytes=(size,))
+        return self.backend.request(
+            task,
+            [self.keys.key(k) for k in keys],
+            timeout_s=timeout_s,
+            host=host,
+            parts=(PART,),
+            part_bytes=(self._chunk_bytes,),
+        )
+
+    def _exists(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
+        """Which of ``keys`` are stored: one leading-run query per gap."""
+        found = [False] * len(keys)
+        request = self._request(f"{req_id}/lookup", keys, self.settings.lookup_timeout_s)
+        start = 0
+        errors = 0
+        while start < len(keys):
+            n = self.store.query(request.slice(start, len(keys)))
+            if n.failure is not None:
+                errors += 1
+                break
+            found[start : start + n] = [True] * n
+            start += n + 1
+        self._count(lookup_chunks=len(keys), lookup_hits=sum(found), lookup_errors=errors)
+        return found
+
+    def _run_store(self, job: TransferJob) -> None:
+        n = len(job.keys)
+        written = 0
+        t0 = time.monotonic()
+        try:
+            with self._lock:
+                self._queued_stores -= 1
+            request = self._request(
+                f"store/{job.job_id}", job.keys, self.settings.store_timeout_s, job.chunk_ids
+            )
+            written = int(self.store.write(request))
+        except Exception as exc:  # a store that cannot run is a future miss
+            log.warning("kvcore tier: store job %s failed: %s", job.job_id, exc)
+        self._count(store_chunks=n, store_failed_chunks=n - written)
+        self._done(
+            JobResult(
+                job.job_id,
+                success=written == n,
+                transfer_time=time.monotonic() - t0,
+                transfer_bytes=written * self._chunk_bytes,
+            )
+        )
+
+    def _run_load(self, job: TransferJob) -> None:
+        keys = list(job.keys)
+        done = 0
+        failure = None
+        t0 = time.monotonic()
+        try:
+            request = self._request(
+                f"load/{job.job_id}", keys, self.settings.load_timeout_s, job.chunk_ids
+            )
+            got = self.store.read(request)
+            done, failure = int(got), got.failure
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        if done < len(keys):
+            # the chunks past the leading run hold no usable bytes: vLLM recomputes them
+            self._failed_loads.append(keys[done:])
+        self._count(
+            load_chunks=len(keys),
+            load_failed_chunks=len(keys) - done,
+            load_errors=int(failure is not None),
+        )
+        self._done(
+            JobResult(
+                job.job_id,
+                success=done == len(keys),
+                successful_keys=tuple(keys[:done]) if 0 < done < len(keys) else None,
+                transfer_time=time.monotonic() - t0,
+                transfer_bytes=done * self._chunk_bytes,
+            )
+        )
+
+    def _done(self, result: JobResult) -> None:
+        self._finished.append(result)
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                self._counts[name] += value
+
+    def _translate(self, event: ev.StoreEvent) -> None:
+        """One kvcore event as vLLM's tier-owned offloading events."""
+        assert self._events is not None
+        if event.kind in (ev.CLEARED, ev.RESYNC):
+            # vLLM's events name blocks; "everything of this tier" has no event of its own
+            log.warning(
+                "kvcore tier: the store reported %r; routers keep what they knew of it until "
+                "the blocks are stored or removed again",
+                event.kind,
+            )
+            return
+        removed = event.kind != ev.STORED
+        keys: list[OffloadKey] = []
+        unmapped = 0
+        for name, part in zip(event.names, event.parts, strict=True):
+            if part != PART:
+                continue  # block digests beside chunks (VerifiedBlocks)
+            key = self.keys.offload_key(name)
+            if key is None:
+                unmapped += 1
+            else:
+                keys.append(key)
+        if unmapped:
+            self._count(events_unmapped=unmapped)
+        if not keys:
+            return
+        last = self._events[-1] if self._events else None
+        if last is not None and last.removed == removed:
+            last.keys.extend(keys)  # one event per run of stores (or removals), as vLLM's tiers
+            return
+        self._events.append(
+            OffloadingEvent(
+                keys=keys,
+                medium=self.medium,
+                removed=removed,
+                locality=self.locality,
+                ownership=self.tier_type,
+                removal_expected=True,
+            )
+        )
+
+
+#: kvcore's own facade counters reported per tier: name -> documentation
+_FACADE_COUNTERS = {
+    "backend_errors": "backend calls of the kvcore tier that raised (counted as misses)",
+    "backend_failures": "backend calls that reported a failure (an I/O error, a corrupt object)",
+    "backend_deadline_misses": "backend calls of the kvcore tier that answered past a deadline",
+}
+#: which facade counters (prefixes of ``Backend.metrics.snapshot()`` keys) each one sums
+_FACADE_COUNTERS_FROM = {
+    "backend_errors": ("errors", "invalid_results"),
+    "backend_failures": ("failures_reported", "corrupt_blocks"),
+    "backend_deadline_misses": ("deadline_missed",),
+}
