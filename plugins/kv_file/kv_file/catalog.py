@@ -251,8 +251,15 @@ class Catalog:
         if digests:
             with self.journal.locked():
                 self._catch_up()
-                known = [d for d in digests if self.index.size_of(d) is not None]
-                self._commit([Record(kind, d, origin=self.token) for d in known])
+                # checked again under the lock: a writer may have put the object back since
+                # (its record then stands, and the object is there)
+                gone = [
+                    d
+                    for d in digests
+                    if self.index.size_of(d) is not None
+                    and not _regular_file(self._dir.object_path(d))
+                ]
+                self._commit([Record(kind, d, origin=self.token) for d in gone])
 
     # -- a full scan --------------------------------------------------------------------------
 

@@ -1,0 +1,295 @@
+"""The kvcore secondary tier beyond vLLM's own tier tests: a corrupted chunk is never promoted
+(recomputed, stored again), settings fail at start-up naming the key, keys are scoped and the
+same in every process, failures are counted misses, backpressure drops stores, events follow
+evictions and other processes, and shutdown leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from unittest.mock import MagicMock
+
+import pytest
+import torch
+from kvcore_vllm.config import SettingsError
+from kvcore_vllm.tier import KVCoreTier
+from tier_helpers import (
+    aligned_tensor,
+    backend_settings,
+    damage,
+    drain,
+    key,
+    lookup_and_wait,
+    make_job,
+    make_tier,
+    object_names,
+    offloading_spec,
+    stored,
+)
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+ROW = 64 << 10
+
+
+def _metric(stats, name: str) -> float:
+    data = stats.data["data"] if stats is not None else {}
+    return sum(data.get(f"vllm:kv_offload_tiering_kvcore_{name}", {}).values())
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(backend, tmp_path) -> None:
+    tensor = torch.zeros((4, ROW), dtype=torch.int8)
+    region = MagicMock()
+    region.create_kv_memoryview.return_value = memoryview(tensor.numpy())
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
+    tier, _ = make_tier(backend, str(tmp_path), tensor)
+    manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
+    end = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
+
+    def steps(n: int = 2) -> None:
+        for _ in range(n):
+            tier.drain_jobs()
+            manager.on_schedule_end(end)
+            time.sleep(0.05)
+
+    def lookup(ctx: ReqContext) -> LookupResult:
+        for _ in range(100):  # an asynchronous tier: RETRY until its verdict is in
+            result = manager.lookup(key(1), ctx)
+            if result is not LookupResult.RETRY:
+                return result
+            steps(1)
+        return result
+
+    chunk = torch.randint(-128, 127, (ROW,), dtype=torch.int8)
+    try:
+        # stored once: computed into the primary tier and cascaded to the kvcore tier
+        first = ReqContext(req_id="first")
+        manager.on_new_request(first)
+        spec = manager.prepare_store([key(1)], first)
+        tensor[int(spec.store_spec.chunk_ids[0])] = chunk
+        manager.complete_store([key(1)], first)
+        steps()
+        manager.on_request_finished(first)
+        assert stored(tier, key(1))
+        manager.reset_cache()  # the primary tier forgets it: only the kvcore tier has it
+        tensor.zero_()
+
+        damage(tier, key(1), "flip")
+        second = ReqContext(req_id="second")
+        manager.on_new_request(second)
+        assert lookup(second) is LookupResult.HIT_PENDING  # found, promotion started
+        steps()
+        assert primary.lookup(key(1), second) is LookupResult.MISS, "corrupt bytes promoted"
+        assert lookup(second) is LookupResult.MISS  # this request recomputes
+        stats = manager.get_stats()
+        assert _metric(stats, "load_failed_chunks") == 1
+        assert _metric(stats, "backend_failures") >= 1
+        assert not stored(tier, key(1)), "the corrupt object must be removed"
+
+        # recomputed: stored in the primary tier again and cascaded, the object heals
+        spec = manager.prepare_store([key(1)], second)
+        tensor[int(spec.store_spec.chunk_ids[0])] = chunk
+        manager.complete_store([key(1)], second)
+        steps()
+        manager.on_request_finished(second)
+        assert stored(tier, key(1))
+        manager.reset_cache()
+        tensor.zero_()
+        third = ReqContext(req_id="third")
+        manager.on_new_request(third)
+        assert lookup(third) is LookupResult.HIT_PENDING
+        steps()
+        assert manager.lookup(key(1), third) is LookupResult.HIT
+        load = manager.prepare_load([key(1)], third)
+        assert torch.equal(tensor[int(load.chunk_ids[0])], chunk), "the healed chunk differs"
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"backend": "file", "root_dir": "/x"}, "root_dir: Extra inputs are not permitted"),
+        ({"backend": "file", "backend_config": {"capacity": 1}}, "capacity"),
+        ({"backend": "file", "store_timeout_s": float("inf")}, "store_timeout_s"),
+        ({"backend": "file", "load_workers": 0}, "load_workers"),
+        ({"backend": "nope"}, "no kvcore backend named 'nope'"),
+        ({}, "backend: Field required"),
+    ],
+)
+def test_bad_settings_fail_at_start_up_naming_the_key(tmp_path, settings, named) -> None:
+    if settings.get("backend") == "file":
+        settings.setdefault("backend_config", {}).setdefault("root", str(tmp_path))
+    tensor = aligned_tensor(2)
+    with pytest.raises(Exception, match=named) as info:
+        SecondaryTierFactory.create_secondary_tier(
+            {"type": "kvcore", **settings}, memoryview(tensor.numpy()), offloading_spec()
+        )
+    assert isinstance(info.value, (SettingsError, ValueError, LookupError))
+
+
+def test_the_module_path_form_selects_the_tier(tmp_path) -> None:
+    tensor = aligned_tensor(2)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "KVCoreTier", "module_path": "kvcore_vllm.tier", "backend": "memory"},
+        memoryview(tensor.numpy()),
+        offloading_spec(),
+    )
+    assert isinstance(tier, KVCoreTier)
+    tier.shutdown()
+
+
+def test_keys_are_scoped_and_the_same_in_every_process(tmp_path) -> None:
+    a, _ = make_tier("memory", "", spec=offloading_spec(model="model-a"))
+    b, _ = make_tier("memory", "", spec=offloading_spec(model="model-b"))
+    tp2, _ = make_tier("memory", "", spec=offloading_spec(tp_size=2))
+    wv, _ = make_tier("memory", "", weight_version="7")
+    try:
+        names = {t: object_names(t, key(5))[0] for t in (a, b, tp2, wv)}
+        assert len(set(names.values())) == 4, names  # model, TP layout, weights: all apart
+        assert a.keys.offload_key(names[a]) == key(5)
+        assert a.keys.offload_key(names[b]) is None  # another scope: never this tier's chunk
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]); from tier_helpers import *; "
+            "t, _ = make_tier('memory', '', spec=offloading_spec(model='model-a')); "
+            "print(object_names(t, key(5))[0]); t.shutdown()"
+        )
+        for seed in ("0", "12345"):
+            out = subprocess.run(
+                [sys.executable, "-c", code, os.path.dirname(__file__)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONHASHSEED": seed},
+                timeout=120,
+            )
+            assert out.stdout.strip().splitlines()[-1] == names[a], out.stderr[-2000:]
+    finally:
+        for t in (a, b, tp2, wv):
+            t.shutdown()
+
+
+class _FailingStore:
+    """A store whose calls raise (a backend that broke)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def query(self, request):
+        raise ConnectionError("backend unreachable")
+
+    def read(self, request):
+        raise ConnectionError("backend unreachable")
+
+
+def test_backend_failures_are_misses_never_raised(tmp_path) -> None:
+    tier, _ = make_tier("memory", "")
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        tier.store = _FailingStore(tier.store)
+        assert lookup_and_wait(tier, [key(1)]) == [LookupResult.MISS]
+        tier.submit_load(make_job(2, [key(1)], [1], promotion=True))
+        results = drain(tier)
+        assert len(results) == 1 and not results[0].success
+        stats = tier.get_stats()
+        assert _metric(stats, "load_errors") == 1 and _metric(stats, "load_failed_chunks") == 1
+    finally:
+        tier.shutdown()
+
+
+def test_a_full_store_queue_drops_stores_and_counts_them(tmp_path) -> None:
+    tier, _ = make_tier("memory", "", store_workers=1, max_queued_stores=1)
+    gate = threading.Event()
+    real = tier.store.write
+
+    def slow_write(request):
+        gate.wait(30)
+        return real(request)
+
+    tier.store = MagicMock(wraps=tier.store)
+    tier.store.write = slow_write
+    try:
+        tier.submit_store(make_job(1, [key(1)], [0]))  # runs, blocked
+        time.sleep(0.2)
+        tier.submit_store(make_job(2, [key(2)], [1]))  # queued
+        tier.submit_store(make_job(3, [key(3)], [2]))  # the queue is full: dropped at once
+        dropped = list(tier.get_finished_jobs())
+        assert [(r.job_id, r.success) for r in dropped] == [(3, False)]
+        gate.set()
+        assert sorted((r.job_id, r.success) for r in drain(tier)) == [(1, True), (2, True)]
+        assert _metric(tier.get_stats(), "store_dropped_chunks") == 1
+    finally:
+        gate.set()
+        tier.shutdown()
+
+
+def test_events_report_evictions_and_other_processes_stores(tmp_path) -> None:
+    """kv_file reports what it evicts and what other openers store: both reach vLLM as the
+    tier's events (BlockStored / BlockRemoved once vLLM translates them)."""
+    spec = offloading_spec(enable_kv_cache_events=True)
+    row_bytes = aligned_tensor(1).numel() * 4
+    capacity = 6 * (row_bytes + 4096)  # six chunks with their headers
+    config = {"root": str(tmp_path), "capacity_bytes": capacity, "rescan_interval_s": 0}
+    tier, _ = make_tier("file", "", spec=spec, enable_kv_events=True, backend_config=config)
+    other, _ = make_tier("file", "", spec=spec, backend_config=config)
+    try:
+        other.submit_store(make_job(1, [key(100)], [0]))  # another opener of the store
+        assert [r.success for r in drain(other)] == [True]
+        for i in range(8):  # more than the capacity: the oldest chunks are evicted
+            tier.submit_store(make_job(10 + i, [key(i)], [i]))
+            assert [r.success for r in drain(tier)] == [True]
+        time.sleep(0.2)
+        events = list(tier.take_events())
+        stored_keys = [k for e in events if not e.removed for k in e.keys]
+        removed_keys = [k for e in events if e.removed for k in e.keys]
+        assert key(100) in stored_keys and stored_keys.count(key(0)) == 1
+        assert removed_keys and key(100) in removed_keys  # the oldest: the other's chunk
+        present = {k for k in [key(100), *map(key, range(8))] if stored(tier, k)}
+        told = set(stored_keys) - set(removed_keys)
+        assert told == present
+    finally:
+        tier.shutdown()
+        other.shutdown()
+
+
+def test_shutdown_leaves_no_thread_or_open_store_file(tmp_path) -> None:
+    tier, _ = make_tier("file", str(tmp_path))
+    for i in range(4):
+        tier.submit_store(make_job(i, [key(i)], [i]))
+    tier.submit_load(make_job(9, [key(0)], [5], promotion=True))
+    lookup_and_wait(tier, [key(0), key(1)])
+    tier.shutdown()
+    threads = [t.name for t in threading.enumerate() if t.name.startswith(("kvcore", "kv_file"))]
+    assert threads == []
+    root = os.path.realpath(str(tmp_path))
+    open_files = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(root):
+            open_files.append(target)
+    assert open_files == []
+
+
+def test_backend_settings_of_the_helpers_are_what_operators_write(tmp_path) -> None:
+    # the docs' example line, as a dict: validated, opened, closed
+    entry = {"type": "kvcore", **backend_settings("file", str(tmp_path)), "namespace": "prod"}
+    tensor = aligned_tensor(2)
+    tier = SecondaryTierFactory.create_secondary_tier(
+        entry, memoryview(tensor.numpy()), offloading_spec()
+    )
+    assert tier.settings.namespace == "prod" and tier.backend.name == "file"
+    tier.shutdown()
