@@ -1,10 +1,89 @@
-"""What every benchmark here shares: the layout arguments and the report format."""
+"""What every benchmark here shares: the layout arguments, repetitions and the report format.
+
+A figure is every repetition's value, reported as its median and spread; a ratio is computed
+per repetition from the two contenders measured side by side in that repetition (paired,
+alternated), then summarised the same way. A ratio against a baseline named as the limit that
+comes out above 1.05 is flagged in the report: the baseline was not the limit.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import statistics
+from collections.abc import Sequence
 from typing import Any
+
+#: a contender this much faster than a baseline named the limit means the baseline is wrong
+LIMIT_TOLERANCE = 1.05
+
+
+def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """``{"median", "min", "max", "n"}`` of ``values``."""
+    vals = [float(v) for v in values]
+    return {
+        "median": round(statistics.median(vals), digits),
+        "min": round(min(vals), digits),
+        "max": round(max(vals), digits),
+        "n": len(vals),
+    }
+
+
+class Report:
+    """Figures and ratios, each kept per repetition and reported with its spread."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, dict[str, Any]] = {}
+        self.ratios: dict[str, dict[str, Any]] = {}
+        self.goals: dict[str, str] = {}
+        self.notes: dict[str, Any] = {}
+        self.flags: list[str] = []
+
+    def figure(self, name: str, values: Sequence[float], unit: str) -> None:
+        self.figures[name] = {**spread(values), "unit": unit}
+
+    def ratio(
+        self,
+        name: str,
+        numerators: Sequence[float],
+        denominators: Sequence[float],
+        *,
+        goal: str | None = None,
+        limit: bool = False,
+    ) -> None:
+        """``numerators[i] / denominators[i]`` per repetition. ``limit``: the denominator is
+        named as the physical limit; a median above :data:`LIMIT_TOLERANCE` is flagged."""
+        values = [n / d for n, d in zip(numerators, denominators, strict=True)]
+        self.ratios[name] = spread(values)
+        if goal is not None:
+            self.goals[name] = goal
+        if limit and self.ratios[name]["median"] > LIMIT_TOLERANCE:
+            self.flags.append(
+                f"baseline defect: {name} = {self.ratios[name]['median']} > {LIMIT_TOLERANCE}: "
+                "the contender beat the baseline named as the limit"
+            )
+
+    def as_dict(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "figures": self.figures,
+            "ratios": self.ratios,
+            "goals": self.goals,
+            "flags": self.flags,
+            **self.notes,
+            **extra,
+            "machine": machine(),
+        }
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def add_layout_args(ap: argparse.ArgumentParser, blocks: int, blocks_help: str = "") -> None:
@@ -23,6 +102,15 @@ def emit(report: dict[str, Any], as_json: bool) -> None:
         return
     goals = report.get("goals", {})
     for name, value in report["figures"].items():
-        print(f"{name:40s} {value}")
+        print(f"{name:40s} {_text(value)}")
     for name, value in report["ratios"].items():
-        print(f"{name:40s} {value}  (goal {goals.get(name, '-')})")
+        print(f"{name:40s} {_text(value)}  (goal {goals.get(name, '-')})")
+    for flag in report.get("flags", []):
+        print(f"FLAG: {flag}")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, dict) and "median" in value:
+        unit = f" {value['unit']}" if value.get("unit") else ""
+        return f"{value['median']}{unit} [{value['min']} - {value['max']}]"
+    return str(value)
