@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -164,6 +164,18 @@ class KVCoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        side = self._worker()
+        with _timed(side.counters, "worker_hook_seconds"):
+            return side.take_events()
+
+    def take_events(self) -> Iterable[Any]:
+        """The store's KV events (vLLM publishes them beside the engine's own)."""
+        side = self.scheduler_side
+        if side is None or side.events is None:
+            return ()
+        return side.events.take()
 
     # -- both ------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from typing import Any
 from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import backend_context, engine_world
+from kvcore_vllm.events import SchedulerEvents, events_enabled
 from kvcore_vllm.keys import KeyChain, key_scope
 from kvcore_vllm.layout import cache_layout
 from kvcore_vllm.metadata import BlockRun, StepMetadata
@@ -78,6 +79,12 @@ class SchedulerSide:
         self._final_saves: list[BlockRun] = []
         self._last_load: dict[str, BlockRun] = {}  # req -> its latest load, to judge failures
         self._lookups_paused_until = 0.0
+        #: vLLM's KV events of the store (only when the engine publishes events)
+        self.events = (
+            SchedulerEvents(self.world_size, self.block_size)
+            if events_enabled(vllm_config)
+            else None
+        )
 
     def _check_reachable(self, vllm_config: Any) -> None:
         """A backend whose data lives inside one process (``memory``) is useful only when the
@@ -209,6 +216,8 @@ class SchedulerSide:
         )
         self._loads.append(run)
         self._last_load[request.request_id] = run
+        if self.events is not None:
+            self.events.known(request, keys, start)
         # these blocks are in the store already: saving them again would only re-check them
         if tracked.saved_upto == 0 and start == 0:
             tracked.saved_upto = n
@@ -274,6 +283,8 @@ class SchedulerSide:
         keys = tracked.chain.upto(tokens, full)[first:]
         tracked.saved_upto = full
         tracked.has_saves = True
+        if self.events is not None:
+            self.events.remember(request, keys, first)
         return BlockRun(
             req_id=request.request_id,
             start_block=first,
@@ -287,6 +298,8 @@ class SchedulerSide:
 
         (A backend that found an object corrupt drops it, so the new save heals the store.)
         """
+        if self.events is not None and connector_output.kv_cache_events is not None:
+            self.events.receive(connector_output.kv_cache_events)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return

@@ -10,7 +10,8 @@ an engine without the connector), ``via`` (``"name"``: the registered name, or
 or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_size``,
 ``tensor_parallel_size``, ``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``env`` (variables set before vLLM
 starts), ``kv_transfer_config`` (instead of ``connector``: any other connector, raw),
-``disable_hybrid_kv_cache_manager``, ``steps``.
+``disable_hybrid_kv_cache_manager``, ``kv_events_endpoint`` (vLLM publishes its KV events
+there over ZMQ, the connector's included), ``steps``.
 
 Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
 for a next chat turn of an earlier step, ``max_tokens``; returns tokens,
@@ -130,6 +131,16 @@ def start_engine(spec: dict[str, Any]) -> Any:
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        # vLLM's own publisher, on the endpoint the caller listens to (127.0.0.1 or ipc://)
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=spec["kv_events_endpoint"],
+            topic="kv-events",
+        )
     connector = spec.get("connector")
     if spec.get("kv_transfer_config") is not None:  # another connector, for comparisons
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]

@@ -29,6 +29,7 @@ from kvcore.transfer import DeviceCache, TransferManager
 from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import backend_context, engine_world
+from kvcore_vllm.events import BlockEvents, WorkerEvents, events_enabled
 from kvcore_vllm.layout import LayerMapping, cache_layout, map_layer_tensors
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet, delta
@@ -79,6 +80,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._snapshots: dict[str, dict[str, float]] = {}
         self._closed = False
+        self._events_wanted = events_enabled(vllm_config)
+        self.events: WorkerEvents | None = None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -116,6 +119,8 @@ class WorkerSide:
             **self.settings.transfer,
         }
         self.manager = TransferManager(config, self.cache, backend)
+        if self._events_wanted and self.events is None:
+            self.events = WorkerEvents(backend, self.rank, self.world_size, self.layout.parts)
         return self.manager
 
     # -- loads -----------------------------------------------------------------------------
@@ -231,7 +236,12 @@ class WorkerSide:
                 with contextlib.suppress(Exception):  # failures are counted by _save_done
                     fut.result()  # answered by its deadline at the latest
 
-    # -- stats and shutdown ----------------------------------------------------------------
+    # -- events and stats, shutdown --------------------------------------------------------
+
+    def take_events(self) -> BlockEvents | None:
+        """This rank's blocks stored in, or gone from, the store since the last step."""
+        self._transfer_manager()  # a backend that opens late starts its stream then
+        return self.events.take() if self.events is not None else None
 
     def take_stats(self) -> dict[str, float]:
         """This step's counters plus the increments of kvcore's own counters."""
@@ -253,6 +263,8 @@ class WorkerSide:
             return
         self._closed = True
         manager, self.manager = self.manager, None
+        if self.events is not None:
+            self.events.close()
         backend_stats: dict[str, float] = {}
         if manager is not None:
             manager.close(timeout_s=self.settings.save_timeout_s)

@@ -129,3 +129,43 @@ def scramble_memory_store() -> int:
                 scrambled += 1
             objects[name] = b"".join(digests)
     return scrambled
+
+
+def _store_backend(engine: Any, rank: int = 0) -> Any:
+    """The connector's backend opened afresh in this process, as rank ``rank``."""
+    from kvcore_vllm.config import load_settings
+    from kvcore_vllm.context import backend_context, engine_world
+    from kvcore_vllm.keys import engine_layout
+
+    import kvcore
+
+    config = engine.llm_engine.vllm_config
+    settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
+    context = backend_context(settings, engine_layout(config), rank, engine_world(config))
+    return kvcore.open_backend(settings.backend, settings.backend_config, context=context)
+
+
+def blocks_in_store(engine: Any, prompt: list[int]) -> dict[str, Any]:
+    """For each full block of ``prompt``: whether the store holds it (every part), and when
+    this was asked (wall clock, to compare with the time stamps of vLLM's event batches)."""
+    import time
+
+    from kvcore_vllm.keys import engine_block_keys
+
+    keys = engine_block_keys(engine.llm_engine.vllm_config, prompt)
+    backend = _store_backend(engine)
+    try:
+        held = [bool(backend.query(backend.request("test/probe", [k]))) for k in keys]
+    finally:
+        backend.close()
+    return {"held": held, "at": time.time()}
+
+
+def clear_store(engine: Any) -> int:
+    """Clear the connector's namespace through a backend this helper opens (as an operator's
+    ``kvcore`` tool would, beside the engine)."""
+    backend = _store_backend(engine)
+    try:
+        return int(backend.clear())
+    finally:
+        backend.close()

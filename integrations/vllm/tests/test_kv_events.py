@@ -1,0 +1,168 @@
+"""The connector's KV events on the real vLLM engine (CPU): vLLM publishes them over ZMQ on
+127.0.0.1 beside the engine's own, and a subscriber here decodes them with vLLM's msgspec types.
+
+One engine over a kv_file store smaller than what it stores: prompt A's blocks are stored
+(``BlockStored`` with ``medium=STORAGE``, named by the same hashes as the engine's GPU events,
+with their token ids and chained parent hashes); a second long prompt evicts some of them
+(``BlockRemoved`` for exactly the blocks that left, checked against the store); a clear of
+the namespace by another opener removes the rest (``BlockRemoved`` for every block left).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+from pathlib import Path
+
+import msgspec
+import zmq
+from conftest import BLOCK_SIZE, Prompts, run_engine
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+
+class Subscriber:
+    """vLLM's KV events from a ZMQ publisher, decoded with vLLM's own types.
+
+    Bound on 127.0.0.1: vLLM's publisher connects to a ``tcp://host:port`` endpoint (it binds
+    only wildcard and ipc endpoints), as to a router's collector."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.events: list = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.bind(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            batch = self._decoder.decode(payload)
+            self.events.extend((batch.ts, e) for e in batch.events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_store_events_name_the_engines_blocks_and_follow_evictions_and_clears(
+    model_dir: Path, prompts: Prompts, tmp_path: Path
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sub = Subscriber(endpoint)
+    rng = random.Random(7)
+    other = [rng.randrange(1, 512) for _ in range(600)]  # C: evicts part of A
+    tiny = [[rng.randrange(1, 512) for _ in range(8)]]  # no full block: steps, no saves
+    root = str(tmp_path / "store")
+    # ~20 blocks of this model fit (24 KiB each with headers): A (19) fits, A and C (38) do not
+    connector = {
+        "backend": "file",
+        "backend_config": {"root": root, "capacity_bytes": 500_000},
+        "namespace": "events",
+    }
+
+    def settle(name: str) -> list[dict]:
+        return [
+            {"op": "sleep", "seconds": 1.0},
+            {"op": "generate", "name": f"{name}1", "prompts": tiny, "max_tokens": 2},
+            {"op": "sleep", "seconds": 1.0},
+            {"op": "generate", "name": f"{name}2", "prompts": tiny, "max_tokens": 2},
+        ]
+
+    try:
+        run = run_engine(
+            {
+                "model": str(model_dir),
+                "connector": connector,
+                "in_process": True,
+                "kv_events_endpoint": endpoint,
+                "steps": [
+                    {"op": "generate", "name": "A", "prompts": [prompts.a], "max_tokens": 40},
+                    *settle("after_a"),
+                    {"op": "generate", "name": "C", "prompts": [other], "max_tokens": 40},
+                    *settle("after_c"),
+                    {"op": "call", "name": "held_A", "target": "engine_helpers:blocks_in_store",
+                     "args": {"prompt": prompts.a}},
+                    {"op": "call", "name": "held_C", "target": "engine_helpers:blocks_in_store",
+                     "args": {"prompt": other}},
+                    {"op": "call", "name": "clear", "target": "engine_helpers:clear_store"},
+                    *settle("after_clear"),
+                ],
+            },
+            tmp_path,
+            "events",
+        )  # fmt: skip
+    finally:
+        sub.close()
+    stamped = sub.events
+    events = [e for _, e in stamped]
+    gpu = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_GPU]
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE]
+    assert gpu and stored, f"{len(events)} events: {[type(e).__name__ for e in events][:20]}"
+    assert not [e for e in events if isinstance(e, AllBlocksCleared)]
+
+    def removed_by(when: float) -> set:
+        return {
+            h
+            for ts, e in stamped
+            if ts <= when and isinstance(e, BlockRemoved) and e.medium == MEDIUM_STORAGE
+            for h in e.block_hashes
+        }
+
+    def engine_hashes(tokens: list[int]) -> dict[int, object]:
+        """Block index -> the hash the engine's own GPU events give that block's tokens."""
+        out = {}
+        for e in gpu:
+            for j, h in enumerate(e.block_hashes):
+                toks = list(e.token_ids[j * BLOCK_SIZE : (j + 1) * BLOCK_SIZE])
+                for i in range(len(tokens) // BLOCK_SIZE):
+                    if tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE] == toks:
+                        out.setdefault(i, h)
+        return out
+
+    announced = {e.block_hashes[0]: e for e in stored}
+    assert all(e.block_size == BLOCK_SIZE and len(e.block_hashes) == 1 for e in stored)
+    checked = 0
+    for name, tokens in (("A", prompts.a), ("C", other)):
+        seq = tokens + run.step(name)["tokens"][0]
+        saved = (len(seq) - 1) // BLOCK_SIZE  # full blocks the connector saves
+        hashes = engine_hashes(seq)
+        for i in range(saved):  # every saved block: the engine's hash, its tokens, its parent
+            assert hashes[i] in announced, f"block {i} of {name} never announced stored"
+            e = announced[hashes[i]]
+            assert list(e.token_ids) == seq[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+            assert e.parent_block_hash == (hashes[i - 1] if i else None)
+            checked += 1
+        probe = run.step(f"held_{name}")["result"]
+        left = {hashes[i] for i, held in enumerate(probe["held"][:saved]) if not held}
+        kept = {hashes[i] for i, held in enumerate(probe["held"][:saved]) if held}
+        gone = removed_by(probe["at"])
+        assert left <= gone, f"{name}: blocks left the store without BlockRemoved"
+        assert not kept & gone, f"{name}: BlockRemoved for blocks still stored"
+    assert not all(run.step("held_A")["result"]["held"][:18]), "nothing of A was evicted"
+    assert checked == 2 * ((600 + 40 - 1) // BLOCK_SIZE)
+    # after the clear, every block announced stored and not removed before is removed
+    assert set(announced) <= removed_by(float("inf")), "blocks left by the clear, no event"
