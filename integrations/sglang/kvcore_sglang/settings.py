@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -97,6 +97,19 @@ class StorageSettings(BaseModel):
         description="model-weight version ending every object name: pages computed with other "
         "weights are then never read",
     )
+    events_endpoint: str | None = Field(
+        default=None,
+        description="publish the storage tier's KV events (SGLang's BlockStored/BlockRemoved/"
+        "AllBlocksCleared, SGLang's ZMQ publisher) on this endpoint, e.g. "
+        "'tcp://127.0.0.1:5560' (a collector binds it) or 'ipc:///run/kv-events' (bound "
+        "here); SGLang 0.5.23 has no event path for its storage tier (default: none)",
+    )
+    events_medium: Literal["DISK", "EXTERNAL"] | None = Field(
+        default=None,
+        description="the medium the events name: DISK (a node's own store) or EXTERNAL (a "
+        "store replicas share) (default: DISK for the file backend, else EXTERNAL)",
+    )
+    events_topic: str = Field(default="", description="ZMQ topic of the events")
     register_host_pool: bool = Field(
         default=True,
         description="announce the host pool's memory to the backend once (zero-copy "

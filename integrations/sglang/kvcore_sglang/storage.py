@@ -106,6 +106,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         self._failures = kvcore.OnceLogger(log)
         self._lock = threading.Lock()
         self._tasks = itertools.count()
+        self._events: Any = None  # a StorageEventPublisher, with events_endpoint set
         self._metrics: dict[str, list[float]] = {
             "prefetch_pgs": [],
             "backup_pgs": [],
@@ -150,6 +151,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         self._kv_format, self._kv_layout = fmt, layout
         self._pools.setdefault(str(PoolName.KV), mem_pool_host)
         self._register_memory(self._kv, mem_pool_host)
+        self._start_events(backend, fmt)
         log.info(
             "kvcore storage: backend %r, namespace %r, rank %d of %d, %s pages of %d tokens "
             "(%s bytes per part, %s)",
@@ -314,6 +316,9 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         if self._closed:
             return
         self._closed = True
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         for tier in (self._kv, self._side):
             if tier is not None:
                 self._close_tier(tier)
@@ -330,6 +335,30 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         }
         return kvcore.open_backend(
             self.settings.backend, self.settings.backend_config, context=context
+        )
+
+    def _start_events(self, backend: kvcore.Backend, fmt: PageFormat) -> None:
+        """Publish the storage tier's KV events (see :mod:`kvcore_sglang.events`)."""
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+        endpoint = self.settings.events_endpoint
+        if endpoint is None:
+            return
+        from kvcore_sglang.events import StorageEventPublisher
+
+        medium = self.settings.events_medium or (
+            "DISK" if self.settings.backend == "file" else "EXTERNAL"
+        )
+        self._events = StorageEventPublisher(
+            backend,
+            fmt.parts,
+            fmt.page_size,
+            endpoint,
+            medium,
+            topic=self.settings.events_topic,
+            rank=self.identity.rank,
+            world_size=self.identity.world_size,
         )
 
     def _register_memory(self, tier: _Tier, pool: Any) -> None:

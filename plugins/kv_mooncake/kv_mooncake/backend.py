@@ -52,6 +52,7 @@ from kv_mooncake.codes import (
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.inflight import PieceBudget, queued_transfers_limit
+from kv_mooncake.observed import ObservedDrops
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
 from kvcore import BlockRequest, Outcome, leading_run
@@ -108,6 +109,8 @@ class MooncakeBackend:
         self._counters = kvcore.Counters()
         self._warnings = kvcore.OnceLogger(log)
         self._probes = thread_pool(PROBE_WORKERS, "kv-mooncake-probe")
+        #: what this client stored, to report an eviction when it finds one gone
+        self._drops = ObservedDrops(frozenset((0, NOT_FOUND)))  # batch_is_exist: 0 absent
         self._stuck = 0  # abandoned checks still running: when all workers are, skip the master
         self._stuck_lock = threading.Lock()
 
@@ -120,6 +123,7 @@ class MooncakeBackend:
         codes = self._master_call(self._store.batch_is_exist, self._keys(request), request)
         if not isinstance(codes, list):
             return codes
+        self._drops.looked(_names(request), codes)
         return self._present_run(codes, len(request.parts))
 
     @kvcore.hookimpl
@@ -152,6 +156,8 @@ class MooncakeBackend:
         codes = self._master_call(self._store.batch_is_exist, keys, request)
         if not isinstance(codes, list):
             return codes
+        names = _names(request)
+        self._drops.looked(names, codes)
         if any(c < 0 for c in codes):
             # the master answered with errors: a put now would only stall, so stop here
             return self._present_run(codes, parts)
@@ -163,7 +169,9 @@ class MooncakeBackend:
             ok, code = self._transfer("write", [keys[i] for i in todo], objects.pick(todo), request)
             for i, good in zip(todo, ok, strict=True):
                 stored[i] = good
-        return _answer(leading_run(stored, parts), code, objects.call("batch_put_from"))
+        done = leading_run(stored, parts)
+        self._drops.stored(names[: done * parts])
+        return _answer(done, code, objects.call("batch_put_from"))
 
     @kvcore.hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:
@@ -179,6 +187,7 @@ class MooncakeBackend:
         )
         if not isinstance(codes, list):
             return codes
+        self._drops.forgotten(_names(request))
         removed = sum(
             any(c == 0 for c in codes[i * parts : (i + 1) * parts])
             for i in range(request.num_blocks)
@@ -203,11 +212,20 @@ class MooncakeBackend:
         removed = self._store.remove_by_regex(
             namespace_pattern(self.context.namespace), self.config.force_remove
         )
+        self._drops.forgotten()
         if removed < 0:
             self._counters.add(f"clear_{reason(removed)}")
             return Outcome(0, failure("remove_by_regex", removed))
         self._counters.add("objects_removed", removed)
         return removed
+
+    @kvcore.hookimpl
+    def kvcore_watch(self, report: Any) -> set[str] | None:
+        """Report evictions as this client can see them (see :mod:`kv_mooncake.observed`):
+        Mooncake tells clients nothing, so an object this client stored is reported evicted
+        when a lookup of its own finds it gone."""
+        self._drops.watch(report)
+        return None  # kvcore publishes stores, removals and clears; evictions come from here
 
     @kvcore.hookimpl
     def kvcore_register_buffer(self, ptr: int, nbytes: int) -> None:
@@ -501,6 +519,11 @@ class _Objects:
             for ptrs, sizes in zip(self.ptrs, self.pieces, strict=True)
             for p, n in zip(ptrs, sizes, strict=True)
         )
+
+
+def _names(request: BlockRequest) -> list[str]:
+    """The request's object names, flat in ``[block][part]`` order (as its store keys)."""
+    return [name for row in request.object_names for name in row]
 
 
 def _answer(n: int, code: int | None, call: str) -> int:

@@ -1,0 +1,149 @@
+"""The storage tier's KV events in SGLang's own format, on SGLang's own publisher.
+
+SGLang 0.5.23 records KV events for its radix caches (GPU and host pages, ``StorageMedium.GPU``
+and ``CPU_PINNED``) but gives a HiCache storage backend no event path: nothing records the L3
+tier (``StorageMedium.DISK`` and ``EXTERNAL`` exist and are unused). So this module publishes
+the storage tier's events itself, with SGLang's types and SGLang's ``ZmqEventPublisher``, on an
+endpoint of its own (``events_endpoint`` in the storage extra config):
+
+- ``BlockStored`` for a page once every part of it (K and V; MLA: the latent) is stored, named
+  as SGLang names the page in its own events (``hash_str_to_int64`` of the page's key, the
+  hash SGLang's HiCache passes to the storage tier), ``block_size`` = the page size;
+- ``BlockRemoved`` for a page any part of which left the store (an eviction, a removal, another
+  process's, where the kvcore backend reports them: kv_file does, see its README);
+- ``AllBlocksCleared`` when the namespace was cleared or the stream fell behind.
+
+The storage tier sees page keys and bytes, not token ids or parents, so its ``BlockStored``
+events carry the page hash alone (``token_ids`` empty, ``parent_block_hash`` None): a router
+joins them with the GPU and host events that carry the tokens. Pages whose key is not a hash
+SGLang would publish (namespaced pages of a LoRA or a cache salt) are published under that
+key's hash all the same; SGLang's events namespace those, so a router will not match them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from kvcore import events as ev
+from kvcore.keys import parse_object_name
+from kvcore.threads import start_thread
+
+__all__ = ["StorageEventPublisher"]
+
+log = logging.getLogger("kvcore_sglang")
+
+#: pages with some parts stored, waiting for the rest, at most (oldest forgotten first)
+_MAX_PARTIAL = 100_000
+#: how often the follower publishes what the store reported
+_INTERVAL_S = 0.05
+
+
+class StorageEventPublisher:
+    """Follows a kvcore backend's event stream and publishes it as SGLang's KV events."""
+
+    def __init__(
+        self,
+        backend: Any,
+        parts: Sequence[str],
+        page_size: int,
+        endpoint: str,
+        medium: str,
+        topic: str = "",
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        from sglang.srt.disaggregation.kv_events import StorageMedium, ZmqEventPublisher
+
+        self.medium = StorageMedium(medium).value
+        self.page_size = page_size
+        self.parts = frozenset(parts)
+        self.rank, self.world_size = rank, world_size
+        self.namespace = backend.context.namespace
+        self._publisher = ZmqEventPublisher(0, endpoint=endpoint, topic=topic)
+        self._sub = backend.events.subscribe()
+        self._partial: OrderedDict[str, set[str]] = OrderedDict()
+        self.published = 0
+        self._stop = threading.Event()
+        self._thread = start_thread(self._follow, "kvcore-sglang-events")
+
+    def _follow(self) -> None:
+        while not self._stop.wait(_INTERVAL_S):
+            self.flush()
+
+    def flush(self) -> int:
+        """Publish what the store reported since the last flush; returns how many events."""
+        from sglang.srt.disaggregation.kv_events import (
+            AllBlocksCleared,
+            BlockRemoved,
+            BlockStored,
+            KVEventBatch,
+        )
+        from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+        out: list[Any] = []
+        for event in self._sub.drain():
+            if event.kind in (ev.CLEARED, ev.RESYNC):
+                self._partial.clear()
+                out.append(AllBlocksCleared())
+                continue
+            stored: list[int] = []
+            removed: list[int] = []
+            for name in event.names:
+                parsed = parse_object_name(name)
+                if (
+                    parsed is None
+                    or parsed.part not in self.parts
+                    or parsed.namespace != self.namespace
+                    or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
+                ):
+                    continue  # another rank's, a digest, another engine's
+                key = parsed.block_key
+                if event.kind == ev.STORED:
+                    have = self._partial.setdefault(key, set())
+                    have.add(parsed.part)
+                    if have == self.parts:
+                        del self._partial[key]
+                        stored.append(_page_hash(hash_str_to_int64, key))
+                    elif len(self._partial) > _MAX_PARTIAL:
+                        self._partial.popitem(last=False)
+                else:
+                    self._partial.pop(key, None)
+                    removed.append(_page_hash(hash_str_to_int64, key))
+            if stored:
+                out.append(
+                    BlockStored(
+                        block_hashes=stored,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=self.page_size,
+                        lora_id=None,
+                        medium=self.medium,
+                    )
+                )
+            if removed:
+                out.append(BlockRemoved(block_hashes=removed, medium=self.medium))
+        if out:
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=out))
+            self.published += len(out)
+        return len(out)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.flush()
+        self._sub.close()
+        self._publisher.shutdown()
+
+
+def _page_hash(convert: Any, key: str) -> int:
+    try:
+        return convert(key)
+    except ValueError:  # not a hex page hash: a stable hash of the key still names it
+        import hashlib
+
+        return convert(hashlib.sha256(key.encode()).hexdigest())
