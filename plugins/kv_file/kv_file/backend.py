@@ -280,6 +280,7 @@ class FileBackend:
             before[k] = "write_refused"
             del planned[k]
         reserved = dict(planned)  # reservations not yet turned into files or given back
+        written: list[tuple[int, int, int, bytes | None]] = []  # k, digest, size, name
 
         def write_one(k: int) -> str:
             if k not in planned:
@@ -298,9 +299,7 @@ class FileBackend:
             except OSError:
                 catalog.release(size)
                 raise
-            if not catalog.stored(digest, size, named, pin=True):
-                return "write_refused"  # evicted by another process before it counted
-            pinned.append(digest)
+            written.append((k, digest, size, named))  # recorded with the rest, in one go
             if self._sync_dirs:
                 written_dirs.setdefault(self._dir.subdir(digest), []).append(k)
             return "write_stored"
@@ -308,7 +307,17 @@ class FileBackend:
         # Synced writes wait on the disk; unsynced ones are copies into the page cache.
         workers = self.config.io_threads if self._sync else min(self.config.io_threads, self._cpus)
         try:
-            outcomes, errors = self._run(request, write_one, host.nbytes, workers, "write_errors")
+            try:
+                outcomes, errors = self._run(
+                    request, write_one, host.nbytes, workers, "write_errors"
+                )
+            finally:  # every file in place becomes a file of the store, also on a failure
+                lost = catalog.stored([(d, size, name) for _, d, size, name in written])
+            for k, digest, _, _ in written:
+                if digest in lost:
+                    outcomes[k] = "write_refused"  # evicted by another process meanwhile
+                else:
+                    pinned.append(digest)
             for d, ks in written_dirs.items():  # one directory fsync per batch, not per object
                 try:
                     _fsync_dir(d)

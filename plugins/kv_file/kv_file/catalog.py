@@ -74,6 +74,7 @@ class Catalog:
         )
         self.report: Callable[..., None] | None = None
         self.evictions = 0  # objects this process evicted
+        self._compacted_size = 0  # journal bytes after its last rewrite
         with self.journal.locked():
             self._catch_up()
         self.reconcile()
@@ -89,6 +90,8 @@ class Catalog:
 
     def _catch_up(self) -> None:
         """Apply every record committed since the last call (lock held)."""
+        if not self.journal.behind():
+            return
         try:
             restart, records = self.journal.read_new()
         except JournalError as exc:
@@ -100,7 +103,8 @@ class Catalog:
             self._counters.add("journal_rebuilds")
             self._rebuild()
             return
-        if restart:
+        if restart:  # a new generation starts with a compact journal
+            self._compacted_size = self.journal.size
             before = dict(self.index.clear())
             self._apply(records, quiet=True)
             self._report_difference(before)
@@ -170,14 +174,12 @@ class Catalog:
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        size = self.journal.size
-        if size < _COMPACT_MIN_BYTES:
+        """Rewrite the journal compactly once it has grown to :data:`_COMPACT_FACTOR` times
+        its size at its last rewrite (one comparison per commit: the rewrite is O(objects))."""
+        if self.journal.size < max(_COMPACT_MIN_BYTES, _COMPACT_FACTOR * self._compacted_size):
             return
-        live = self.index.snapshot()
-        need = sum(48 + (0 if n is None else len(n)) for _, _, n in live)
-        if size < _COMPACT_FACTOR * need:
-            return
-        self.journal.replace(self._records_of(live))
+        self.journal.replace(self._records_of(self.index.snapshot()))
+        self._compacted_size = self.journal.size
         self._counters.add("journal_compactions")
 
     def _records_of(self, live: Iterable[tuple[int, int, str | None]]) -> list[Record]:
@@ -205,20 +207,27 @@ class Catalog:
             self.journal.reserve(sum(sizes[:admitted]))
         return admitted
 
-    def stored(self, digest: int, size: int, name: bytes | None, *, pin: bool) -> bool:
-        """A written file is in place: its reservation becomes a file (``pin``: kept from
-        eviction until :meth:`Index.unpin`). False when the file is gone already: another
-        process evicted or removed what was at its place after the rename (it may have been
-        another writer's copy of the same object), so it is not recorded, nor acknowledged."""
+    def stored(self, files: Sequence[tuple[int, int, bytes | None]]) -> set[int]:
+        """Written files ``(digest, size, name)`` are in place: their reservations become
+        files, recorded in one go and pinned (kept from eviction until
+        :meth:`Index.unpin`). Returns the digests not recorded: files gone already, because
+        another process evicted or removed what was at their place after the rename (it may
+        have been another writer's copy of the same object), so they are not acknowledged."""
+        if not files:
+            return set()
         with self.journal.locked():
             self._catch_up()
-            self.journal.reserve(-size)
-            if not _regular_file(self._dir.object_path(digest)):
-                self._counters.add("write_lost")
-                return False
-            record = Record(Kind.STORED, digest, size, name, self.token)
-            self._commit([record], pin=frozenset((digest,)) if pin else frozenset())
-            return True
+            self.journal.reserve(-sum(size for _, size, _ in files))
+            lost = {d for d, _, _ in files if not _regular_file(self._dir.object_path(d))}
+            if lost:
+                self._counters.add("write_lost", len(lost))
+            records = [
+                Record(Kind.STORED, d, size, name, self.token)
+                for d, size, name in files
+                if d not in lost
+            ]
+            self._commit(records, pin=frozenset(r.digest for r in records))
+        return lost
 
     def release(self, size: int) -> None:
         """Give back the reservation of a write that failed (its temp file is gone)."""
@@ -327,6 +336,7 @@ class Catalog:
             for f in sorted(self._dir.scan(), key=lambda f: f.mtime_ns)
         ]  # fmt: skip
         self.journal.replace(records)
+        self._compacted_size = self.journal.size
         self._apply(records, quiet=True)
 
     # -- bytes -------------------------------------------------------------------------------
