@@ -31,6 +31,7 @@ from kvcore_vllm.layout import (
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 
 import kvcore
+from kvcore.memory_backend import MemoryBackend
 from kvcore.transfer import DeviceCache, TransferManager
 
 NUM_BLOCKS = 64
@@ -56,14 +57,27 @@ def test_unknown_backend_is_an_error_not_a_dead_backend() -> None:
         BackendHandle("nope", {}, context).get()
 
 
+class _Unreachable(MemoryBackend):
+    """A backend whose server is down: opening it fails (not a settings error)."""
+
+    def __init__(self, config, context) -> None:
+        raise ConnectionRefusedError("the store's server is not there")
+
+
 def test_backend_that_cannot_open_is_retried_not_raised(tmp_path: Path) -> None:
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("x")
-    handle = BackendHandle("file", {"root": str(not_a_dir)}, kvcore.BackendContext(), retry_s=0)
+    handle = BackendHandle(_Unreachable, {}, kvcore.BackendContext(), retry_s=0)
     assert handle.get() is None
     assert handle.open_failures == 1
     assert handle.get() is None  # retry_s=0: never tried again
     assert handle.open_failures == 1
+
+
+def test_a_root_that_cannot_hold_a_store_is_a_settings_error(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    handle = BackendHandle("file", {"root": str(not_a_dir)}, kvcore.BackendContext(), retry_s=0)
+    with pytest.raises(kvcore.ConfigError, match=r"root: .* is a regular file"):
+        handle.get()  # raised at start-up: retrying cannot fix a setting
 
 
 # -- keys ----------------------------------------------------------------------------------
