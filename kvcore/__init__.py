@@ -36,7 +36,7 @@ from kvcore.schemas import (
     WriteTask,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Backend",
