@@ -1,73 +1,175 @@
-"""kv_file throughput and query latency against raw file I/O of the same bytes, in one run.
+"""kv_file against the physical limit of its own file I/O, and one capacity for several processes.
+
+**The raw baseline is the limit**: it does exactly the system calls kv_file does for the same
+objects, minus kvcore's own work (names, checksums, the index, the journal). A write is, per
+object, ``open(temp, O_WRONLY|O_CREAT|O_EXCL|O_CLOEXEC|O_NOFOLLOW)``, one ``writev`` of a header
+page and the payload, ``fdatasync`` under ``fsync=data``, ``close`` and ``rename`` into one of
+256 fan-out directories; a read is ``open``, one ``preadv`` of the header page and the payload
+(``O_DIRECT`` for objects the page cache does not hold, as kv_file's direct reads), ``close``.
+Same files (count and sizes), same flags, same syncs, the same number of threads as kv_file
+uses for that operation. A store faster than the limit by more than 5 % is flagged: then the
+baseline is not the limit.
+
+**Same starting state for every contender**: before each timed write, ``sync`` (nobody pays for
+another's dirty pages); before each warm read, every file of the contender is read once and
+``cachestat(2)`` must report all of its pages cached; before each cold read, every file is synced
+and dropped (``posix_fadvise(DONTNEED)``) and ``cachestat`` must report none cached. The
+checks are in the report (``page_cache``). Contenders alternate (which one goes first flips
+each repetition); each writes fresh files into a fresh directory. Ratios are per repetition.
 
 Typical layout: 64 blocks x 28 layers x [8 heads, 64 tokens, 128 dim] bfloat16, K and V stored
-as separate objects (128 objects of 3.5 MiB, 448 MiB), written and read through the opened
-``file`` backend (``kvcore.open_backend``). Baselines, measured in the same run and
-interleaved with the store's repetitions so both see the same machine state:
+as separate objects (128 objects of 3.5 MiB, 448 MiB). Query: ``Backend.query`` of 10,000
+blocks x 2 parts, all present (goal <= 5 ms).
 
-- write: the same bytes written in order to ONE file with ``os.write``, synced per the same
-  policy (fsync=none: nothing; fsync=data: one ``fdatasync`` at the end);
-- warm read: ``readinto`` of the same bytes from one file already in the page cache (the
-  store reads page-cache hits buffered, misses with ``O_DIRECT``);
-- cold read: the same after dropping that file's cached pages (``posix_fadvise
-  DONTNEED`` after a sync: per file, needs no privilege and spares other users' cache);
-- query: ``Backend.query`` of 10,000 blocks x 2 parts, all present (goal <= 5 ms), warm (names
-  seen before) and cold (first query after open: names must be hashed).
+**Shared root** (``--shared-root``): four processes each write fresh blocks into one directory
+whose capacity is a quarter of what they write together (one capacity, shared accounting:
+kv_file's journal and ledger), against the same four processes each on a directory of its own
+with a quarter of that capacity (no sharing: the bound kv_file < 0.3 could hold). Aggregate
+GB/s = all bytes / the time from the start signal until the last process finished. Goal:
+shared >= 0.9x separate.
 
-Raw and store repetitions alternate (which goes first flips each time). Reports medians of
-``--reps``; ``--json`` prints one JSON object {figures, ratios, goals,
-machine} on stdout.
+One JSON object with ``--json``: figures and ratios with median, min and max over ``--reps``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import mmap
 import os
-import platform
 import shutil
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from benchutil import add_layout_args, emit
+from benchutil import Report, add_layout_args, emit
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers
+from kvcore.threads import usable_cpus
+
+PAGE = 4096
+FANOUT = 256
+_O_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+_O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None):
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+# -- the page cache ------------------------------------------------------------------------
 
 
-def host_region(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Page-aligned anonymous memory, like an engine's staging buffer."""
-    mm = mmap.mmap(-1, nbytes)
-    return mm, np.frombuffer(mm, dtype=np.uint8)
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_uint64) for f in ("nr_cache", "nr_dirty", "nr_writeback",
+                                              "nr_evicted", "nr_recently_evicted")]  # fmt: skip
 
 
-def drop_cached_pages(paths: list[str]) -> None:
-    os.sync()  # dirty pages cannot be dropped
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def cached_pages(path: str) -> int | None:
+    """Pages of ``path`` the page cache holds (``cachestat(2)``); None where unsupported."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        cs, rng = _CacheStat(), _Range(0, 0)
+        if _libc.syscall(451, fd, ctypes.byref(rng), ctypes.byref(cs), 0) != 0:
+            return None
+        return int(cs.nr_cache)
+    finally:
+        os.close(fd)
+
+
+def files_under(root: str, suffix: str = "") -> list[str]:
+    return sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(suffix)
+    )
+
+
+def cache_state(paths: list[str]) -> float | None:
+    """The fraction of the files' pages the page cache holds (None: cachestat unsupported)."""
+    held = total = 0
+    for p in paths:
+        n = cached_pages(p)
+        if n is None:
+            return None
+        held += n
+        total += -(-os.path.getsize(p) // PAGE)
+    return held / total if total else 1.0
+
+
+def drop_cached(paths: list[str]) -> None:
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
+            os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
 
-def store_files(root: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kv")]
+def warm(paths: list[str]) -> None:
+    buf = bytearray(1 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+# -- the raw contender ---------------------------------------------------------------------
+
+
+class RawFiles:
+    """kv_file's system calls for the same objects, without kvcore's work (see the docstring)."""
+
+    def __init__(self, root: str, nbytes: int, count: int, pool: ThreadPoolExecutor) -> None:
+        self.root = root
+        self.count = count
+        self.nbytes = nbytes
+        self.pool = pool  # kv_file's number of threads for the operation, started once as its
+        self.dirs = [os.path.join(root, f"{i:02x}") for i in range(FANOUT)]
+        for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+        self.header = mmap.mmap(-1, PAGE)  # a header page: zeros (kv_file's holds the name)
+        self.paths = [os.path.join(self.dirs[i % FANOUT], f"{i:032x}.kv") for i in range(count)]
+
+    def write(self, views: list[memoryview], sync: bool) -> None:
+        def one(i: int) -> None:
+            path = self.paths[i]
+            temp = f"{path}.{os.getpid()}.{i}.tmp"
+            fd = os.open(temp, _O_TEMP, 0o600)
+            try:
+                os.writev(fd, [self.header, views[i]])
+                if sync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, path)
+
+        list(self.pool.map(one, range(self.count)))
+
+    def read(self, views: list[memoryview], direct: bool, head: list[mmap.mmap]) -> None:
+        def one(i: int) -> None:
+            flags = _O_READ | (_O_DIRECT if direct else 0)
+            fd = os.open(self.paths[i], flags)
+            try:
+                got = os.preadv(fd, [head[i % len(head)], views[i]], 0)
+            finally:
+                os.close(fd)
+            if got != PAGE + len(views[i]):
+                raise RuntimeError(f"short raw read of {self.paths[i]}: {got} bytes")
+
+        list(self.pool.map(one, range(self.count)))
+
+
+# -- one run -------------------------------------------------------------------------------
 
 
 class Bench:
@@ -83,221 +185,270 @@ class Bench:
         self.part = self.layout.part_bytes("k")
         self.n = args.blocks
         self.total = self.n * 2 * self.part
-        self._src_mm, src = host_region(self.total)
-        self._dst_mm, self.dst = host_region(self.total)
+        self._src = mmap.mmap(-1, self.total)
+        self._dst = mmap.mmap(-1, self.total)
+        src = np.frombuffer(self._src, dtype=np.uint8)
         src[:] = np.random.default_rng(0).integers(0, 256, self.total, dtype=np.uint8)
-        self.src_ptr = src.ctypes.data
-        self.dst_ptr = self.dst.ctypes.data
         self.work = tempfile.mkdtemp(prefix="kvcore-bench-file-", dir=args.dir)
+        self.cpus = usable_cpus()
+        self.io_threads = min(32, max(16, 2 * (os.cpu_count() or 1)))  # kv_file's default
+        self.state: dict[str, list[float | None]] = {}
+        # the raw contender's threads, as many as kv_file's for each kind of call, started once
+        self.cpu_pool = ThreadPoolExecutor(min(self.io_threads, self.cpus))
+        self.io_pool = ThreadPoolExecutor(self.io_threads)
 
-    def host(self, base: int) -> HostBuffers:
+    def views(self, mm: mmap.mmap) -> list[memoryview]:
+        p = self.part
+        return [memoryview(mm)[i * p : (i + 1) * p] for i in range(2 * self.n)]
+
+    def host(self, mm: mmap.mmap) -> HostBuffers:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         p = self.part
         return HostBuffers(
             ptrs=tuple((base + 2 * i * p, base + (2 * i + 1) * p) for i in range(self.n)),
             nbytes=(p, p),
         )
 
-    def regions(self, base: int) -> list[memoryview]:
-        host = self.host(base)
-        return [host.memoryview(i, j) for i in range(self.n) for j in range(2)]
-
-    def open(self, root: str, fsync: str, layout: CacheLayout | None = None) -> kvcore.Backend:
-        config = {"root": root, "fsync": fsync, "capacity_bytes": 64 * 2**30}
-        config["rescan_interval_s"] = 0
+    def open(self, root: str, fsync: str = "none", layout: CacheLayout | None = None):
+        config = {"root": root, "fsync": fsync, "capacity_bytes": "64GiB", "rescan_interval_s": 0}
         return kvcore.open_backend("file", config, context={"layout": layout or self.layout})
 
-    # -- write ---------------------------------------------------------------------------
+    def note_state(self, name: str, paths: list[str]) -> None:
+        self.state.setdefault(name, []).append(cache_state(paths))
 
-    def raw_write(self, path: str, sync: bool) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            for mv in self.regions(self.src_ptr):
-                os.write(fd, mv)
-            if sync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-
-    def writes(self, fsync: str) -> tuple[float, float, str, kvcore.Backend, list[str]]:
-        """Median seconds of raw and store writes (alternating), and the last store."""
-        raw_t, file_t = [], []
-        raw_path = os.path.join(self.work, f"raw-{fsync}.bin")
-        backend = root = None
-        for r in range(self.args.reps):
-            if backend is not None:
+    def run(self, report: Report) -> None:
+        gb = self.total / 1e9
+        samples: dict[str, list[float]] = {}
+        src_views, dst_views = self.views(self._src), self.views(self._dst)
+        heads = [mmap.mmap(-1, PAGE) for _ in range(self.io_threads)]
+        for fsync in ("none", "data"):
+            # kv_file: synced writes wait on the disk (io_threads), unsynced ones copy (cores)
+            pool = self.io_pool if fsync == "data" else self.cpu_pool
+            for r in range(self.args.reps):
+                root = os.path.join(self.work, f"file-{fsync}-{r}")
+                raw_root = os.path.join(self.work, f"raw-{fsync}-{r}")
+                backend = self.open(root, fsync)
+                raw = RawFiles(raw_root, self.part, 2 * self.n, pool)
+                keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
+                req = backend.request("w", keys, host=self.host(self._src), timeout_s=600)
+                order = ("raw", "file") if r % 2 == 0 else ("file", "raw")
+                for who in order:
+                    os.sync()  # everyone starts without dirty pages
+                    t0 = time.perf_counter()
+                    if who == "raw":
+                        raw.write(src_views, fsync == "data")
+                    else:
+                        assert backend.write(req) == self.n
+                    samples.setdefault(f"{who}_write_{fsync}", []).append(
+                        gb / (time.perf_counter() - t0)
+                    )
+                if fsync == "none":
+                    self.reads(backend, keys, raw, dst_views, heads, samples, r)
                 backend.close()
                 shutil.rmtree(root)
-            root = os.path.join(self.work, f"store-{fsync}-{r}")
-            backend = self.open(root, fsync)
-            keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
-            req = backend.request("bench-write", keys, host=self.host(self.src_ptr), timeout_s=600)
-            order = [("raw", None), ("file", req)] if r % 2 == 0 else [("file", req), ("raw", None)]
-            if os.path.exists(raw_path):
-                os.unlink(raw_path)  # a fresh file, as the store writes fresh files
-            for what, request in order:
-                t0 = time.perf_counter()
-                if what == "raw":
-                    self.raw_write(raw_path, fsync != "none")
-                    raw_t.append(time.perf_counter() - t0)
-                else:
-                    done = backend.write(request)
-                    file_t.append(time.perf_counter() - t0)
-                    assert done == self.n, f"store wrote {done} of {self.n} blocks"
-        return statistics.median(raw_t), statistics.median(file_t), raw_path, backend, keys
-
-    # -- read ----------------------------------------------------------------------------
-
-    def raw_read(self, path: str) -> None:
-        with open(path, "rb", buffering=0) as f:
-            for mv in self.regions(self.dst_ptr):
-                if f.readinto(mv) != len(mv):
-                    raise RuntimeError("short read from the raw file")
-
-    def reads(self, raw_path: str, backend: kvcore.Backend, keys: list[str]) -> dict[str, float]:
-        """Median seconds of raw and store reads, warm and cold, alternating which goes first
-        in each repetition so both see the same machine state."""
-        req = backend.request("bench-read", keys, host=self.host(self.dst_ptr), timeout_s=600)
-
-        def store_read() -> None:
-            done = backend.read(req)
-            assert done == self.n, f"store read {done} of {self.n} blocks"
-
-        store_read()
-        src = np.frombuffer(self._src_mm, dtype=np.uint8)
-        assert np.array_equal(self.dst, src), "store read back other bytes than it wrote"
-        self.raw_read(raw_path)
-        files = store_files(backend.plugin._dir.path)
-        runs = {  # name -> (timed call, untimed preparation)
-            "raw_read_warm_s": (lambda: self.raw_read(raw_path), lambda: None),
-            "file_read_warm_s": (store_read, lambda: None),
-            "raw_read_cold_s": (
-                lambda: self.raw_read(raw_path),
-                lambda: drop_cached_pages([raw_path]),
-            ),
-            "file_read_cold_s": (store_read, lambda: drop_cached_pages(files)),
+                shutil.rmtree(raw_root)
+        units = "GB/s"
+        for name, values in samples.items():
+            report.figure(f"{name}_gbps", values, units)
+        report.ratio("write_vs_raw", samples["file_write_none"], samples["raw_write_none"],
+                     goal=">= 0.9", limit=True)  # fmt: skip
+        report.ratio("write_fsync_data_vs_raw", samples["file_write_data"],
+                     samples["raw_write_data"], goal=">= 0.9", limit=True)  # fmt: skip
+        for kind in ("warm", "cold"):
+            report.ratio(f"read_{kind}_vs_raw", samples[f"file_read_{kind}"],
+                         samples[f"raw_read_{kind}"], goal=">= 0.9", limit=True)  # fmt: skip
+        report.notes["page_cache"] = {
+            k: [None if v is None else round(v, 3) for v in vals] for k, vals in self.state.items()
         }
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        # Warm first: the store's files are cached as its writes left them. Cold reads go
-        # around the page cache (O_DIRECT) and leave the files uncached, so they come last.
-        for pair in (
-            ("raw_read_warm_s", "file_read_warm_s"),
-            ("raw_read_cold_s", "file_read_cold_s"),
-        ):
-            for r in range(self.args.reps):
-                for name in pair if r % 2 == 0 else pair[::-1]:
-                    fn, prepare = runs[name]
-                    prepare()
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-        assert np.array_equal(self.dst, src), "store read back other bytes than it wrote"
-        return {k: statistics.median(v) for k, v in times.items()}
 
-    # -- query ---------------------------------------------------------------------------
+    def reads(self, backend, keys, raw, dst_views, heads, samples, r) -> None:
+        gb = self.total / 1e9
+        req = backend.request("r", keys, host=self.host(self._dst), timeout_s=600)
+        store_files = files_under(backend.plugin._dir.path, ".kv")
+        src = np.frombuffer(self._src, dtype=np.uint8)
+        dst = np.frombuffer(self._dst, dtype=np.uint8)
+        for kind in ("warm", "cold"):  # cold last: direct reads leave the files uncached
+            order = ("raw", "file") if r % 2 == 0 else ("file", "raw")
+            for who in order:
+                paths = raw.paths if who == "raw" else store_files
+                if kind == "warm":
+                    warm(paths)
+                else:
+                    drop_cached(paths)
+                self.note_state(f"{who}_read_{kind}", paths)
+                dst[:] = 0
+                t0 = time.perf_counter()
+                if who == "raw":
+                    raw.threads = (
+                        min(self.io_threads, self.cpus) if kind == "warm" else (self.io_threads)
+                    )
+                    raw.read(dst_views, kind == "cold", heads)
+                else:
+                    assert backend.read(req) == self.n
+                samples.setdefault(f"{who}_read_{kind}", []).append(gb / (time.perf_counter() - t0))
+                assert np.array_equal(dst, src), f"{who} read back other bytes"
 
-    def queries(self) -> dict[str, float]:
+    def queries(self, report: Report) -> None:
         n = self.args.query_keys
         tiny = CacheLayout(num_layers=1, num_heads=1, block_size=1, head_dim=16)
         root = os.path.join(self.work, "query-store")
         backend = self.open(root, "none", tiny)
         part = tiny.part_bytes("k")
-        _, buf = host_region(2 * part * n)
-        base = buf.ctypes.data
+        mm = mmap.mmap(-1, 2 * part * n)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         host = HostBuffers(
             ptrs=tuple((base + 2 * i * part, base + (2 * i + 1) * part) for i in range(n)),
             nbytes=(part, part),
         )
         keys = [uuid.uuid4().hex * 2 for _ in range(n)]
         assert backend.write(backend.request("fill", keys, host=host, timeout_s=600)) == n
-        req = backend.request("bench-query", keys, timeout_s=600)
-        reps = max(self.args.reps, 11)
-
-        def facade() -> None:
-            assert backend.query(req) == n
-
-        def plugin() -> None:
-            assert backend.plugin.kvcore_query(request=req) == n
-
-        out = {
-            "query_10k_keys_ms": 1e3 * median_s(facade, reps),
-            "query_10k_keys_plugin_ms": 1e3 * median_s(plugin, reps),
-        }
-        backend.close()
-        cold = []
-        for _ in range(3):
-            fresh = self.open(root, "none", tiny)
-            r = fresh.request("bench-query", keys, timeout_s=600)
+        req = backend.request("q", keys, timeout_s=600)
+        times = []
+        for _ in range(max(self.args.reps, 11)):
             t0 = time.perf_counter()
-            assert fresh.query(r) == n
-            cold.append(time.perf_counter() - t0)
-            fresh.close()
-        out["query_10k_keys_cold_ms"] = 1e3 * statistics.median(cold)
-        return out
+            assert backend.query(req) == n
+            times.append(1e3 * (time.perf_counter() - t0))
+        backend.close()
+        report.figure("query_10k_keys_ms", times, "ms")
+        report.ratio("query_10k_keys_vs_5ms", times, [5.0] * len(times), goal="<= 1.0")
 
     def close(self) -> None:
+        self.cpu_pool.shutdown()
+        self.io_pool.shutdown()
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+# -- several processes on one root ----------------------------------------------------------
+
+
+def worker(root: str, capacity: int, blocks: int, batch: int, layout_json: str) -> None:
+    """One writer process: opens the store, says ready, waits for go, writes fresh blocks."""
+    layout = CacheLayout.model_validate_json(layout_json)
+    backend = kvcore.open_backend(
+        "file",
+        {"root": root, "capacity_bytes": capacity, "rescan_interval_s": 0},
+        context={"layout": layout},
+    )
+    part = layout.part_bytes("k")
+    mm = mmap.mmap(-1, 2 * part * batch)
+    np.frombuffer(mm, dtype=np.uint8)[:] = np.random.default_rng().integers(
+        0, 256, 2 * part * batch, dtype=np.uint8
+    )
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    host = HostBuffers(
+        ptrs=tuple((base + 2 * i * part, base + (2 * i + 1) * part) for i in range(batch)),
+        nbytes=(part, part),
+    )
+    print("ready", flush=True)
+    sys.stdin.readline()  # go
+    t0 = time.perf_counter()
+    written = 0
+    for _ in range(blocks // batch):
+        keys = [uuid.uuid4().hex * 2 for _ in range(batch)]
+        written += int(backend.write(backend.request("w", keys, host=host, timeout_s=600)))
+    elapsed = time.perf_counter() - t0
+    backend.close()
+    print(json.dumps({"written": written, "seconds": elapsed, "end": time.time()}), flush=True)
+
+
+def shared_root(args: argparse.Namespace, report: Report) -> None:
+    layout = CacheLayout(num_layers=4, num_heads=4, block_size=16, head_dim=128)  # 64 KiB parts
+    procs, batch = 4, 16
+    blocks = args.shared_blocks
+    object_bytes = layout.part_bytes("k") + PAGE
+    total = procs * blocks * 2 * object_bytes
+    capacity = total // 4  # far below what they write: every process evicts
+    work = tempfile.mkdtemp(prefix="kvcore-bench-shared-", dir=args.dir)
+    samples: dict[str, list[float]] = {"shared": [], "separate": []}
+    try:
+        for r in range(args.reps):
+            order = ("shared", "separate") if r % 2 == 0 else ("separate", "shared")
+            for how in order:
+                base = os.path.join(work, f"{how}-{r}")
+                roots = [base] * procs if how == "shared" else [f"{base}-{i}" for i in range(procs)]
+                cap = capacity if how == "shared" else capacity // procs
+                os.sync()
+                samples[how].append(_run_writers(roots, cap, blocks, batch, layout))
+                for root in set(roots):
+                    shutil.rmtree(root, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report.figure("shared_root_4_writers_gbps", samples["shared"], "GB/s")
+    report.figure("separate_roots_4_writers_gbps", samples["separate"], "GB/s")
+    report.ratio("shared_vs_separate_roots", samples["shared"], samples["separate"],
+                 goal=">= 0.9")  # fmt: skip
+    report.notes.setdefault("setup", {})["shared_root"] = {
+        "processes": procs,
+        "blocks_per_process": blocks,
+        "object_bytes": object_bytes,
+        "capacity_bytes": capacity,
+        "written_bytes": total,
+    }
+
+
+def _run_writers(roots, capacity, blocks, batch, layout) -> float:
+    """Aggregate GB/s of one round of writers (start signal to the last one's end)."""
+    cmd = [sys.executable, __file__, "--worker"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, root, str(capacity), str(blocks), str(batch), layout.model_dump_json()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for root in roots
+    ]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    start = time.time()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    written = sum(res["written"] for res in results) * 2 * (layout.part_bytes("k") + PAGE)
+    return written / (max(res["end"] for res in results) - start) / 1e9
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        root, capacity, blocks, batch, layout_json = sys.argv[2:7]
+        worker(root, int(capacity), int(blocks), int(batch), layout_json)
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     add_layout_args(ap, blocks=64)
     ap.add_argument("--query-keys", type=int, default=10_000)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--shared-blocks", type=int, default=512, help="blocks per writer process")
+    ap.add_argument("--only", default="io,query,shared", help="io, query, shared (comma-separated)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: the temp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    report = Report()
+    parts = set(args.only.split(","))
     bench = Bench(args)
-    gb = bench.total / 1e9
     try:
-        raw_w, file_w, raw_path, backend, keys = bench.writes("none")
-        raw_wd, file_wd, _, durable, _ = bench.writes("data")
-        durable.close()
-        reads = bench.reads(raw_path, backend, keys)
-        backend.close()
-        query = bench.queries()
+        if "io" in parts:
+            bench.run(report)
+        if "query" in parts:
+            bench.queries(report)
     finally:
         bench.close()
-    figures = {
-        "bytes_per_call_mib": bench.total / 2**20,
-        "raw_write_gbps": gb / raw_w,
-        "file_write_gbps": gb / file_w,
-        "raw_write_fdatasync_gbps": gb / raw_wd,
-        "file_write_fsync_data_gbps": gb / file_wd,
-        "raw_read_warm_gbps": gb / reads["raw_read_warm_s"],
-        "file_read_warm_gbps": gb / reads["file_read_warm_s"],
-        "raw_read_cold_gbps": gb / reads["raw_read_cold_s"],
-        "file_read_cold_gbps": gb / reads["file_read_cold_s"],
-        **query,
+    if "shared" in parts:
+        shared_root(args, report)
+    report.notes["setup"] = {
+        **report.notes.get("setup", {}),
+        "blocks": args.blocks,
+        "object_bytes": bench.part,
         "reps": args.reps,
+        "store_dir": args.dir or tempfile.gettempdir(),
+        "cold_reads": "fdatasync + posix_fadvise(DONTNEED) per file; O_DIRECT reads",
     }
-    ratios = {
-        "write_vs_raw": figures["file_write_gbps"] / figures["raw_write_gbps"],
-        "write_fsync_data_vs_raw": figures["file_write_fsync_data_gbps"]
-        / figures["raw_write_fdatasync_gbps"],
-        "read_warm_vs_raw": figures["file_read_warm_gbps"] / figures["raw_read_warm_gbps"],
-        "read_cold_vs_raw": figures["file_read_cold_gbps"] / figures["raw_read_cold_gbps"],
-        "query_10k_keys_vs_5ms": figures["query_10k_keys_ms"] / 5.0,
-    }
-    goals = {
-        "write_vs_raw": ">= 0.9",
-        "write_fsync_data_vs_raw": ">= 0.9",
-        "read_warm_vs_raw": ">= 1.0",
-        "read_cold_vs_raw": ">= 0.9",
-        "query_10k_keys_vs_5ms": "<= 1.0",
-    }
-    report = {
-        "figures": {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()},
-        "ratios": {k: round(v, 3) for k, v in ratios.items()},
-        "goals": goals,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cold_read_method": "fsync + posix_fadvise(DONTNEED) per file",
-        },
-    }
-    emit(report, args.json)
+    emit(report.as_dict(), args.json)
 
 
 if __name__ == "__main__":
