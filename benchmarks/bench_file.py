@@ -353,8 +353,9 @@ def worker(root: str, capacity: int, blocks: int, batch: int, layout_json: str) 
 
 def shared_root(args: argparse.Namespace, report: Report) -> None:
     layout = CacheLayout(num_layers=4, num_heads=4, block_size=16, head_dim=128)  # 64 KiB parts
-    procs, batch = 4, 16
     blocks = args.shared_blocks
+    procs, batch = 4, min(16, blocks)
+    blocks -= blocks % batch  # whole batches: each process writes exactly what is counted
     object_bytes = layout.part_bytes("k") + PAGE
     total = procs * blocks * 2 * object_bytes
     capacity = total // 4  # far below what they write: every process evicts
@@ -427,6 +428,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="scratch directory (default: the temp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.shared_blocks < 1:
+        ap.error("--shared-blocks must be at least 1")
 
     report = Report()
     parts = set(args.only.split(","))

@@ -16,9 +16,10 @@ extra config with ``interface_v1``; ``file`` for HiCacheFile) and driven by SGLa
 - exists: ``batch_exists`` of 10,000 stored keys in batches of 128, as
   ``_storage_hit_query`` calls it (tiny pages: the cost is per key, not per byte).
 
-Repetitions alternate the contenders (which goes first flips each time); every repetition
-writes fresh keys. Figures are medians of ``--reps`` (with min and max); ratios are
-HiCacheFile's time over kvcore's (> 1: kvcore is faster). kv_file runs with its defaults:
+Repetitions alternate the contenders (the order reverses each time, so of any two, which goes
+first flips); every repetition writes fresh keys. Figures are the median and range (min, max)
+over ``--reps``; ratios are HiCacheFile's time over kvcore's in the same repetition (paired;
+> 1: kvcore is faster), then their median and range. kv_file runs with its defaults:
 crash-safe (temp file + rename) and checksummed (xxh3-128 verified on every read), no fsync,
 as HiCacheFile (temp file + rename, no checksum, no fsync).
 
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import emit
+from benchutil import Report, emit
 
 try:
     from kvcore_sglang.testing import (
@@ -184,14 +183,6 @@ def exists_round(c: Contender, keys: list[str]) -> None:
         raise RuntimeError(f"{c.name}: {found} of {len(keys)} keys found")
 
 
-def stats(values: list[float], scale: float = 1.0) -> dict[str, float]:
-    return {
-        "median": statistics.median(values) * scale,
-        "min": min(values) * scale,
-        "max": max(values) * scale,
-    }
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28)
@@ -278,8 +269,10 @@ def main() -> None:
             for times in c.times.values():
                 times.clear()
         for rep in range(args.reps):
-            # each contender goes first in turn; every round writes keys never written before
-            order = rotation[rep % 3 :] + rotation[: rep % 3]
+            # reversed every other repetition: of any two contenders, each goes first in turn
+            # (a rotation of three would not alternate every pair); every round writes keys
+            # never written before
+            order = rotation if rep % 2 == 0 else rotation[::-1]
             for c in order:
                 tokens = [
                     (rep + 1) * 10**8 + rotation.index(c) * 10**7 + i for i in range(pages_tokens)
@@ -290,72 +283,46 @@ def main() -> None:
                     exists_round(c, exist_keys)
 
         gb = page_nbytes * args.pages / 1e9
-        figures: dict[str, Any] = {
+        report = Report()
+        for c in rotation:
+            for what, values in c.times.items():
+                report.figure(f"{c.name}_{what}_gbps", [gb / t for t in values], "GB/s")
+            if c.exists_s:
+                report.figure(f"{c.name}_exists_10k_ms", [t * 1e3 for t in c.exists_s], "ms")
+        timed = {c.name: {**c.times, "exists": c.exists_s} for c in rotation}
+        kv = timed["kvcore_file"]
+        goals = {"set": ">= 1.2", "get_warm": ">= 1.0", "get_cold": ">= 1.2"}
+        # HiCacheFile's seconds over kvcore's, repetition by repetition: > 1, kvcore is faster
+        for what in ("set", "get_warm", "get_cold", "exists"):
+            report.ratio(
+                f"{what}_vs_hicache_file",
+                timed["hicache_file"][what],
+                kv[what],
+                goal=goals.get(what),
+            )
+        for what in ("set", "get_warm", "get_cold"):
+            report.ratio(
+                f"{what}_vs_hicache_file_calls_only",
+                timed["hicache_file_calls_only"][what],
+                kv[what],
+            )
+        kv_stats = contenders[0].storage.kvcore_stats()
+        report.notes["setup"] = {
             "page_mib": round(page_nbytes / 2**20, 3),
             "pages_per_call": args.pages,
             "bytes_per_call_mib": round(page_nbytes * args.pages / 2**20, 1),
             "reps": args.reps,
+            "cold_read_method": "fsync + posix_fadvise(DONTNEED) per store file",
+            "kv_file": "defaults: fsync none, checksummed, temp file + rename",
         }
-        medians: dict[str, dict[str, float]] = {}
-        for c in rotation:
-            for what, values in c.times.items():
-                s = stats(values)
-                medians[f"{c.name}_{what}"] = s
-                figures[f"{c.name}_{what}_gbps"] = round(gb / s["median"], 3)
-                figures[f"{c.name}_{what}_gbps_range"] = [
-                    round(gb / s["max"], 3),
-                    round(gb / s["min"], 3),
-                ]
-            if not c.exists_s:
-                continue
-            s = stats(c.exists_s, 1e3)
-            medians[f"{c.name}_exists"] = s
-            figures[f"{c.name}_exists_10k_ms"] = round(s["median"], 2)
-            figures[f"{c.name}_exists_10k_ms_range"] = [round(s["min"], 2), round(s["max"], 2)]
-        ratios = {
-            f"{what}_vs_hicache_file": round(
-                medians[f"hicache_file_{what}"]["median"]
-                / medians[f"kvcore_file_{what}"]["median"],
-                3,
+        report.notes["kvcore_counters"] = {
+            k: kv_stats[k]
+            for k in (
+                "kv.backend_direct_reads",
+                "kv.backend_read_hits",
+                "kv.backend_write_stored",
             )
-            for what in ("set", "get_warm", "get_cold", "exists")
-        }
-        ratios.update(
-            {
-                f"{what}_vs_hicache_file_calls_only": round(
-                    medians[f"hicache_file_calls_only_{what}"]["median"]
-                    / medians[f"kvcore_file_{what}"]["median"],
-                    3,
-                )
-                for what in ("set", "get_warm", "get_cold")
-            }
-        )
-        goals = {
-            "set_vs_hicache_file": ">= 1.2",
-            "get_warm_vs_hicache_file": ">= 1.0",
-            "get_cold_vs_hicache_file": ">= 1.2",
-        }
-        kv_stats = contenders[0].storage.kvcore_stats()
-        report = {
-            "figures": figures,
-            "ratios": ratios,
-            "goals": goals,
-            "kvcore_counters": {
-                k: kv_stats[k]
-                for k in (
-                    "kv.backend_direct_reads",
-                    "kv.backend_read_hits",
-                    "kv.backend_write_stored",
-                )
-                if k in kv_stats
-            },
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-                "cold_read_method": "fsync + posix_fadvise(DONTNEED) per store file",
-                "kv_file": "defaults: fsync none, checksummed, temp file + rename",
-            },
+            if k in kv_stats
         }
         for c in contenders:
             for storage in (c.storage, c.tiny):
@@ -363,7 +330,7 @@ def main() -> None:
                     storage.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    emit(report, args.json)
+    emit(report.as_dict(), args.json)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ Typical layout (28 layers x 8 heads x 64 tokens x 128 dim, bfloat16, K and V): 6
 448 MiB per operation, the cache in host memory (numpy arrays, as vLLM's CPU backend or any
 CPU-offload tier keeps it). Every repetition runs each contender once, the order rotating
 from one repetition to the next, each on fresh keys where it writes and each write starting
-with no dirty pages (``os.sync`` first, not timed); figures are medians, in GB/s (10^9 bytes
-per second). Writes and warm reads use a kv_file store in RAM-backed storage (``--ram-root``,
-/dev/shm): on this machine's virtual disk a write's speed depended more on the kernel's
-writeback of the writes before it than on the code. Cold reads use a store on the disk.
+with no dirty pages (``os.sync`` first, not timed). Every figure is reported as its median and
+range (min, max) over the ``--reps`` repetitions (one warm-up repetition before them is
+dropped), in GB/s (10^9 bytes per second); every ratio is computed per repetition from the
+contenders measured in that same repetition (paired), then reported the same way. Writes and
+warm reads use a kv_file store in RAM-backed storage (``--ram-root``, /dev/shm): on this
+machine's virtual disk a write's speed depended more on the kernel's writeback of the writes
+before it than on the code. Cold reads use a store on the disk.
 
 - **host-resident path** (``storage_io="host_resident"``: the backend reads into and writes
   from the cache blocks themselves): its write-back and warm read against **the backend
@@ -18,29 +21,29 @@ writeback of the writes before it than on the code. Cold reads use a store on th
 - **staged path** (``storage_io="staged"``: through staging buffers, span k's storage I/O
   overlapping the gather of span k+1 or the scatter of span k-1): write-back, warm read and cold
   read (the store's files dropped from the page cache) against **the slower of its two stages
-  alone** (the swap op's gather/scatter, the backend alone), goal >= 0.9x for write-back and cold
-  read. Two figures bracket the pipeline: the **serial combination** of the stages
-  (1 / (1/a + 1/b): what no overlap at all would give) and the **stages side by side**: both
-  stages running at once on independent data, unsynchronized (the backend storing one set of
-  blocks while the gather copies another; the backend reading while the scatter copies), timed
-  until both end. That is the most any pipeline of the two can reach on this machine: where both
-  stages are CPU copies sharing its cores (here, not on a GPU, where the gather is a DMA), it
-  sits below the slower stage alone, and ``*_vs_side_by_side`` says how much of it the pipeline
-  gets;
+  alone** in that repetition (the swap op's gather/scatter, the backend alone), goal >= 0.9x for
+  write-back and cold read. Two figures bracket the pipeline: the **serial combination** of the
+  stages (1 / (1/a + 1/b), a and b measured in the same repetition: what no overlap at all
+  would give) and the **stages side by side**: both stages running at once on independent
+  data, unsynchronized (the backend storing one set of blocks while the gather copies another;
+  the backend reading while the scatter copies), timed until both end. That is the most any
+  pipeline of the two can reach on this machine (named the limit: a ``*_vs_side_by_side``
+  ratio above 1.05 is flagged): where both stages are CPU copies sharing its cores (here, not
+  on a GPU, where the gather is a DMA), it sits below the slower stage alone, and
+  ``*_vs_side_by_side`` says how much of it the pipeline gets;
 - a **10,000-block query through the manager**, building its request included (a small layout:
   the names matter, not the bytes), goal <= 5 ms.
 
-One JSON object on stdout: figures, ratios, goals, machine.
+With ``--json``, one JSON object on stdout: figures and ratios (each ``{"median", "min", "max",
+"n"}``), goals, flags, the setup (bytes per operation, the bytes read back verified, counts) and
+the machine; without it, the same as a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import statistics
 import tempfile
 import threading
 import time
@@ -48,7 +51,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from benchutil import add_layout_args
+from benchutil import Report, add_layout_args, emit
 
 import kvcore
 from kvcore import ops
@@ -130,12 +133,13 @@ class Run:
         self.samples.setdefault(name, []).append(time.perf_counter() - t0)
         return out
 
-    def gbps(self, name: str, nbytes: int) -> float:
-        return nbytes / statistics.median(self.samples[name]) / GB
+    def gbps(self, name: str, nbytes: int) -> list[float]:
+        """GB/s of every sample of ``name``, in the order taken (one per repetition)."""
+        return [nbytes / s / GB for s in self.samples[name]]
 
 
-def query_10k(root: str, n: int, reps: int) -> dict[str, float]:
-    """A 10,000-block query through the manager, its request built each time."""
+def query_10k(root: str, n: int, reps: int) -> list[float]:
+    """A 10,000-block query through the manager, its request built each time: ms per query."""
     layout = kvcore.CacheLayout(num_layers=1, num_heads=1, block_size=16, head_dim=8, num_blocks=4)
     keys = fresh_keys(layout, n)
     backend = kvcore.open_backend("file", {"root": root}, context={"layout": layout})
@@ -154,14 +158,14 @@ def query_10k(root: str, n: int, reps: int) -> dict[str, float]:
     tm.close()
     backend.close()
     del staging
-    return {"query_10k_blocks_with_request_ms": 1e3 * statistics.median(times)}
+    return [1e3 * t for t in times]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--json", action="store_true", help="(the output is always JSON)")
+    ap.add_argument("--json", action="store_true", help="one JSON object (default: a table)")
     add_layout_args(ap, 64, "blocks per operation")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions (after one warm-up)")
     ap.add_argument("--fsync", default=None, help="kv_file fsync policy (default: its default)")
     ap.add_argument("--io-threads", type=int, default=None, help="kv_file io_threads")
     ap.add_argument("--pipeline-blocks", type=int, default=16, help="staged path's span")
@@ -346,84 +350,88 @@ def main() -> None:
         backend.close()
         disk.close()
         shutil.rmtree(ram, ignore_errors=True)
-        query = query_10k(os.path.join(work, "query"), args.query_blocks, max(3, args.reps))
+        query_ms = query_10k(os.path.join(work, "query"), args.query_blocks, max(3, args.reps))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    f = {k.removesuffix("_s") + "_gbps": run.gbps(k, nbytes) for k in run.samples}
-    f["bytes_per_op"] = nbytes
-    f.update(query)
+    report = Report()
+    # one sample per contender per repetition, in repetition order: index i of every list is
+    # repetition i, so every ratio below pairs contenders measured in the same repetition
+    g = {k.removesuffix("_s"): run.gbps(k, nbytes) for k in run.samples}
+    assert all(len(v) == args.reps for v in g.values()), {k: len(v) for k, v in g.items()}
+    g["staged_write_side_by_side"] = g.pop("side_by_side_write")
+    g["staged_read_cold_side_by_side"] = g.pop("side_by_side_read_cold")
 
-    def serial(a: float, b: float) -> float:
-        return 1 / (1 / a + 1 / b)
+    def serial(a: list[float], b: list[float]) -> list[float]:
+        """The two stages one after the other, per repetition: 1 / (1/a + 1/b)."""
+        return [1 / (1 / x + 1 / y) for x, y in zip(a, b, strict=True)]
 
-    f["staged_write_serial_combination_gbps"] = serial(f["backend_write_gbps"], f["gather_gbps"])
-    f["staged_read_serial_combination_gbps"] = serial(f["backend_read_gbps"], f["scatter_gbps"])
-    f["staged_read_cold_serial_combination_gbps"] = serial(
-        f["backend_read_cold_gbps"], f["scatter_gbps"]
-    )
-    f["staged_write_side_by_side_gbps"] = f.pop("side_by_side_write_gbps")
-    f["staged_read_cold_side_by_side_gbps"] = f.pop("side_by_side_read_cold_gbps")
-    ratios = {
-        "staged_write_back_vs_slower_stage": f["staged_write_gbps"]
-        / min(f["backend_write_gbps"], f["gather_gbps"]),
-        "staged_read_cold_vs_slower_stage": f["staged_read_cold_gbps"]
-        / min(f["backend_read_cold_gbps"], f["scatter_gbps"]),
-        "staged_read_warm_vs_slower_stage": f["staged_read_gbps"]
-        / min(f["backend_read_gbps"], f["scatter_gbps"]),
-        "staged_write_back_vs_serial_combination": f["staged_write_gbps"]
-        / f["staged_write_serial_combination_gbps"],
-        "staged_read_cold_vs_serial_combination": f["staged_read_cold_gbps"]
-        / f["staged_read_cold_serial_combination_gbps"],
-        "staged_write_back_vs_side_by_side": f["staged_write_gbps"]
-        / f["staged_write_side_by_side_gbps"],
-        "staged_read_cold_vs_side_by_side": f["staged_read_cold_gbps"]
-        / f["staged_read_cold_side_by_side_gbps"],
-        "side_by_side_write_vs_slower_stage": f["staged_write_side_by_side_gbps"]
-        / min(f["backend_write_gbps"], f["gather_gbps"]),
-        "side_by_side_read_cold_vs_slower_stage": f["staged_read_cold_side_by_side_gbps"]
-        / min(f["backend_read_cold_gbps"], f["scatter_gbps"]),
-        "query_10k_blocks_with_request_vs_5ms": f["query_10k_blocks_with_request_ms"] / 5.0,
-    }
-    goals = {
-        "staged_write_back_vs_slower_stage": ">= 0.9",
-        "staged_read_cold_vs_slower_stage": ">= 0.9",
-        "query_10k_blocks_with_request_vs_5ms": "<= 1.0",
-    }
-    if "resident_read_gbps" in f:
-        ratios["host_resident_read_warm_vs_backend"] = (
-            f["resident_read_gbps"] / f["backend_read_gbps"]
-        )
-        ratios["host_resident_write_back_vs_backend"] = (
-            f["resident_write_gbps"] / f["backend_write_gbps"]
-        )
+    def slower(a: list[float], b: list[float]) -> list[float]:
+        """The slower of the two stages alone, per repetition."""
+        return [min(x, y) for x, y in zip(a, b, strict=True)]
+
+    g["staged_write_serial_combination"] = serial(g["backend_write"], g["gather"])
+    g["staged_read_serial_combination"] = serial(g["backend_read"], g["scatter"])
+    g["staged_read_cold_serial_combination"] = serial(g["backend_read_cold"], g["scatter"])
+    for name in sorted(g):
+        report.figure(f"{name}_gbps", g[name], "GB/s")
+    report.figure("query_10k_blocks_with_request_ms", query_ms, "ms")
+
+    write_stage = slower(g["backend_write"], g["gather"])
+    read_cold_stage = slower(g["backend_read_cold"], g["scatter"])
+    read_warm_stage = slower(g["backend_read"], g["scatter"])
+    report.ratio("staged_write_back_vs_slower_stage", g["staged_write"], write_stage,
+                 goal=">= 0.9")  # fmt: skip
+    report.ratio("staged_read_cold_vs_slower_stage", g["staged_read_cold"], read_cold_stage,
+                 goal=">= 0.9")  # fmt: skip
+    report.ratio("staged_read_warm_vs_slower_stage", g["staged_read"], read_warm_stage)
+    report.ratio("staged_write_back_vs_serial_combination", g["staged_write"],
+                 g["staged_write_serial_combination"])  # fmt: skip
+    report.ratio("staged_read_cold_vs_serial_combination", g["staged_read_cold"],
+                 g["staged_read_cold_serial_combination"])  # fmt: skip
+    # the stages side by side: the most any pipeline of the two can reach on this machine
+    report.ratio("staged_write_back_vs_side_by_side", g["staged_write"],
+                 g["staged_write_side_by_side"], limit=True)  # fmt: skip
+    report.ratio("staged_read_cold_vs_side_by_side", g["staged_read_cold"],
+                 g["staged_read_cold_side_by_side"], limit=True)  # fmt: skip
+    report.ratio("side_by_side_write_vs_slower_stage", g["staged_write_side_by_side"],
+                 write_stage)  # fmt: skip
+    report.ratio("side_by_side_read_cold_vs_slower_stage", g["staged_read_cold_side_by_side"],
+                 read_cold_stage)  # fmt: skip
+    report.ratio("query_10k_blocks_with_request_vs_5ms", query_ms, [5.0] * len(query_ms),
+                 goal="<= 1.0")  # fmt: skip
+    if "resident_read" in g:
+        report.ratio("host_resident_read_warm_vs_backend", g["resident_read"],
+                     g["backend_read"], goal=">= 0.9")  # fmt: skip
+        report.ratio("host_resident_write_back_vs_backend", g["resident_write"],
+                     g["backend_write"], goal=">= 0.9")  # fmt: skip
         # the same split in two: the manager's cost (against the backend alone on the very
         # same cache blocks) and the cache's memory layout's (the backend alone, the cache's
         # blocks against one contiguous buffer)
         for op, verb in (("read", "read_warm"), ("write", "write_back")):
-            ratios[f"host_resident_{verb}_vs_backend_segmented"] = (
-                f[f"resident_{op}_gbps"] / f[f"backend_segmented_{op}_gbps"]
-            )
-            ratios[f"backend_segmented_{op}_vs_contiguous"] = (
-                f[f"backend_segmented_{op}_gbps"] / f[f"backend_{op}_gbps"]
-            )
-        goals["host_resident_read_warm_vs_backend"] = ">= 0.9"
-        goals["host_resident_write_back_vs_backend"] = ">= 0.9"
-    print(
-        json.dumps(
-            {
-                "figures": {k: round(v, 3) for k, v in sorted(f.items())},
-                "ratios": {k: round(v, 3) for k, v in ratios.items()},
-                "goals": goals,
-                "units": "gbps = 10^9 bytes/s; ms = milliseconds",
-                "bytes_verified": verified,
-                "host_resident": "measured" if resident_ok else "kv_file lacks segmented_host",
-                "repeats": args.reps,
-                "machine": f"{platform.machine()} {os.cpu_count()} cpus, Python "
-                f"{platform.python_version()}",
-            }
-        )
+            report.ratio(f"host_resident_{verb}_vs_backend_segmented", g[f"resident_{op}"],
+                         g[f"backend_segmented_{op}"])  # fmt: skip
+            report.ratio(f"backend_segmented_{op}_vs_contiguous", g[f"backend_segmented_{op}"],
+                         g[f"backend_{op}"])  # fmt: skip
+    report.notes.update(
+        {
+            "units": "gbps = 10^9 bytes/s; ms = milliseconds",
+            "bytes_per_op": nbytes,
+            "bytes_verified": verified,
+            "host_resident": "measured" if resident_ok else "kv_file lacks segmented_host",
+            "reps": args.reps,
+            "setup": {
+                "blocks": n,
+                "pipeline_blocks": args.pipeline_blocks,
+                "pipeline_depth": args.pipeline_depth,
+                "io_threads": args.io_threads,
+                "fsync": args.fsync,
+                "query_blocks": args.query_blocks,
+                "query_reps": len(query_ms),
+            },
+        }
     )
+    emit(report.as_dict(), args.json)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@ Every engine is a fresh process; each one first serves a short warm-up prompt.
   start-up takes, so a restore reads part of the store from disk. TTFT is vLLM's
   own first-token latency of the request. Goal: restored <= 0.25x recomputed. The restored
   engine's tokens are compared with the recomputed engine's.
-- **Per-step overhead when nothing is stored**: two engines in one process, one without the
-  connector and one with it (kv_file, empty store), take turns on the same fresh 256-token
-  prompts (every lookup misses; their new blocks are saved), 65 tokens each; a decode step is
-  vLLM's (last - first token time) / 64. Goal: the connector's engine at most 2 % slower per
-  step. Beside it, the connector's own time on vLLM's step path (its hook calls, measured
-  inside the engine) per step, as a fraction of the step: what the A/B difference is made of,
-  resolved far below the A/B's noise.
+- **Per-step overhead when nothing is stored**: four engines in one process take turns (the
+  order rotating every round) on the same fresh 256-token prompts (every lookup misses; their
+  new blocks are saved), 65 tokens each; a decode step is vLLM's (last - first token time) /
+  64. Two engines have no connector (A and A': their ratio, ``decode_step_aa_control``, is
+  the noise of the measurement itself), one has the connector (kv_file, empty store), one has
+  it with vLLM's KV events on (the store's events built and published). Goal: the connector's
+  engine at most 2 % slower per step, to be read against the A/A control's range. Beside it,
+  the connector's own time on vLLM's step path (its hook calls, measured inside the engine)
+  per step, with and without events: what an A/B difference is made of.
 - **vLLM's MooncakeStoreConnector vs KVCoreConnector on kv_mooncake**: the same master (with a
   storage node holding the data, ``standalone-store`` mode for vLLM's connector), the same
   prompt, each restoring into a fresh engine; ratio = MooncakeStoreConnector's restored TTFT
@@ -27,8 +29,9 @@ Every engine is a fresh process; each one first serves a short warm-up prompt.
   object beside each block, checked on every read: kv_mooncake keeps no checksum) and with
   ``verify_blocks="never"``, which checks as little as vLLM's connector does.
 
-Contenders alternate within every repetition; figures are medians (ranges beside them).
-One JSON object on stdout. Needs vLLM: run it with integrations/vllm/.venv/bin/python (created
+Contenders alternate within every repetition; figures and per-repetition paired ratios are
+reported as median, min and max. ``--only`` picks parts (ttft, decode, mooncake). With ``--json``,
+one JSON object on stdout; else a table. Needs vLLM: run it with integrations/vllm/.venv/bin/python (created
 by integrations/vllm/scripts/test.sh); another Python re-executes itself with that one.
 """
 
@@ -37,16 +40,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import Report, emit  # noqa: E402
+
 VLLM_PYTHON = REPO / "integrations" / "vllm" / ".venv" / "bin" / "python"
 
 
@@ -65,32 +69,54 @@ def _python_with_vllm() -> None:
         )
 
 
-def _median_range(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="(the output is always JSON)")
+    ap.add_argument("--json", action="store_true", help="one JSON object (default: a table)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each contender")
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--decode-prompts", type=int, default=4, help="per rep and engine")
     ap.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake comparison")
     ap.add_argument("--workdir", default=None, help="stores and logs (default: a temp dir)")
+    ap.add_argument(
+        "--model",
+        default="bench",
+        choices=("bench", "tiny"),
+        help="the random model's size (tiny: for checking the report, not for figures)",
+    )
+    ap.add_argument(
+        "--only",
+        default="ttft,decode,mooncake",
+        help="parts to run, comma-separated: ttft, decode, mooncake (default: all)",
+    )
     args = ap.parse_args()
+    parts = {p.strip() for p in args.only.split(",") if p.strip()}
+    if not parts or parts - {"ttft", "decode", "mooncake"}:
+        ap.error(f"--only {args.only!r}: expected some of ttft, decode, mooncake")
+    if args.no_mooncake:
+        parts.discard("mooncake")
+    if "mooncake" in parts:
+        parts.add("ttft")  # the Mooncake restores are checked against the recomputed tokens
 
     _python_with_vllm()
     from kv_mooncake.testing import isolate_loopback
 
     # Mooncake clients listen on the wildcard address: keep them on loopback when we can
     netns = isolate_loopback()
-    from kvcore_vllm.session import run_in_subprocess, write_model
+    from kvcore_vllm.session import MODEL_SIZES, write_model
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model = write_model(REPO / "integrations" / "vllm" / ".cache" / "models" / "bench", "bench")
+    model = write_model(
+        REPO / "integrations" / "vllm" / ".cache" / "models" / args.model, args.model
+    )
+    size = MODEL_SIZES[args.model]
+    if "ttft" in parts and args.prompt_tokens >= size["max_position_embeddings"]:
+        sys.exit(
+            f"--prompt-tokens {args.prompt_tokens}: the {args.model} model takes fewer than "
+            f"{size['max_position_embeddings']}"
+        )
     rng = random.Random(42)
-    vocab = 4096
+    vocab = size["vocab_size"]
     long_prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
     warm = {
         "op": "generate",
@@ -102,10 +128,47 @@ def main() -> None:
     base = {
         "model": str(model),
         "block_size": 32,
-        "max_model_len": 8192,
-        "kv_cache_bytes": 1 << 30,
+        "max_model_len": size["max_position_embeddings"],
+        "kv_cache_bytes": 1 << 30 if args.model == "bench" else 64 << 20,
         "log_stats": True,
+        "vocab_size": vocab,
     }
+
+    report = Report()
+    reference: list[list[int]] = []
+    if "ttft" in parts:
+        reference = _ttft(args, base, warm, long, workdir, report)
+    if "decode" in parts:
+        _decode_overhead(args, base, workdir, report)
+    mooncake_note = "skipped (--no-mooncake or --only)"
+    if "mooncake" in parts:
+        mooncake_note = _mooncake_side_by_side(args, reference, base, warm, long, workdir, report)
+
+    report.notes.update(
+        {
+            "model": f"random Llama ({args.model}): {size}, bfloat16; block 32 tokens",
+            "mooncake": mooncake_note,
+            "network_namespace": "private loopback" if netns is None else f"shared ({netns})",
+            "reps": args.reps,
+            "parts": sorted(parts),
+        }
+    )
+    emit(report.as_dict(), args.json)
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _ttft(
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    warm: dict[str, Any],
+    long: dict[str, Any],
+    workdir: Path,
+    report: Report,
+) -> list[list[int]]:
+    """TTFT of a long prompt recomputed and restored from kv_file; returns the recomputed
+    engine's tokens (the reference every restored engine must reproduce)."""
+    from kvcore_vllm.session import run_in_subprocess
 
     file_connector = {
         "backend": "file",
@@ -115,75 +178,41 @@ def main() -> None:
     run_in_subprocess(
         {**base, "connector": file_connector, "steps": [warm, long]}, workdir, "file-fill"
     )
-
     ttft: dict[str, list[float]] = {"recomputed": [], "restored_file": []}
     restored_tokens: list[int] = []
     tokens_match = True
     reference: list[list[int]] = []
     for rep in range(args.reps):
-        plain = run_in_subprocess(
-            {**base, "connector": None, "steps": [warm, long]}, workdir, f"recompute-{rep}"
-        )
-        restored = run_in_subprocess(
-            {**base, "connector": file_connector, "steps": [warm, long]},
-            workdir,
-            f"restore-file-{rep}",
-        )
+        runs = {}
+        order = ("recompute", "restore") if rep % 2 == 0 else ("restore", "recompute")
+        for what in order:
+            connector = None if what == "recompute" else file_connector
+            runs[what] = run_in_subprocess(
+                {**base, "connector": connector, "steps": [warm, long]}, workdir, f"{what}-{rep}"
+            )
+        plain, restored = runs["recompute"], runs["restore"]
         reference = plain.step("long")["tokens"]
         ttft["recomputed"].append(plain.step("long")["ttft_s"][0])
         ttft["restored_file"].append(restored.step("long")["ttft_s"][0])
         restored_tokens.append(restored.step("long")["num_cached_tokens"][0])
         tokens_match &= restored.step("long")["tokens"] == reference
-
-    figures: dict[str, float] = {}
-    for name, values in (
-        ("ttft_recomputed_s", ttft["recomputed"]),
-        ("ttft_restored_kv_file_s", ttft["restored_file"]),
-    ):
-        med, lo, hi = _median_range(values)
-        figures[name], figures[f"{name}_min"], figures[f"{name}_max"] = med, lo, hi
-    figures["prompt_tokens"] = args.prompt_tokens
-    figures["restored_tokens"] = statistics.median(restored_tokens)
-    ratios = {
-        "ttft_restored_vs_recomputed": figures["ttft_restored_kv_file_s"]
-        / figures["ttft_recomputed_s"],
-    }
-    goals = {"ttft_restored_vs_recomputed": "<= 0.25"}
-    _decode_overhead(args, base, workdir, figures, ratios, goals)
-    mooncake_note = "skipped (--no-mooncake)"
-    if not args.no_mooncake:
-        mooncake_note = _mooncake_side_by_side(
-            args, reference, base, warm, long, workdir, figures, ratios, goals
-        )
-
-    report = {
-        "figures": {k: round(v, 4) for k, v in sorted(figures.items())},
-        "ratios": {k: round(v, 4) for k, v in ratios.items()},
-        "goals": goals,
-        "tokens_match": tokens_match,
-        "units": "s = seconds (vLLM's first-token latency), ms = milliseconds per decode step, "
-        "tokens = prompt tokens",
-        "model": "random Llama, 8 layers, hidden 1024, 16 q / 8 kv heads x 64, MLP 2816, vocab "
-        "4096, ~0.1 B params, bfloat16; block 32 tokens",
-        "mooncake": mooncake_note,
-        "network_namespace": "private loopback" if netns is None else f"shared ({netns})",
-        "repeats": args.reps,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}",
-    }
-    print(json.dumps(report))
-    if not args.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
+    report.figure("ttft_recomputed_s", ttft["recomputed"], "s")
+    report.figure("ttft_restored_kv_file_s", ttft["restored_file"], "s")
+    report.ratio(
+        "ttft_restored_vs_recomputed", ttft["restored_file"], ttft["recomputed"], goal="<= 0.25"
+    )
+    report.notes["prompt_tokens"] = args.prompt_tokens
+    report.notes["restored_tokens"] = restored_tokens
+    report.notes["tokens_match"] = tokens_match
+    return reference
 
 
 def _decode_overhead(
-    args: argparse.Namespace,
-    base: dict[str, Any],
-    workdir: Path,
-    figures: dict[str, float],
-    ratios: dict[str, float],
-    goals: dict[str, str],
+    args: argparse.Namespace, base: dict[str, Any], workdir: Path, report: Report
 ) -> None:
-    """Decode step time with and without the connector: two engines, one process, turns."""
+    """Decode steps of four engines in one process, taking turns on the same prompts: two
+    without the connector (A and A': their difference is the noise), one with it, one with it
+    and vLLM's KV events on (the store's events built and handed to vLLM's publisher)."""
     import subprocess
 
     spec = {
@@ -195,39 +224,38 @@ def _decode_overhead(
         },
         "rounds": args.reps * args.decode_prompts,
     }
-    spec_path = workdir / "decode-pair.json"
+    spec_path = workdir / "decode-engines.json"
     spec_path.write_text(json.dumps(spec))
-    with open(workdir / "decode-pair.log", "w") as log:
+    with open(workdir / "decode-engines.log", "w") as log:
         out = subprocess.run(
-            [sys.executable, __file__, "--pair-child", str(spec_path)],
+            [sys.executable, __file__, "--decode-child", str(spec_path)],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
             check=True,
         ).stdout
-    pair = json.loads(out.strip().splitlines()[-1])
-    for label, name in (("without", "without_connector"), ("with", "with_connector")):
-        med, lo, hi = _median_range([v * 1e3 for v in pair[label]])
-        key = f"decode_step_{name}_ms"
-        figures[key], figures[f"{key}_min"], figures[f"{key}_max"] = med, lo, hi
-    hooks = pair["hooks"]
-    steps = max(hooks.get("scheduler_steps", 0.0), 1.0)
-    hook_s = hooks.get("scheduler_hook_seconds", 0.0) + hooks.get("worker_hook_seconds", 0.0)
-    figures["connector_hook_time_per_step_ms"] = hook_s * 1e3 / steps
-    figures["connector_steps_measured"] = steps
-    without = figures["decode_step_without_connector_ms"]
-    ratios["connector_decode_step_overhead"] = (
-        figures["decode_step_with_connector_ms"] / without - 1.0
-    )
-    ratios["connector_hook_time_vs_decode_step"] = (
-        figures["connector_hook_time_per_step_ms"] / without
-    )
-    goals["connector_decode_step_overhead"] = "<= 0.02"
-    goals["connector_hook_time_vs_decode_step"] = "<= 0.02"
+    steps = json.loads(out.strip().splitlines()[-1])
+    ms = {label: [v * 1e3 for v in values] for label, values in steps["steps"].items()}
+    for label in DECODE_ENGINES:
+        report.figure(f"decode_step_{label}_ms", ms[label], "ms")
+    report.ratio("decode_step_aa_control", ms["without_again"], ms["without"])
+    report.ratio("decode_step_with_vs_without_connector", ms["with"], ms["without"], goal="<= 1.02")
+    report.ratio("decode_step_events_vs_no_events", ms["with_events"], ms["with"])
+    for label in ("with", "with_events"):
+        hooks = steps["hooks"][label]
+        n = max(hooks.get("scheduler_steps", 0.0), 1.0)
+        hook_ms = hooks.get("scheduler_hook_seconds", 0.0) + hooks.get("worker_hook_seconds", 0.0)
+        report.notes[f"connector_hook_ms_per_step_{label}"] = round(hook_ms * 1e3 / n, 4)
+        report.notes[f"connector_steps_{label}"] = n
+    report.notes["decode_rounds"] = spec["rounds"]
 
 
-def _pair_child(spec_path: str) -> None:
-    """Runs in its own process: both engines, alternating, and the connector's hook times."""
+#: the decode engines, in the order of the first round (the order rotates every round)
+DECODE_ENGINES = ("without", "without_again", "with", "with_events")
+
+
+def _decode_child(spec_path: str) -> None:
+    """Runs in its own process: the decode engines taking turns, and the connector's hook times."""
     import logging
 
     from kvcore_vllm.session import MetricsCapture, parse_metrics, start_engine
@@ -235,30 +263,41 @@ def _pair_child(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     plain = {**spec, "connector": None, "disable_hybrid_kv_cache_manager": True}
-    engines = {"without": start_engine(plain), "with": start_engine(spec)}
+    events = {
+        **spec,
+        "connector": {**spec["connector"], "namespace": "bench-events"},
+        "kv_events_endpoint": f"ipc://{Path(spec_path).with_suffix('.events')}",
+    }
+    engines = {
+        "without": start_engine(plain),
+        "without_again": start_engine(plain),
+        "with": start_engine(spec),
+        "with_events": start_engine(events),
+    }
     capture = MetricsCapture()
     logging.getLogger("vllm").addHandler(capture)
     params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True, detokenize=False)
     rng = random.Random(7)
-    steps: dict[str, list[float]] = {"without": [], "with": []}
-    for label in ("without", "with"):  # warm-up, not measured
+    steps: dict[str, list[float]] = {label: [] for label in DECODE_ENGINES}
+    hooks: dict[str, dict[str, float]] = {}
+    for label in DECODE_ENGINES:  # warm-up, not measured
         engines[label].generate([{"prompt_token_ids": [5] * 64}], params, use_tqdm=False)
-    engines["with"].llm_engine.do_log_stats()
-    capture.lines.clear()
     for i in range(int(spec["rounds"])):
-        prompt = [rng.randrange(1, 4096) for _ in range(256)]
-        order = ("without", "with") if i % 2 == 0 else ("with", "without")
-        for label in order:
+        prompt = [rng.randrange(1, int(spec["vocab_size"])) for _ in range(256)]
+        k = i % len(DECODE_ENGINES)
+        for label in DECODE_ENGINES[k:] + DECODE_ENGINES[:k]:
             out = engines[label].generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             m = out[0].metrics
             steps[label].append(
                 (m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1)
             )
-    engines["with"].llm_engine.do_log_stats()
-    hooks = parse_metrics(capture.lines)
+    for label in ("with", "with_events"):
+        capture.lines.clear()
+        engines[label].llm_engine.do_log_stats()
+        hooks[label] = parse_metrics(capture.lines)
     for engine in engines.values():
         engine.llm_engine.engine_core.shutdown()
-    print(json.dumps({**steps, "hooks": hooks}), flush=True)
+    print(json.dumps({"steps": steps, "hooks": hooks}), flush=True)
 
 
 def _mooncake_side_by_side(
@@ -268,9 +307,7 @@ def _mooncake_side_by_side(
     warm: dict[str, Any],
     long: dict[str, Any],
     workdir: Path,
-    figures: dict[str, float],
-    ratios: dict[str, float],
-    goals: dict[str, str],
+    report: Report,
 ) -> str:
     """Restored TTFT of vLLM's MooncakeStoreConnector and of ours on kv_mooncake, one master."""
     from kv_mooncake.testing import MooncakeCluster
@@ -338,19 +375,20 @@ def _mooncake_side_by_side(
         "theirs": "mooncake_store_connector",
     }
     for label, name in names.items():
-        med, lo, hi = _median_range(ttft[label])
-        key = f"ttft_restored_{name}_s"
-        figures[key], figures[f"{key}_min"], figures[f"{key}_max"] = med, lo, hi
-        figures[f"restored_tokens_{name}"] = statistics.median(restored[label])
-    theirs_s = figures["ttft_restored_mooncake_store_connector_s"]
-    ratios["mooncake_store_connector_vs_kvcore_restored_ttft"] = (
-        theirs_s / figures["ttft_restored_kvcore_kv_mooncake_s"]
+        report.figure(f"ttft_restored_{name}_s", ttft[label], "s")
+        report.notes[f"restored_tokens_{name}"] = restored[label]
+    report.ratio(
+        "mooncake_store_connector_vs_kvcore_restored_ttft",
+        ttft["theirs"],
+        ttft["ours"],
+        goal=">= 1.0",
     )
-    ratios["mooncake_store_connector_vs_kvcore_unverified_restored_ttft"] = (
-        theirs_s / figures["ttft_restored_kvcore_kv_mooncake_unverified_s"]
+    report.ratio(
+        "mooncake_store_connector_vs_kvcore_unverified_restored_ttft",
+        ttft["theirs"],
+        ttft["ours_unverified"],
+        goal=">= 1.0",
     )
-    goals["mooncake_store_connector_vs_kvcore_restored_ttft"] = ">= 1.0"
-    goals["mooncake_store_connector_vs_kvcore_unverified_restored_ttft"] = ">= 1.0"
     return (
         f"tokens match the recomputed engine's: ours {same['ours']}, ours unverified "
         f"{same['ours_unverified']}, MooncakeStoreConnector {same['theirs']}; measured: one master on 127.0.0.1 with a 1 GiB storage node, fresh engine per run"
@@ -358,7 +396,7 @@ def _mooncake_side_by_side(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--pair-child":
-        _pair_child(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--decode-child":
+        _decode_child(sys.argv[2])
     else:
         main()

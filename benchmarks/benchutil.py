@@ -40,6 +40,7 @@ class Report:
         self.goals: dict[str, str] = {}
         self.notes: dict[str, Any] = {}
         self.flags: list[str] = []
+        self.limits: list[str] = []  # ratios whose baseline is named as the physical limit
 
     def figure(self, name: str, values: Sequence[float], unit: str) -> None:
         self.figures[name] = {**spread(values), "unit": unit}
@@ -59,6 +60,8 @@ class Report:
         self.ratios[name] = spread(values)
         if goal is not None:
             self.goals[name] = goal
+        if limit:
+            self.limits.append(name)
         if limit and self.ratios[name]["median"] > LIMIT_TOLERANCE:
             self.flags.append(
                 f"baseline defect: {name} = {self.ratios[name]['median']} > {LIMIT_TOLERANCE}: "
@@ -71,10 +74,32 @@ class Report:
             "ratios": self.ratios,
             "goals": self.goals,
             "flags": self.flags,
+            "limits": self.limits,
             **self.notes,
             **extra,
             "machine": machine(),
         }
+
+
+def check_report(report: dict[str, Any], min_n: int = 2) -> None:
+    """Raise ``AssertionError`` naming the entry unless ``report`` has the shape every benchmark
+    here promises: each figure and ratio a spread of at least ``min_n`` values (figures with a
+    unit), goals only for ratios it reports, limits a subset of its ratios, flags a list."""
+    for section in ("figures", "ratios"):
+        entries = report.get(section)
+        assert isinstance(entries, dict) and entries, f"{section}: missing or empty"
+        for name, value in entries.items():
+            assert isinstance(value, dict), f"{section}.{name}: a bare number, not a spread"
+            missing = {"median", "min", "max", "n"} - set(value)
+            assert not missing, f"{section}.{name}: missing {sorted(missing)}"
+            assert value["n"] >= min_n, f"{section}.{name}: n={value['n']} < {min_n}"
+            assert value["min"] <= value["median"] <= value["max"], f"{section}.{name}: {value}"
+            if section == "figures":
+                assert value.get("unit"), f"figures.{name}: no unit"
+    ratios = report["ratios"]
+    assert set(report.get("goals", {})) <= set(ratios), "goals: names a ratio not reported"
+    assert set(report.get("limits", [])) <= set(ratios), "limits: names a ratio not reported"
+    assert isinstance(report.get("flags"), list), "flags: missing"
 
 
 def machine() -> dict[str, Any]:

@@ -54,11 +54,27 @@ def parse_goal(goal: str) -> tuple[str, float] | None:
     return (m.group(1), float(m.group(2))) if m else None
 
 
+def _value(entry: Any) -> tuple[float, float, float] | None:
+    """(median, min, max) of a figure or ratio: a plain number, or a spread
+    ``{"median", "min", "max"}`` as the benchmarks report them; None for anything else."""
+    if isinstance(entry, bool):
+        return None
+    if isinstance(entry, (int, float)):
+        return float(entry), float(entry), float(entry)
+    if isinstance(entry, Mapping) and isinstance(entry.get("median"), (int, float)):
+        return (
+            float(entry["median"]),
+            float(entry.get("min", entry["median"])),
+            float(entry.get("max", entry["median"])),
+        )
+    return None
+
+
 def _main_unit(figures: Mapping[str, Any]) -> str | None:
     counts: dict[str, int] = {}
     for name, value in figures.items():
         unit = unit_of(name)
-        if unit is not None and isinstance(value, (int, float)):
+        if unit is not None and _value(value) is not None:
             counts[unit] = counts.get(unit, 0) + 1
     if not counts:
         return None
@@ -77,13 +93,13 @@ def plot_report(report: Mapping[str, Any], path: str | Path, title: str | None =
     import matplotlib.pyplot as plt
 
     figures = report.get("figures", {})
-    ratios = {k: v for k, v in report.get("ratios", {}).items() if isinstance(v, (int, float))}
+    ratios = {k: v for k, v in ((k, _value(v)) for k, v in report.get("ratios", {}).items()) if v}
     goals = report.get("goals", {})
     unit = _main_unit(figures)
     shown = {
-        k: float(v)
-        for k, v in figures.items()
-        if unit is not None and unit_of(k) == unit and isinstance(v, (int, float))
+        k: v
+        for k, v in ((k, _value(v)) for k, v in figures.items())
+        if v is not None and unit is not None and unit_of(k) == unit
     }
     panels = [p for p in (shown, ratios) if p]
     if not panels:
@@ -95,27 +111,24 @@ def plot_report(report: Mapping[str, Any], path: str | Path, title: str | None =
         ax = axes[0][col]
         names = list(shown)
         colours = ["#9e9e9e" if BASELINE.search(n) else "#1f77b4" for n in names]
-        ax.barh([_label(n) for n in names], [shown[n] for n in names], color=colours)
-        ax.invert_yaxis()
+        _bars(ax, [_label(n) for n in names], [shown[n] for n in names], colours)
         ax.set_xlabel(unit)
-        ax.set_title(f"figures ({unit}; grey: baselines)", fontsize=10)
+        ax.set_title(f"figures ({unit}; grey: baselines; whiskers: min-max)", fontsize=10)
         col += 1
     if ratios:
         ax = axes[0][col]
         names = list(ratios)
-        values = [float(ratios[n]) for n in names]
         met = []
-        for n, v in zip(names, values, strict=True):
+        for n in names:
             goal = parse_goal(goals.get(n, ""))
-            met.append(None if goal is None else _meets(v, *goal))
+            met.append(None if goal is None else _meets(ratios[n][0], *goal))
         colours = ["#2ca02c" if m else "#d62728" if m is False else "#1f77b4" for m in met]
-        ax.barh([_label(n) for n in names], values, color=colours)
+        _bars(ax, [_label(n) for n in names], [ratios[n] for n in names], colours)
         for i, n in enumerate(names):
             goal = parse_goal(goals.get(n, ""))
             if goal is not None:
                 ax.plot([goal[1], goal[1]], [i - 0.4, i + 0.4], color="black", linewidth=2)
         ax.axvline(1.0, color="#bbbbbb", linewidth=0.8, linestyle="--")
-        ax.invert_yaxis()
         ax.set_xlabel("ratio (black mark: goal; green met, red missed)")
         ax.set_title("ratios against same-run baselines", fontsize=10)
     if title:
@@ -129,6 +142,16 @@ def plot_report(report: Mapping[str, Any], path: str | Path, title: str | None =
     finally:
         plt.close(fig)
     return out
+
+
+def _bars(ax: Any, labels: list[str], values: list[tuple[float, float, float]], colours) -> None:
+    """Horizontal bars at the medians, whiskers from min to max where they differ."""
+    medians = [v[0] for v in values]
+    low = [v[0] - v[1] for v in values]
+    high = [v[2] - v[0] for v in values]
+    spread = any(lo or hi for lo, hi in zip(low, high, strict=True))
+    ax.barh(labels, medians, color=colours, xerr=[low, high] if spread else None, capsize=3)
+    ax.invert_yaxis()
 
 
 def _meets(value: float, op: str, bound: float) -> bool:

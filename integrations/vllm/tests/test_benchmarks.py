@@ -1,0 +1,48 @@
+"""The vLLM benchmarks run in this venv and report what issue 28 asks of every benchmark: each
+figure and ratio as its median and range over ``--reps`` repetitions, goals and limits naming
+only ratios reported. Tiny sizes: speeds are the benchmarks' business, the shape is this
+test's. (``bench_vllm.py``'s decode-step A/A control is checked on a tiny engine run too.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from benchutil import check_report  # noqa: E402
+
+
+def run_bench(name: str, args: list[str], cwd: Path, timeout: float) -> dict:
+    command = [sys.executable, str(BENCH / f"{name}.py"), "--json", *args]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_vllm_tier_reports_median_and_spread(tmp_path: Path) -> None:
+    args = ["--chunks", "4", "--chunk-mib", "0.25", "--job-chunks", "2", "--lookup-chunks", "100"]
+    report = run_bench("bench_vllm_tier", [*args, "--reps", "2", "--dir", str(tmp_path)],
+                       tmp_path, timeout=300)  # fmt: skip
+    check_report(report)
+    assert report["goals"]
+
+
+def test_bench_vllm_decode_ab_carries_its_aa_control(tmp_path: Path) -> None:
+    """Four real engines taking turns: the A/A control (two engines without the connector) is
+    reported beside the connector's A/B, each as a median and range of paired rounds."""
+    args = ["--only", "decode", "--model", "tiny", "--reps", "2", "--decode-prompts", "1"]
+    args += ["--workdir", str(tmp_path)]
+    report = run_bench("bench_vllm", args, tmp_path, timeout=900)
+    check_report(report)
+    ratios = report["ratios"]
+    for name in (
+        "decode_step_aa_control",
+        "decode_step_with_vs_without_connector",
+        "decode_step_events_vs_no_events",
+    ):
+        assert ratios[name]["n"] == 2, name
+    assert report["connector_hook_ms_per_step_with"] > 0

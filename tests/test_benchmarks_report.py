@@ -1,0 +1,112 @@
+"""Every benchmark in ``benchmarks/`` that runs in this environment reports what issue 28 asks:
+each figure and ratio as its median and range over ``--reps`` repetitions (ratios per
+repetition, paired), goals and limits naming only ratios it reports, and a list of flags; and
+``benchmarks/run.py`` combines several runs into the median of run medians and a run-to-run
+spread. Sizes are tiny: speeds are the benchmarks' business, the report's shape is this test's.
+(``bench_transfer`` has its own test; ``bench_vllm_tier``, ``bench_sglang`` and ``bench_vllm``
+are checked in their engines' suites.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from benchutil import check_report  # noqa: E402
+
+TINY_LAYOUT = ["--layers", "2", "--heads", "1", "--block-size", "16", "--head-dim", "64"]
+
+CASES = {
+    "bench_ops": [*TINY_LAYOUT, "--blocks", "4", "--cache-blocks", "8", "--reps", "2"],
+    "bench_dispatch": ["--calls", "200", "--reps", "2"],
+    "bench_file": [
+        *TINY_LAYOUT, "--blocks", "4", "--reps", "2", "--query-keys", "200",
+        "--shared-blocks", "8",
+    ],
+    "bench_events": [
+        "--blocks", "2", "--small-blocks", "16", "--reps", "2", "--layouts", "typical,small",
+    ],
+}  # fmt: skip
+
+
+def run_bench(name: str, args: list[str], tmp_path: Path, timeout: float = 300) -> dict:
+    command = [sys.executable, str(BENCH / f"{name}.py"), "--json", *args]
+    out = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_reports_median_and_spread(name: str, tmp_path: Path) -> None:
+    args = list(CASES[name])
+    if name in ("bench_file", "bench_events"):
+        args += ["--dir", str(tmp_path)]
+    report = run_bench(name, args, tmp_path)
+    check_report(report)
+    assert report["goals"], f"{name}: no goals"
+
+
+def test_bench_mooncake_reports_median_and_spread(tmp_path: Path) -> None:
+    # the README's test command installs kv_mooncake and Mooncake's wheel: no skip there
+    pytest.importorskip("kv_mooncake.testing", reason="kv_mooncake is not installed")
+    args = [*TINY_LAYOUT, "--blocks", "2", "--reps", "2", "--query-iters", "10"]
+    report = run_bench("bench_mooncake", [*args, "--segment-mib", "64"], tmp_path)
+    check_report(report)
+    assert set(report["limits"]) == {"write_vs_raw", "read_vs_raw", "query_vs_raw"}
+
+
+def test_check_report_names_what_is_wrong() -> None:
+    good = {
+        "figures": {"a_gbps": {"median": 2, "min": 1, "max": 3, "n": 3, "unit": "GB/s"}},
+        "ratios": {"a_vs_b": {"median": 1, "min": 0.9, "max": 1.1, "n": 3}},
+        "goals": {"a_vs_b": ">= 1"},
+        "limits": ["a_vs_b"],
+        "flags": [],
+    }
+    check_report(good)
+    bare = {**good, "ratios": {"a_vs_b": 1.0}}
+    with pytest.raises(AssertionError, match=r"ratios\.a_vs_b: a bare number"):
+        check_report(bare)
+    single = {**good, "figures": {"a_gbps": {**good["figures"]["a_gbps"], "n": 1}}}
+    with pytest.raises(AssertionError, match=r"figures\.a_gbps: n=1"):
+        check_report(single)
+    stray = {**good, "goals": {"c_vs_d": ">= 1"}}
+    with pytest.raises(AssertionError, match="goals"):
+        check_report(stray)
+
+
+def test_run_py_reports_median_of_runs_and_spread(tmp_path: Path) -> None:
+    command = [
+        sys.executable, str(BENCH / "run.py"), "bench_ops", "bench_dispatch", "--runs", "2",
+        "--json", "--args", "bench_ops=" + " ".join(CASES["bench_ops"]),
+        "--args", "bench_dispatch=" + " ".join(CASES["bench_dispatch"]),
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    # alternated order: run 1 ops then dispatch, run 2 dispatch then ops
+    progress = [line.split()[1] for line in out.stderr.splitlines() if line.startswith("run.py:")]
+    assert progress == ["bench_ops", "bench_dispatch", "bench_dispatch", "bench_ops"]
+    for name in ("bench_ops", "bench_dispatch"):
+        combined = result[name]
+        assert len(combined["runs"]) == 2
+        for run in combined["runs"]:
+            check_report(run)
+        for section in ("figures", "ratios"):
+            assert set(combined[section]) == set(combined["runs"][0][section])
+            for key, entry in combined[section].items():
+                medians = [r[section][key]["median"] for r in combined["runs"]]
+                assert entry["run_medians"] == pytest.approx(medians, rel=1e-3), key
+                lo, hi = min(medians), max(medians)
+                if lo > 0:
+                    assert entry["spread"] == pytest.approx(hi / lo, rel=1e-2), key
+                assert lo <= entry["median_of_runs"] <= hi, key
+        assert isinstance(combined["flags"], list)
