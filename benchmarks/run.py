@@ -9,7 +9,8 @@ figure and ratio the report gives the median of the runs' medians, the runs' med
 themselves, and the run-to-run spread: ``spread`` = max / min of the run medians (1.0: the runs
 agree). A ratio against a baseline named as the limit whose median of runs is above 1.05 is
 flagged, as each run flags it. One JSON object on stdout with ``--json`` (the runs' own reports
-under ``runs``), else a table.
+under ``runs``), Markdown tables for RESULTS.md with ``--markdown``, else a plain table.
+``--from FILE`` re-renders a saved ``--json`` result instead of running anything.
 """
 
 from __future__ import annotations
@@ -48,6 +49,41 @@ def _median_of(entry: Any) -> float | None:
     return None
 
 
+def _has_range(report: dict[str, Any], section: str, key: str) -> bool:
+    entry = report.get(section, {}).get(key)
+    return isinstance(entry, dict) and "min" in entry and "max" in entry
+
+
+def markdown(result: dict[str, Any], names: list[str]) -> str:
+    """One table per benchmark: median of runs, each run's median, run-to-run spread."""
+    lines: list[str] = []
+    for name in names:
+        combined = result[name]
+        limits = set(combined["runs"][0].get("limits", []))
+        runs = len(combined["runs"])
+        lines += [
+            f"### `{name}` — {runs} runs, seconds per run {combined['seconds']}",
+            "",
+            "| | median of runs | run medians | spread (max/min) | within-run range | goal |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for section in ("figures", "ratios"):
+            for key, e in combined[section].items():
+                unit = f" {e['unit']}" if e.get("unit") else ""
+                label = f"{key} (limit)" if key in limits else key
+                rng = e.get("within_run_range")
+                rng_text = f"{rng[0]}–{rng[1]}" if rng else ""
+                medians = ", ".join(str(round(v, 3)) for v in e["run_medians"])
+                lines.append(
+                    f"| {label} | {round(e['median_of_runs'], 3)}{unit} | {medians} | "
+                    f"{e['spread']} | {rng_text} | {combined['goals'].get(key, '')} |"
+                )
+        for flag in combined["flags"] + combined.get("run_flags", []):
+            lines.append(f"\nFLAG: {flag}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def run_once(name: str, extra: list[str], timeout_s: float) -> tuple[dict[str, Any], float]:
     script = HERE / f"{name}.py"
     if not script.exists():
@@ -81,6 +117,11 @@ def combine(name: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
                 "run_medians": [round(v, 4) for v in values],
                 "spread": round(max(values) / min(values), 3) if min(values) > 0 else None,
             }
+            # the widest range any single run saw within itself (its repetitions)
+            lows = [r[section][key].get("min") for r in reports if _has_range(r, section, key)]
+            highs = [r[section][key].get("max") for r in reports if _has_range(r, section, key)]
+            if lows and highs:
+                entry["within_run_range"] = [min(lows), max(highs)]
             first = reports[0][section][key]
             if isinstance(first, dict) and first.get("unit"):
                 entry["unit"] = first["unit"]
@@ -97,7 +138,7 @@ def combine(name: str, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("names", nargs="+", help="benchmarks: file names in benchmarks/ without .py")
+    ap.add_argument("names", nargs="*", help="benchmarks: file names in benchmarks/ without .py")
     ap.add_argument("--runs", type=int, default=3, help="runs of each benchmark (default: 3)")
     ap.add_argument(
         "--args",
@@ -108,7 +149,16 @@ def main() -> int:
     )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run (default 3600)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="tables for RESULTS.md")
+    ap.add_argument("--from", dest="from_file", default=None, help="a saved --json result")
     args = ap.parse_args()
+    if args.from_file:
+        result = json.loads(Path(args.from_file).read_text())
+        names = args.names or [k for k in result if k != "machine"]
+        print(markdown(result, names) if args.markdown else json.dumps(result))
+        return 0
+    if not args.names:
+        ap.error("name at least one benchmark (or --from FILE)")
     if args.runs < 1:
         ap.error("--runs must be at least 1")
     extra: dict[str, list[str]] = {}
@@ -133,6 +183,9 @@ def main() -> int:
     result["machine"] = machine()
     if args.json:
         print(json.dumps(result))
+        return 0
+    if args.markdown:
+        print(markdown(result, args.names))
         return 0
     for name in args.names:
         print(f"== {name} ({args.runs} runs)")

@@ -11,7 +11,7 @@ echo "== ruff"
 
 echo "== pytest"
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -q \
+.venv/bin/python -m pytest -p no:cacheprovider -q --durations=10 \
   tests plugins/kv_file/tests plugins/kv_mooncake/tests plugins/kv_attentionstore/tests "$@"
 code=$?
 set -e

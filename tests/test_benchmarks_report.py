@@ -27,7 +27,7 @@ CASES = {
     "bench_dispatch": ["--calls", "200", "--reps", "2"],
     "bench_file": [
         *TINY_LAYOUT, "--blocks", "4", "--reps", "2", "--query-keys", "200",
-        "--shared-blocks", "8",
+        "--shared-blocks", "8", "--shared-typical-blocks", "2",
     ],
     "bench_events": [
         "--blocks", "2", "--small-blocks", "16", "--reps", "2", "--layouts", "typical,small",
@@ -110,3 +110,17 @@ def test_run_py_reports_median_of_runs_and_spread(tmp_path: Path) -> None:
                     assert entry["spread"] == pytest.approx(hi / lo, rel=1e-2), key
                 assert lo <= entry["median_of_runs"] <= hi, key
         assert isinstance(combined["flags"], list)
+    # the saved result renders as RESULTS.md's tables, a spread column in each
+    saved = tmp_path / "runs.json"
+    saved.write_text(out.stdout)
+    md = subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--from", str(saved), "--markdown"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "| spread (max/min) |" in md
+    for name in ("bench_ops", "bench_dispatch"):
+        assert f"### `{name}` — 2 runs" in md
+    assert "swap_layout_gather_vs_memcpy_threaded (limit)" in md

@@ -47,7 +47,7 @@ fi
 
 echo "== kvcore-sglang: pytest (SGLang $SGLANG_VERSION's real classes)"
 set +e
-"$venv/bin/python" -m pytest -p no:cacheprovider -q tests "$@"
+"$venv/bin/python" -m pytest -p no:cacheprovider -q --durations=10 tests "$@"
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then

@@ -53,7 +53,7 @@ fi
 
 cd "$HERE"
 set +e
-"$VENV/bin/python" -m pytest -p no:cacheprovider -q tests "$@"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -q --durations=10 tests "$@"
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then

@@ -120,7 +120,8 @@ class FileBackend:
         self._direct = DirectReads(config.direct_reads)
         self._cpus = usable_cpus()
         self._counters.add("temps_removed", self._dir.remove_stale_temps())
-        fits = None if self._payload is None else self._fits_some_part
+        # payload sizes an object of this layout can have (a file of any other is never named)
+        fits = None if self._payload is None else frozenset(self._payload.values())
         #: what the directory holds, the same in every process that has it open
         self._catalog = Catalog(
             self._dir,
@@ -128,7 +129,7 @@ class FileBackend:
             config.high_watermark,
             config.low_watermark,
             fits=fits,
-            delete_files=self._delete,
+            retire_files=self._retire,
             counters=self._counters,
         )
         self._index = self._catalog.index
@@ -430,9 +431,7 @@ class FileBackend:
         if report is None:
             self._catalog.report = None
             return None
-        with self._catalog.journal.locked():  # from here on, every record is reported
-            self._catalog.sync()
-            self._catalog.report = report
+        self._catalog.report_from_now(report)
         self._watch_stop = stop = threading.Event()
         start_thread(lambda: self._follow(stop), "kv_file-events")
         return {ev.STORED, ev.REMOVED, ev.EVICTED}
@@ -499,7 +498,8 @@ class FileBackend:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            self._catalog.gone([digest])  # deleted without a record (by hand, a crash)
+            if self._index.size_of(digest) is not None:  # indexed: deleted without a record
+                self._catalog.gone([digest])  # (by hand, a crash); unknown: nothing to tell
             return None
         if stat.S_ISREG(st.st_mode) and size in (None, st.st_size):
             return st
@@ -575,12 +575,16 @@ class FileBackend:
                     ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
                 )
 
-    def _delete(self, digests: list[int]) -> None:
-        """Delete evicted objects' files (the catalog calls this before it frees their
-        bytes)."""
+    def _retire(self, digests: list[int]) -> list[str]:
+        """Move evicted objects' files off their names, to temp names beside them (the
+        catalog deletes those later, outside the journal's lock); returns the temp paths."""
+        moved = []
         for digest in digests:
+            temp = self._dir.temp_path(digest)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._dir.object_path(digest))
+                os.rename(self._dir.object_path(digest), temp)
+                moved.append(temp)
+        return moved
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -595,11 +599,6 @@ class FileBackend:
     def _payload_bytes(self, part: str) -> int | None:
         """Bytes an object of ``part`` holds by the layout (None: no layout, or no such part)."""
         return None if self._payload is None else self._payload.get(part)
-
-    def _fits_some_part(self, name: str, size: int) -> bool:
-        """Whether a file of ``size`` bytes can be an object named ``name`` (of some part)."""
-        assert self._payload is not None
-        return size - header_size(len(encode_name(name))) in self._payload.values()
 
     def _digest(self, name: str, raw: bytes | None = None) -> int:
         """The file digest of ``name``: from the index when learned, else hashed."""

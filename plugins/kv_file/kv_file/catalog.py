@@ -13,11 +13,12 @@ The backend moves bytes; the catalog knows what is where.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import kvcore
 from kv_file.index import Entry, Index
@@ -59,14 +60,15 @@ class Catalog:
         high: float,
         low: float,
         *,
-        fits: Callable[[str, int], bool] | None,
-        delete_files: Callable[[list[int]], None],
+        fits: frozenset[int] | None,
+        retire_files: Callable[[list[int]], list[str]],
         counters: kvcore.Counters,
     ) -> None:
         self._dir = store_dir
         self.index = Index(capacity, high, low)
         self._fits = fits
-        self._delete_files = delete_files
+        self._retire_files = retire_files
+        self._unreserve = 0  # bytes of retired files deleted since, not yet given back
         self._counters = counters
         self.token = int.from_bytes(os.urandom(4), "little") or 1
         self.journal = Journal(
@@ -75,8 +77,8 @@ class Catalog:
         self.report: Callable[..., None] | None = None
         self.evictions = 0  # objects this process evicted
         self._compacted_size = 0  # journal bytes after its last rewrite
-        with self.journal.locked():
-            self._catch_up()
+        with self._exclusive():
+            pass  # the journal as it stands applied
         self.reconcile()
 
     # -- reading what others did -------------------------------------------------------------
@@ -85,8 +87,30 @@ class Catalog:
         """Apply what other processes recorded since (one read of shared memory when nothing
         is new)."""
         if self.journal.behind():
-            with self.journal.locked():
-                self._catch_up()
+            with self._exclusive():
+                pass
+
+    def report_from_now(self, report: Callable[..., None]) -> None:
+        """Report every record applied from now on (those before are the index as it is)."""
+        with self._exclusive():
+            self.report = report
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The journal locked and every record applied. What was committed before is read and
+        applied first, without the lock (:meth:`Journal.read_ahead`): the processes sharing
+        the directory then hold the lock for their own changes and the newest records only."""
+        if self.journal.behind():
+            with self.journal.mutex:
+                records = self.journal.read_ahead()
+                if records:
+                    self._apply(records)
+        with self.journal.locked():
+            self._catch_up()
+            if self._unreserve:
+                self.journal.reserve(-self._unreserve)
+                self._unreserve = 0
+            yield
 
     def _catch_up(self) -> None:
         """Apply every record committed since the last call (lock held)."""
@@ -126,7 +150,9 @@ class Catalog:
                 name = None if r.name is None else r.name.decode("utf-8", "surrogatepass")
                 # the index learns a name only for a file of a size its part can have (another
                 # layout's object under the same name is never counted: a lookup removes it)
-                fits = name is not None and (self._fits is None or self._fits(name, r.size))
+                fits = name is not None and (
+                    self._fits is None or r.size - header_size(len(r.name)) in self._fits
+                )
                 pinned = r.digest in pin and r.origin == token
                 index.add(r.digest, r.size, name if fits else None, pin=pinned)
                 size = r.size
@@ -195,16 +221,28 @@ class Catalog:
         """Reserve bytes for writes of ``sizes`` (in order), evicting LRU objects first as
         needed; returns how many (a leading run) were admitted. ``touched``: objects the write
         skips as already stored, now most recently used."""
-        with self.journal.locked():
-            self._catch_up()
+        retired: list[str] = []
+        with self._exclusive():
             victims, admitted = self.index.plan_admission(self.journal.reserved(), sizes)
+            victim_bytes = 0
             if victims:
-                self._delete_files(victims)  # before their bytes count as free
+                # Renamed away from their names under the lock (a rename costs a fraction of
+                # an unlink, which frees the pages); their bytes stay reserved until the
+                # temp files are deleted, after the lock (a crash leaves stale temps, which the
+                # next scan deletes, and a slot the scan reaps).
+                victim_bytes = sum(self.index.size_of(d) or 0 for d in victims)
+                retired = self._retire_files(victims)
                 self.evictions += len(victims)
             records = [Record(Kind.EVICTED, d, origin=self.token) for d in victims]
             records += [Record(Kind.TOUCHED, d, origin=self.token) for d in touched]
             self._commit(records)
-            self.journal.reserve(sum(sizes[:admitted]))
+            self.journal.reserve(sum(sizes[:admitted]) + victim_bytes)
+        if victims:
+            for path in retired:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            with self.journal.mutex:  # given back by the next locked section of this process
+                self._unreserve += victim_bytes
         return admitted
 
     def stored(self, files: Sequence[tuple[int, int, bytes | None]]) -> set[int]:
@@ -215,8 +253,7 @@ class Catalog:
         have been another writer's copy of the same object), so they are not acknowledged."""
         if not files:
             return set()
-        with self.journal.locked():
-            self._catch_up()
+        with self._exclusive():
             self.journal.reserve(-sum(size for _, size, _ in files))
             lost = {d for d, _, _ in files if not _regular_file(self._dir.object_path(d))}
             if lost:
@@ -238,8 +275,7 @@ class Catalog:
         """Files found in place that the index lacked (a write this process could not see
         recorded: an older kv_file, a crash between rename and record)."""
         if files:
-            with self.journal.locked():
-                self._catch_up()
+            with self._exclusive():
                 fresh = [(d, s, n) for d, s, n in files if self.index.size_of(d) != s]
                 self._commit([Record(Kind.STORED, d, s, n, self.token) for d, s, n in fresh])
             self._counters.add("adopted", len(files))
@@ -249,8 +285,7 @@ class Catalog:
         now = time.monotonic()
         due = [d for d in digests if self.index.due_for_log(d, now, TOUCH_LOG_INTERVAL_S)]
         if due:
-            with self.journal.locked():
-                self._catch_up()
+            with self._exclusive():
                 self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in due])
 
     def gone(self, digests: Iterable[int], kind: Kind = Kind.GONE) -> None:
@@ -258,8 +293,7 @@ class Catalog:
         missing or not what their name promises (``GONE``)."""
         digests = list(digests)
         if digests:
-            with self.journal.locked():
-                self._catch_up()
+            with self._exclusive():
                 # checked again under the lock: a writer may have put the object back since
                 # (its record then stands, and the object is there)
                 gone = [
@@ -292,8 +326,7 @@ class Catalog:
                 continue
             adopt.append((f.digest, f.size, raw))
         self._dir.remove_stale_temps()
-        with self.journal.locked():
-            self._catch_up()
+        with self._exclusive():
             records = []
             with self.index.lock:
                 lost = [
@@ -343,8 +376,7 @@ class Catalog:
 
     def used(self) -> int:
         """Bytes of every file in place and every write in flight, in every process."""
-        with self.journal.locked():
-            self._catch_up()
+        with self._exclusive():
             return self.index.files_bytes + self.journal.reserved()
 
     def close(self) -> None:

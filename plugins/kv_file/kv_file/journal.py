@@ -14,7 +14,10 @@ Two files in the namespace directory, both 0600:
   of the last full scan, and a slot per opened store: its token, pid, the start time of its
   process and the bytes it has reserved for writes in flight.
 - ``journal``: records, appended under an exclusive ``flock`` of the ledger; readers read up
-  to the committed length. Each record is 40 bytes (length u32, kind u8, flags u8, 2 spare,
+  to the committed length. Bytes below the committed length never change within a
+  generation, so a reader may read them without the lock (:meth:`Journal.read_ahead`) and take
+  the lock only for what was committed after: the lock is held for the few newest records,
+  not for everything the other processes did since. Each record is 40 bytes (length u32, kind u8, flags u8, 2 spare,
   the file digest as two u64, the file's size u64, the origin's token u32, the name's length
   u32) followed by the name's bytes (stored records only), padded to 8 bytes. Nothing in
   either file is ever executed or unpickled.
@@ -60,6 +63,7 @@ _HEAD = struct.Struct("<4sIQQQ")
 _GEN_TAIL = struct.Struct("<QQ")
 _GEN_AT = 8
 _SCAN_AT = 24
+_SLOTS_USED_AT = 32  # u32: slots [0, used) may be held; claims take the lowest free one
 _SLOTS_AT = 64
 #: token, pid, process start time (clock ticks since boot), reserved bytes, spare
 _SLOT = struct.Struct("<IIQQQ")
@@ -134,7 +138,8 @@ class Journal:
         self._temp_path = temp_path  # a fresh temp name in the directory (crashes: removed)
         self._ledger_path = os.path.join(directory, "ledger")
         self._journal_path = os.path.join(directory, "journal")
-        self._mutex = threading.Lock()
+        #: this process's threads take turns on the reader's position (with or without flock)
+        self.mutex = threading.Lock()
         self._gen = 0  # the generation applied, 0: none yet
         self._pos = 0  # committed bytes applied
         self._slot = -1
@@ -187,7 +192,7 @@ class Journal:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Exclusive use of the journal and ledger: by this thread, and this process."""
-        with self._mutex, self._flocked():
+        with self.mutex, self._flocked():
             yield
 
     # -- reading -----------------------------------------------------------------------------
@@ -217,6 +222,29 @@ class Journal:
         records = decode(data)
         self._pos = tail
         return restart, records
+
+    def read_ahead(self) -> list[Record]:
+        """The records committed since the last read, read without the file lock (hold
+        :attr:`mutex`): only within the generation this reader has open, whose bytes below the
+        committed length never change. ``[]`` when there is nothing, when the journal was
+        replaced since (the locked :meth:`read_new` restarts from the new one), or when what
+        was read does not parse as whole records (a length read while it was being
+        published): the locked read then takes it up from the same position."""
+        published = _GEN_TAIL.unpack_from(self._map, _GEN_AT)
+        gen, tail = published
+        if gen != self._gen or tail <= self._pos:
+            return []
+        if _GEN_TAIL.unpack_from(self._map, _GEN_AT) != published:
+            return []  # moving under us: leave it to the lock
+        data = self._read(self._pos, tail - self._pos)
+        if len(data) != tail - self._pos:
+            return []
+        try:
+            records = decode(data)
+        except JournalError:
+            return []
+        self._pos = tail
+        return records
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -303,9 +331,21 @@ class Journal:
 
     # -- reservations --------------------------------------------------------------------------
 
-    def _slots(self) -> Iterator[tuple[int, tuple[int, int, int, int, int]]]:
-        for i in range(NUM_SLOTS):
+    def _slots(self, upto: int = NUM_SLOTS) -> Iterator[tuple[int, tuple[int, int, int, int, int]]]:
+        for i in range(upto):
             yield i, _SLOT.unpack_from(self._map, _SLOTS_AT + i * _SLOT.size)
+
+    def _slots_used(self) -> int:
+        return min(struct.unpack_from("<I", self._map, _SLOTS_USED_AT)[0], NUM_SLOTS)
+
+    def _set_slots_used(self) -> None:
+        """Recount the high-water mark from the slots themselves (self-healing: whatever a
+        killed process left half-done, the slots are the truth)."""
+        used = 0
+        for i, (token, *_rest) in self._slots():
+            if token:
+                used = i + 1
+        struct.pack_into("<I", self._map, _SLOTS_USED_AT, used)
 
     def _claim_slot(self) -> None:
         pid, start = os.getpid(), _process_start(os.getpid())
@@ -313,6 +353,7 @@ class Journal:
             if token == 0 or not _alive(spid, sstart):
                 _SLOT.pack_into(self._map, _SLOTS_AT + i * _SLOT.size, self.token, pid, start, 0, 0)
                 self._slot = i
+                self._set_slots_used()
                 return
         raise OSError(f"all {NUM_SLOTS} ledger slots are held by live processes")
 
@@ -325,7 +366,8 @@ class Journal:
     def reserved(self) -> int:
         """Bytes every opened store sharing the directory has in flight (dead ones included
         until :meth:`reap` frees them: their files may be on disk)."""
-        return sum(slot[3] for _, slot in self._slots() if slot[0])
+        # only the slots below the high-water mark: a handful, not the ledger's thousand
+        return sum(slot[3] for _, slot in self._slots(self._slots_used()) if slot[0])
 
     def reap(self) -> int:
         """Free the slots of stores whose process is gone; returns the bytes they held. Call
@@ -335,6 +377,7 @@ class Journal:
             if token and i != self._slot and not _alive(pid, start):
                 _SLOT.pack_into(self._map, _SLOTS_AT + i * _SLOT.size, 0, 0, 0, 0, 0)
                 freed += reserved
+        self._set_slots_used()
         return freed
 
     def close(self) -> None:
@@ -342,6 +385,7 @@ class Journal:
             if self._slot >= 0:
                 _SLOT.pack_into(self._map, _SLOTS_AT + self._slot * _SLOT.size, 0, 0, 0, 0, 0)
                 self._slot = -1
+                self._set_slots_used()
         for fd in (self._jfd, self._fd):
             if fd is not None:
                 with contextlib.suppress(OSError):

@@ -194,7 +194,8 @@ def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> 
             peak[0] = max(peak[0], on_disk[0])
 
     def slow_unlink(path, *args, **kwargs):
-        size = os.path.getsize(path) if str(path).endswith(".kv") else 0
+        # an evicted object is renamed to a temp name first, then unlinked
+        size = os.path.getsize(path) if str(path).endswith((".kv", ".tmp")) else 0
         time.sleep(0.005)
         real_unlink(path, *args, **kwargs)
         account(-size)
