@@ -26,11 +26,13 @@ before it than on the code. Cold reads use a store on the disk.
   stages (1 / (1/a + 1/b), a and b measured in the same repetition: what no overlap at all
   would give) and the **stages side by side**: both stages running at once on independent
   data, unsynchronized (the backend storing one set of blocks while the gather copies another;
-  the backend reading while the scatter copies), timed until both end. That is the most any
-  pipeline of the two can reach on this machine (named the limit: a ``*_vs_side_by_side``
-  ratio above 1.05 is flagged): where both stages are CPU copies sharing its cores (here, not
-  on a GPU, where the gather is a DMA), it sits below the slower stage alone, and
-  ``*_vs_side_by_side`` says how much of it the pipeline gets;
+  the backend reading while the scatter copies), timed until both end: what overlap reaches
+  where both stages are CPU copies sharing the cores (here, not on a GPU, where the gather is
+  a DMA), below the slower stage alone. It is an estimate, not a limit (a pipeline came out
+  1.3x above it in one run of nine: how the two stages' threads are scheduled varies from one
+  process to the next). **Named as limits** (a ratio above 1.05 is flagged): the slower stage
+  alone (a pipeline does all of its work, and more) and the backend alone on the cache's own
+  blocks (the same I/O on the same buffers, without the manager);
 - a **10,000-block query through the manager**, building its request included (a small layout:
   the names matter, not the bytes), goal <= 5 ms.
 
@@ -380,20 +382,24 @@ def main() -> None:
     write_stage = slower(g["backend_write"], g["gather"])
     read_cold_stage = slower(g["backend_read_cold"], g["scatter"])
     read_warm_stage = slower(g["backend_read"], g["scatter"])
+    # the limit of a pipeline: it does all of its slower stage's work, and more
     report.ratio("staged_write_back_vs_slower_stage", g["staged_write"], write_stage,
-                 goal=">= 0.9")  # fmt: skip
+                 goal=">= 0.9", limit=True)  # fmt: skip
     report.ratio("staged_read_cold_vs_slower_stage", g["staged_read_cold"], read_cold_stage,
-                 goal=">= 0.9")  # fmt: skip
-    report.ratio("staged_read_warm_vs_slower_stage", g["staged_read"], read_warm_stage)
+                 goal=">= 0.9", limit=True)  # fmt: skip
+    report.ratio("staged_read_warm_vs_slower_stage", g["staged_read"], read_warm_stage,
+                 limit=True)  # fmt: skip
     report.ratio("staged_write_back_vs_serial_combination", g["staged_write"],
                  g["staged_write_serial_combination"])  # fmt: skip
     report.ratio("staged_read_cold_vs_serial_combination", g["staged_read_cold"],
                  g["staged_read_cold_serial_combination"])  # fmt: skip
-    # the stages side by side: the most any pipeline of the two can reach on this machine
+    # the stages side by side: what overlapping them reaches where they share the cores (an
+    # estimate, not a limit: measured, a pipeline came out up to 1.3x above it in one run of
+    # nine, the two stages' threads scheduled differently in that process)
     report.ratio("staged_write_back_vs_side_by_side", g["staged_write"],
-                 g["staged_write_side_by_side"], limit=True)  # fmt: skip
+                 g["staged_write_side_by_side"])  # fmt: skip
     report.ratio("staged_read_cold_vs_side_by_side", g["staged_read_cold"],
-                 g["staged_read_cold_side_by_side"], limit=True)  # fmt: skip
+                 g["staged_read_cold_side_by_side"])  # fmt: skip
     report.ratio("side_by_side_write_vs_slower_stage", g["staged_write_side_by_side"],
                  write_stage)  # fmt: skip
     report.ratio("side_by_side_read_cold_vs_slower_stage", g["staged_read_cold_side_by_side"],
@@ -407,10 +413,11 @@ def main() -> None:
                      g["backend_write"], goal=">= 0.9")  # fmt: skip
         # the same split in two: the manager's cost (against the backend alone on the very
         # same cache blocks) and the cache's memory layout's (the backend alone, the cache's
-        # blocks against one contiguous buffer)
+        # blocks against one contiguous buffer); the first is the limit: the same I/O on the
+        # same buffers, plus the manager
         for op, verb in (("read", "read_warm"), ("write", "write_back")):
             report.ratio(f"host_resident_{verb}_vs_backend_segmented", g[f"resident_{op}"],
-                         g[f"backend_segmented_{op}"])  # fmt: skip
+                         g[f"backend_segmented_{op}"], limit=True)  # fmt: skip
             report.ratio(f"backend_segmented_{op}_vs_contiguous", g[f"backend_segmented_{op}"],
                          g[f"backend_{op}"])  # fmt: skip
     report.notes.update(
