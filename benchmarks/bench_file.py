@@ -14,8 +14,10 @@ baseline is not the limit.
 another's dirty pages); before each warm read, every file of the contender is read once and
 ``cachestat(2)`` must report all of its pages cached; before each cold read, every file is synced
 and dropped (``posix_fadvise(DONTNEED)``) and ``cachestat`` must report none cached. The
-checks are in the report (``page_cache``). Contenders alternate (which one goes first flips
-each repetition); each writes fresh files into a fresh directory. Ratios are per repetition.
+checks are in the report (``page_cache``). Contenders alternate (their order rotates each
+repetition); each writes fresh files into a fresh directory. Ratios are per repetition. On the
+disk (synced writes, cold reads) a second raw contender runs in every repetition: its ratio to
+the first (``*_aa_control``) is the disk's own noise, to read the kv_file ratios against.
 
 Typical layout: 64 blocks x 28 layers x [8 heads, 64 tokens, 128 dim] bfloat16, K and V stored
 as separate objects (128 objects of 3.5 MiB, 448 MiB). Query: ``Backend.query`` of 10,000
@@ -234,26 +236,32 @@ class Bench:
             pool = self.io_pool if fsync == "data" else self.cpu_pool
             for r in range(self.args.reps):
                 root = os.path.join(work, f"file-{fsync}-{r}")
-                raw_root = os.path.join(work, f"raw-{fsync}-{r}")
                 backend = self.open(root, fsync)
-                raw = RawFiles(raw_root, self.part, 2 * self.n, pool)
+                # on the disk, a second raw contender: the A/A control, the disk's own noise
+                names = ("raw", "file", "raw_again") if fsync == "data" else ("raw", "file")
+                raws = {
+                    who: RawFiles(os.path.join(work, f"{who}-{fsync}-{r}"), self.part,
+                                  2 * self.n, pool)
+                    for who in names if who != "file"
+                }  # fmt: skip
                 keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
                 req = backend.request("w", keys, host=self.host(self._src), timeout_s=600)
-                order = ("raw", "file") if r % 2 == 0 else ("file", "raw")
+                order = names[r % len(names) :] + names[: r % len(names)]  # rotating
                 for who in order:
                     os.sync()  # everyone starts without dirty pages
                     t0 = time.perf_counter()
-                    if who == "raw":
-                        raw.write(src_views, fsync == "data")
-                    else:
+                    if who == "file":
                         assert backend.write(req) == self.n
+                    else:
+                        raws[who].write(src_views, fsync == "data")
                     samples.setdefault(f"{who}_write_{fsync}", []).append(
                         gb / (time.perf_counter() - t0)
                     )
-                self.reads(backend, keys, raw, dst_views, heads, samples, r, read)
+                self.reads(backend, keys, raws, dst_views, heads, samples, order, read)
                 backend.close()
                 shutil.rmtree(root)
-                shutil.rmtree(raw_root)
+                for raw in raws.values():
+                    shutil.rmtree(raw.root)
         units = "GB/s"
         for name, values in samples.items():
             report.figure(f"{name}_gbps", values, units)
@@ -264,19 +272,23 @@ class Bench:
         for kind in ("warm", "cold"):
             report.ratio(f"read_{kind}_vs_raw", samples[f"file_read_{kind}"],
                          samples[f"raw_read_{kind}"], goal=">= 0.9", limit=True)  # fmt: skip
+        # the A/A controls: the same raw I/O twice in one repetition (the disk's own noise)
+        report.ratio("write_fsync_data_aa_control", samples["raw_again_write_data"],
+                     samples["raw_write_data"])  # fmt: skip
+        report.ratio("read_cold_aa_control", samples["raw_again_read_cold"],
+                     samples["raw_read_cold"])  # fmt: skip
         report.notes["page_cache"] = {
             k: [None if v is None else round(v, 3) for v in vals] for k, vals in self.state.items()
         }
 
-    def reads(self, backend, keys, raw, dst_views, heads, samples, r, kind) -> None:
+    def reads(self, backend, keys, raws, dst_views, heads, samples, order, kind) -> None:
         gb = self.total / 1e9
         req = backend.request("r", keys, host=self.host(self._dst), timeout_s=600)
         store_files = files_under(backend.plugin._dir.path, ".kv")
         src = np.frombuffer(self._src, dtype=np.uint8)
         dst = np.frombuffer(self._dst, dtype=np.uint8)
-        order = ("raw", "file") if r % 2 == 0 else ("file", "raw")
         for who in order:
-            paths = raw.paths if who == "raw" else store_files
+            paths = store_files if who == "file" else raws[who].paths
             if kind == "warm":
                 warm(paths)
             else:
@@ -284,10 +296,10 @@ class Bench:
             self.note_state(f"{who}_read_{kind}", paths)
             dst[:] = 0
             t0 = time.perf_counter()
-            if who == "raw":  # on the pool of the phase: the cores warm, io_threads cold
-                raw.read(dst_views, kind == "cold", heads)
-            else:
+            if who == "file":
                 assert backend.read(req) == self.n
+            else:  # on the pool of the phase: the cores warm, io_threads cold
+                raws[who].read(dst_views, kind == "cold", heads)
             samples.setdefault(f"{who}_read_{kind}", []).append(gb / (time.perf_counter() - t0))
             assert np.array_equal(dst, src), f"{who} read back other bytes"
 
