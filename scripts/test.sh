@@ -1,15 +1,34 @@
 #!/usr/bin/env bash
-# Install everything, then run every check: ruff (lint + format) and the tests of the core
-# and of each backend package (the file, Mooncake and AttentionStore plugins).
+# Install everything, then run every check: ruff (lint + format), the tests of the core and of
+# each backend package (the file, Mooncake and AttentionStore plugins), then each engine
+# adapter's tests against the engine's real code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
+took() { echo "== $1: $((SECONDS - $2)) s"; }
+
 bash scripts/install.sh
+took "install" "$started"
+
+# Engine adapters get their own venvs where the engine's pins conflict with Paddle's (created
+# once, reused afterwards). Creating them is mostly download and unpacking: it runs in the
+# background while the core's tests run, and its output is shown after them.
+setup_log="$(mktemp)"
+trap 'rm -f "$setup_log"' EXIT
+(
+  for script in integrations/*/scripts/test.sh; do
+    [ -f "$script" ] || continue
+    bash "$script" --setup-only || echo "FAILED to set up: $script"
+  done
+) >"$setup_log" 2>&1 &
+setup_pid=$!
 
 echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
 echo "== pytest"
+phase=$SECONDS
 set +e
 .venv/bin/python -m pytest -p no:cacheprovider -q --durations=10 \
   tests plugins/kv_file/tests plugins/kv_mooncake/tests plugins/kv_attentionstore/tests "$@"
@@ -19,15 +38,24 @@ if [ "$code" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2
   code=1
 fi
+took "core and backends" "$phase"
 
-# Engine adapters: each integration runs its own tests against the engine's real code, in its
-# own venv where the engine's pins conflict with Paddle's (created once, reused afterwards).
+phase=$SECONDS
+wait "$setup_pid" || true
+echo "== engine venvs (set up in the background; waited $((SECONDS - phase)) s more)"
+cat "$setup_log"
+
+# Each adapter's tests, in its venv (the setup above is a no-op now: its stamps match).
 for script in integrations/*/scripts/test.sh; do
   [ -f "$script" ] || continue
-  echo "== $(dirname "$(dirname "$script")")"
+  name="$(dirname "$(dirname "$script")")"
+  echo "== $name"
+  phase=$SECONDS
   if ! bash "$script"; then
     echo "FAILED: $script" >&2
     code=1
   fi
+  took "$name" "$phase"
 done
+took "everything" "$started"
 exit "$code"

@@ -3,8 +3,14 @@
 # all of which the repository's main venv (./.venv, made by scripts/install.sh) already has, so
 # this uses that venv: it creates it if missing, installs this package into it (editable, once;
 # again only when pyproject.toml changed), and runs the tests. Mooncake's tests start a real
-# mooncake_master on 127.0.0.1. Extra arguments go to pytest.
+# mooncake_master on 127.0.0.1. Extra arguments go to pytest; `--setup-only` as the first argument
+# installs and stops.
 set -euo pipefail
+setup_only=0
+if [ "${1:-}" = "--setup-only" ]; then
+  setup_only=1
+  shift
+fi
 here="$(cd "$(dirname "$0")/.." && pwd)"
 root="$(cd "$here/../.." && pwd)"
 py="$root/.venv/bin/python"
@@ -21,6 +27,7 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] \
     --no-build-isolation -e "$here"
   touch "$stamp"
 fi
+[ "$setup_only" = 1 ] && exit 0
 
 set +e
 "$py" -m pytest -p no:cacheprovider -q "$here/tests" "$@"

@@ -5,7 +5,13 @@
 # dependencies, the packages its storage layer imports, and kvcore, kv_file, kv_mooncake and
 # this package editable) and reuses it while requirements-test.txt and the packages' metadata
 # are unchanged. Then runs the tests; extra arguments go to pytest. Exits non-zero on failure.
+# `--setup-only` as the first argument installs and stops.
 set -euo pipefail
+setup_only=0
+if [ "${1:-}" = "--setup-only" ]; then
+  setup_only=1
+  shift
+fi
 here="$(cd "$(dirname "$0")/.." && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 cd "$here"
@@ -44,6 +50,8 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
     -e "$repo" -e "$repo/plugins/kv_file" -e "$repo/plugins/kv_mooncake" -e "$here"
   echo "$want" >"$stamp"
 fi
+
+[ "$setup_only" = 1 ] && exit 0
 
 echo "== kvcore-sglang: pytest (SGLang $SGLANG_VERSION's real classes)"
 set +e

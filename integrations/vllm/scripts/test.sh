@@ -5,8 +5,14 @@
 # venv: integrations/vllm/.venv (git-ignored, ~3 GiB), created on the first run. Stamp files
 # record what is installed: vLLM is reinstalled only when its pinned version changes, kvcore, the
 # file and Mooncake backends and this package (editable: code edits need no reinstall) when a
-# packaging file changes. Extra arguments go to pytest (e.g. -k file).
+# packaging file changes. Extra arguments go to pytest (e.g. -k file); `--setup-only` as the first
+# argument installs and stops (the repository's test script installs while the core's tests run).
 set -euo pipefail
+setup_only=0
+if [ "${1:-}" = "--setup-only" ]; then
+  setup_only=1
+  shift
+fi
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 VENV="$HERE/.venv"
@@ -50,6 +56,8 @@ if [ "$(cat "$local_stamp" 2>/dev/null)" != "$want" ]; then
     -e "$HERE[test]"
   echo "$want" >"$local_stamp"
 fi
+
+[ "$setup_only" = 1 ] && exit 0
 
 cd "$HERE"
 set +e
