@@ -46,3 +46,5 @@ def test_bench_vllm_decode_ab_carries_its_aa_control(tmp_path: Path) -> None:
     ):
         assert ratios[name]["n"] == 2, name
     assert report["connector_hook_ms_per_step_with"] > 0
+    # every engine bound to the same cores: vLLM's own choice differs with a connector
+    assert report["VLLM_CPU_OMP_THREADS_BIND"]
