@@ -11,11 +11,23 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>  // SSE2: part of every x86-64 CPU
+#define KVC_HAVE_STREAMING_STORES 1
+#endif
+
 namespace {
 
 constexpr int64_t kSmallCopyBytes = 1 << 20;  // below this one thread is faster
 constexpr int64_t kMinChunkBytes = 4096;
 constexpr int kMaxThreads = 64;
+// A call moving at least this much writes its destination with non-temporal stores (x86-64).
+// glibc's memcpy does the same for one large copy, but a gather or scatter is many pieces of a
+// block's size (tens of KiB to a few MiB), each below glibc's threshold: with ordinary stores
+// every destination line is first read into the cache, which costs one thread ~45 % of its
+// copy rate here (224 MiB: 12.8 GB/s as one copy, 6.8-7.8 GB/s as pieces of 32 KiB-16 MiB).
+// A destination this large cannot stay in the cache anyway.
+constexpr int64_t kStreamingBytes = 32 << 20;
 
 int set_err(char* err, int errlen, int code, const char* fmt, ...) {
   if (err != nullptr && errlen > 0) {
@@ -33,26 +45,68 @@ struct Segment {
   int64_t bytes;
 };
 
+// memcpy, or with `streaming` a copy whose destination bypasses the cache (16-byte
+// non-temporal stores, unaligned head and tail by memcpy). The caller fences.
+void copy_bytes(char* dst, const char* src, int64_t len, bool streaming) {
+#ifdef KVC_HAVE_STREAMING_STORES
+  if (streaming && len >= 256) {
+    const int64_t head = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+    std::memcpy(dst, src, static_cast<size_t>(head));
+    dst += head;
+    src += head;
+    len -= head;
+    const int64_t body = len & ~static_cast<int64_t>(63);
+    for (int64_t i = 0; i < body; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + body, src + body, static_cast<size_t>(len - body));
+    return;
+  }
+#else
+  (void)streaming;
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(len));
+}
+
+// Non-temporal stores are weakly ordered: make them visible before the copy is reported done.
+void store_fence(bool streaming) {
+#ifdef KVC_HAVE_STREAMING_STORES
+  if (streaming) _mm_sfence();
+#else
+  (void)streaming;
+#endif
+}
+
 // Copies all segments; the concatenated byte range is cut into `nthreads` equal pieces, so one
 // large run is shared by several threads and many small runs are spread evenly.
 void run_segments(const std::vector<Segment>& segs, int nthreads) {
   std::vector<int64_t> starts(segs.size() + 1, 0);
   for (size_t i = 0; i < segs.size(); ++i) starts[i + 1] = starts[i] + segs[i].bytes;
   const int64_t total = starts.back();
+  const bool streaming = total >= kStreamingBytes;
   if (nthreads <= 1 || total == 0) {
-    for (const Segment& s : segs) std::memcpy(s.dst, s.src, static_cast<size_t>(s.bytes));
+    for (const Segment& s : segs) copy_bytes(s.dst, s.src, s.bytes, streaming);
+    store_fence(streaming);
     return;
   }
-  auto copy_range = [&segs, &starts](int64_t lo, int64_t hi) {
+  auto copy_range = [&segs, &starts, streaming](int64_t lo, int64_t hi) {
     size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) -
                                    starts.begin() - 1);
     while (lo < hi) {
       const int64_t off = lo - starts[k];
       const int64_t len = std::min(hi, starts[k + 1]) - lo;
-      std::memcpy(segs[k].dst + off, segs[k].src + off, static_cast<size_t>(len));
+      copy_bytes(segs[k].dst + off, segs[k].src + off, len, streaming);
       lo += len;
       ++k;
     }
+    store_fence(streaming);
   };
   auto bound = [total, nthreads](int t) {
     // Piece boundaries on 4 KiB multiples keep each thread's writes page-aligned.

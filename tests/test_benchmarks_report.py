@@ -123,4 +123,4 @@ def test_run_py_reports_median_of_runs_and_spread(tmp_path: Path) -> None:
     assert "| spread (max/min) |" in md
     for name in ("bench_ops", "bench_dispatch"):
         assert f"### `{name}` — 2 runs" in md
-    assert "swap_layout_gather_vs_memcpy_threaded (limit)" in md
+    assert "swap_layout_gather_vs_contiguous_copy (limit)" in md

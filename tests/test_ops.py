@@ -133,6 +133,21 @@ def test_threads_give_identical_bytes(threads: int) -> None:
     check_all_layers_round_trip(layers, dev_ids, host_ids, max_host=40, num_threads=threads)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_calls_stream_exact_bytes_at_any_alignment(threads: int) -> None:
+    """Calls of 32 MiB and more write with non-temporal stores on x86-64: blocks of an odd size
+    (1785 bytes) put every piece at another alignment, each with a head and tail to copy."""
+    block = (3, 17, 35)
+    layers = make_layers("numpy", "uint8", 2, 12_000, block=block)
+    assert sum(t.nbytes for t in layers) >= 32 << 20
+    dev_ids, host_ids = random_pairs(11_000, 12_000, 12_500)
+    check_all_layers_round_trip(layers, dev_ids, host_ids, max_host=12_500, num_threads=threads)
+    n = len(dev_ids)
+    check_layout_round_trip(
+        layers, [12_000, *block], dev_ids, list(range(n)), n, num_threads=threads
+    )
+
+
 def test_thread_count_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVCORE_SWAP_THREADS", "3")
     assert _swap.resolve_threads(0, 64 << 20) == 3
