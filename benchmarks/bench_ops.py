@@ -7,7 +7,7 @@ many threads as the ops use (``contiguous_copy_threaded``; ``contiguous_copy_1th
 one-thread op): the ops differ from it only by cutting the bytes into pieces. Calls of 32 MiB
 and more write with non-temporal stores there, which glibc's ``memcpy`` (``np_copyto``,
 ``memcpy_threaded``: one contiguous slice per thread, reported beside as references) does not
-always do: on this project's machines the routine copied 224 MiB up to 1.5x faster than
+always do: on this project's machines the routine copied 224 MiB 1.8-2.0x faster than
 glibc, so glibc's copy is not the limit. Each repetition times every contender once, the order
 reversed every other repetition; figures are the median and range (min, max) over --reps, and
 each ratio is op / its baseline per repetition (paired), then its median and range. An op

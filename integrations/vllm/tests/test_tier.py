@@ -211,14 +211,21 @@ def test_backend_failures_are_misses_never_raised(tmp_path) -> None:
 def test_a_full_store_queue_drops_stores_and_counts_them(tmp_path) -> None:
     tier, _ = make_tier("memory", "", store_workers=1, max_queued_stores=1)
     gate = threading.Event()
-    real = tier.store.write
 
-    def slow_write(request):
-        gate.wait(30)
-        return real(request)
+    class GatedWrites:
+        """The tier's store, whose writes wait for ``gate``."""
 
-    tier.store = MagicMock(wraps=tier.store)
-    tier.store.write = slow_write
+        def __init__(self, store) -> None:
+            self._store = store
+
+        def write(self, request):
+            gate.wait(30)
+            return self._store.write(request)
+
+        def __getattr__(self, name: str):
+            return getattr(self._store, name)
+
+    tier.store = GatedWrites(tier.store)
     try:
         tier.submit_store(make_job(1, [key(1)], [0]))  # runs, blocked
         time.sleep(0.2)
