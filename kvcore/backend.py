@@ -60,6 +60,7 @@ class Backend:
         self._read = hook.kvcore_read
         self._write = hook.kvcore_write
         self._flush = hook.kvcore_flush_token_index
+        self._admits = bool(hook.kvcore_admit.get_hookimpls())
         self._serial = nullcontext() if capabilities.concurrent else threading.Lock()
         self._failures = OnceLogger(log)
         self._weight_version = context.weight_version
@@ -168,6 +169,15 @@ class Backend:
         if done and self.events.active and ev.STORED not in self._reported_by_backend:
             self._publish_blocks(ev.STORED, request, int(done))
         return done
+
+    def admit(self, request: BlockRequest) -> Outcome:
+        """Leading blocks of ``request`` the backend would store if written (see
+        ``kvcore_admit``); all of them for backends without the hook, or when it fails (a
+        failed admission must not cost the write: the write is best-effort on its own)."""
+        if not self._admits:
+            return Outcome(request.num_blocks)
+        n = self._call("admit", self._pm.hook.kvcore_admit, request, {"request": request})
+        return Outcome(request.num_blocks) if n.failure is not None else n
 
     def flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> Outcome:
         """Blocks whose residency record changed; 0 for backends without a token index."""

@@ -58,6 +58,7 @@ REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
 
 #: Optional hooks; :meth:`kvcore.Backend.implements` tells whether a backend has one.
 OPTIONAL_HOOKS = (
+    "kvcore_admit",
     "kvcore_flush_token_index",
     "kvcore_remove",
     "kvcore_clear",
@@ -130,6 +131,32 @@ def kvcore_write(request: BlockRequest) -> int:
     .. versionadded:: 0.1
     .. versionchanged:: 0.2 segmented host buffers as for :func:`kvcore_read`; may return
        :class:`kvcore.Outcome` (e.g. ``Outcome(i, "disk full")``).
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_admit(request: BlockRequest) -> int:
+    """Say how many leading blocks of ``request`` a write would store: the admission policy.
+
+    Writers ask before gathering a write's bytes, so a block the backend would refuse costs
+    no copy: kvcore's transfer manager calls this with the blocks a write-back would store
+    (those after the stored leading run), then writes only the admitted leading run. A
+    backend without this hook admits everything.
+
+    :param request: the blocks offered, as for :func:`kvcore_query` (``host`` and
+        ``device`` are None). The backend counts this call as one offer of each block,
+        those after the first refusal included; blocks already stored count as admitted.
+    :return: ``n`` in ``[0, request.num_blocks]``: blocks ``0 .. n-1`` are admitted. A
+        failure (raised or reported) is taken as "admit all": a write then stores what it
+        can, as without the hook.
+
+    :func:`kvcore_write` stores what it is given whether or not it was asked about:
+    admission is the writer's question, asked once per offer (see :mod:`kvcore.admission`
+    for the policies a backend can keep).
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.4
     """
 
 

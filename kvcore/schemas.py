@@ -591,6 +591,11 @@ class TaskResult(StrictModel):
     num_blocks: int = 0
     block_ids: list[int] = Field(default_factory=list, description="device block ids done")
     skipped_blocks: int = Field(default=0, description="write: already stored, not rewritten")
+    refused_blocks: int = Field(
+        default=0,
+        description="write: not admitted by the backend's admission policy, so not written "
+        "(not a failure; see kvcore.admission)",
+    )
     bytes: int = 0
     error: str | None = None
     deadline_missed: bool = False

@@ -91,6 +91,11 @@ class Recorder(MemoryBackend):
         return MemoryBackend.kvcore_write(self, request)
 
     @kvcore.hookimpl
+    def kvcore_admit(self, request):
+        record("kvcore_admit")
+        return request.num_blocks
+
+    @kvcore.hookimpl
     def kvcore_remove(self, request):
         record("kvcore_remove")
         return MemoryBackend.kvcore_remove(self, request)

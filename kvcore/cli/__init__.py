@@ -198,6 +198,34 @@ def _parser() -> _Parser:
         "pip install 'kvcore[plot]') (default: no chart)",
     )
 
+    r = sub.add_parser(
+        "replay",
+        help="replay a production trace through a store: hit rate per byte of capacity",
+        description="Serve a request trace (Mooncake JSONL) through the TransferManager and a "
+        "backend with real bytes, or through a model of kv_file's store (--simulate), at one "
+        "or more capacities and admission policies. Reports the prefix hit rate against the "
+        "trace's maximum and the offline optimum (Belady's) at each capacity, bytes written "
+        "per block hit, evictions and read latency.",
+    )
+    r.add_argument(
+        "--backend",
+        default="file",
+        metavar="NAME",
+        help=f"backend of an I/O replay, one with a capacity_bytes setting (default: "
+        f"%(default)s; installed: {installed})",
+    )
+    r.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON_OR_PATH",
+        help="backend config (its capacity, watermarks and admission are set by the replay; "
+        "the data goes under a fresh namespace, removed at the end)",
+    )
+    r.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    from kvcore.cli.replay import add_arguments as add_replay_arguments
+
+    add_replay_arguments(r)
+
     c = sub.add_parser(
         "check",
         help="run the conformance kit against an installed backend",
@@ -272,6 +300,8 @@ def _runner(command: str) -> Any:
         from kvcore.cli.bench import run
     elif command == "events":
         from kvcore.cli.events import run
+    elif command == "replay":
+        from kvcore.cli.replay import run
     else:
         from kvcore.cli.check import run
     return run

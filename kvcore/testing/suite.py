@@ -744,6 +744,26 @@ class BackendConformance:
             )
             assert index.resyncs == 0, "the subscription fell behind (resync) in a short test"
 
+    # -- admission ---------------------------------------------------------------------------
+
+    @exercises("kvcore_admit", "kvcore_write", "kvcore_read")
+    def test_admission_answers_a_leading_run_and_admits_what_is_stored(
+        self, harness: Harness
+    ) -> None:
+        backend = harness.backend
+        _require_hook(backend, "kvcore_admit")
+        admit = _hook_caller(backend, "kvcore_admit")
+        seq = harness.new_sequence(4)
+        first = admit(request=harness.request(seq))
+        assert isinstance(first, int) and not isinstance(first, bool) and 0 <= first <= 4, (
+            f"kvcore_admit of 4 blocks returned {first!r}; expected an int in [0, 4]"
+        )
+        assert harness.write(seq) == 4, "a write stores what it is given, asked about or not"
+        again = admit(request=harness.request(seq))
+        assert again == 4, f"blocks already stored must count as admitted, got {again!r}"
+        assert backend.admit(harness.request(seq, 0, 0)) == 0
+        harness.assert_reads_back(seq, 4)
+
     # -- removing data ---------------------------------------------------------------------
 
     @exercises("kvcore_remove", *DATA_HOOKS)

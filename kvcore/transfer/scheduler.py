@@ -56,6 +56,7 @@ class Progress:
     block_ids: list[int] = field(default_factory=list)
     bytes: int = 0
     skipped: int = 0
+    refused: int = 0  # write: blocks the backend's admission policy did not take
     outcome: TaskOutcome | None = None  # why it stopped short, once known
     error: str | None = None
 
@@ -89,6 +90,7 @@ class Progress:
             num_blocks=done,
             block_ids=list(self.block_ids) if block_ids is None else block_ids,
             skipped_blocks=self.skipped,
+            refused_blocks=self.refused,
             bytes=self.bytes,
             error=self.error,
             timings_s=timings,

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 import kvcore
+from kv_file.admission import StoreAdmission
 from kv_file.catalog import Catalog
 from kv_file.config import FileConfig, safe_namespace
 from kv_file.journal import Kind
@@ -134,6 +135,14 @@ class FileBackend:
         )
         self._index = self._catalog.index
         self._catalog.admit([0])  # the capacity may have been lowered: evict down to it
+        self._admission = StoreAdmission(
+            config.admission,
+            self._index,
+            self._payload,
+            self._catalog.journal.reserved,
+            doorkeeper_factor=config.admission_doorkeeper,
+            sample_rate=config.admission_sample_rate,
+        )
         self._pool = thread_pool(config.io_threads, "kv_file-io")
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
@@ -206,11 +215,17 @@ class FileBackend:
         return request.num_blocks
 
     @kvcore.hookimpl
+    def kvcore_admit(self, request: BlockRequest) -> int:
+        """The store's admission policy (``admission``) on the blocks offered."""
+        self._catalog.sync()
+        return self._admission.admit(request)
+
+    @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
-        hits: list[int] = []
+        hits: list[tuple[int, int]] = []  # (k, digest)
         adopted: list[tuple[int, int, bytes | None]] = []
         gone: list[int] = []
 
@@ -229,8 +244,7 @@ class FileBackend:
                 if not index.learn(name, digest):  # a file no record told of: adopt it
                     named = raw if expected in (None, host.nbytes[j]) else None
                     adopted.append((digest, header_size(len(raw)) + host.nbytes[j], named))
-                index.touch(digest, time.time_ns())
-                hits.append(digest)
+                hits.append((k, digest))
             elif outcome is ReadOutcome.MISNAMED:
                 index.unname(name)
             elif outcome is not ReadOutcome.WRONG_SIZE:  # the file is gone or was removed
@@ -241,9 +255,16 @@ class FileBackend:
         try:
             outcomes, errors = self._run(request, read_one, host.nbytes, workers, "io_errors")
         finally:  # what the read learned, for every process: after the data, off its path
+            # most recently used in the request's order, whichever thread read what first
+            hits.sort()
+            now = time.time_ns()
+            for _, digest in hits:
+                index.touch(digest, now)
             self._catalog.adopted(adopted)
             self._catalog.gone(gone)
-            self._catalog.read(hits)
+            self._catalog.read([digest for _, digest in hits])
+            nparts = len(request.parts)
+            self._admission.read(request, [k // nparts for k, _ in hits if k % nparts == 0])
         return self._answer(outcomes, errors, len(request.parts))
 
     @kvcore.hookimpl
@@ -313,6 +334,9 @@ class FileBackend:
                     request, write_one, host.nbytes, workers, "write_errors"
                 )
             finally:  # every file in place becomes a file of the store, also on a failure
+                # recorded in the request's order (the LRU order then does not depend on
+                # which thread finished first)
+                written.sort(key=lambda w: w[0])
                 lost = catalog.stored([(d, size, name) for _, d, size, name in written])
             for k, digest, _, _ in written:
                 if digest in lost:
@@ -394,6 +418,7 @@ class FileBackend:
             journal_bytes=float(self._catalog.journal.size),
         )
         out["direct_reads"] = float(self._direct.count)
+        out.update(self._admission.stats())
         return out
 
     @kvcore.hookimpl

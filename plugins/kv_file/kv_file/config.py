@@ -80,6 +80,26 @@ class FileConfig(kvcore.BackendConfig):
         default=0.95, gt=0, le=1, description="evict when a write would pass this fraction"
     )
     low_watermark: float = Field(default=0.85, gt=0, le=1, description="evict down to this")
+    admission: Literal["all", "second-hit", "adaptive"] = Field(
+        default="adaptive",
+        description="which offered blocks a full store writes (eviction stays LRU): all; "
+        "second-hit (the second time a block is offered); adaptive (follows whichever of the "
+        "two would have hit more recently, from small simulations of both; admits everything "
+        "while the store has room). See kvcore.admission",
+    )
+    admission_doorkeeper: float = Field(
+        default=2.0,
+        gt=0,
+        le=64,
+        description="second-hit and adaptive remember this many times the store's capacity "
+        "in blocks of recently offered block ids",
+    )
+    admission_sample_rate: float = Field(
+        default=1 / 16,
+        gt=0,
+        le=1,
+        description="adaptive: the fraction of block ids its simulations follow",
+    )
     io_threads: int = Field(
         default_factory=lambda: min(32, max(16, 2 * (os.cpu_count() or 1))),
         ge=1,
