@@ -169,7 +169,14 @@ class IOReplay:
                     if progress is not None:
                         progress(1)
             stats = self.backend.stats()
-            tally.evictions = int(stats.get("backend_evictions", 0)) // len(self.layout.parts)
+            parts = len(self.layout.parts)
+            tally.evictions = int(stats.get("backend_evictions", 0)) // parts
+            stored = stats.get("backend_write_stored")
+            if stored is not None:
+                # what reached the disk: a write-back also hands the backend blocks it holds
+                # beyond the leading run it found (skipped there, yet counted as done)
+                tally.blocks_written = int(stored) // parts
+                tally.bytes_written = tally.blocks_written * self.layout.block_bytes
             self.stats = stats
         finally:
             try:
