@@ -95,7 +95,7 @@ def main() -> None:
                             simulate_only=True,
                             block_bytes=args.block_bytes,
                             bounds=bounds,
-                        )  # fmt: skip
+                        )
                     )
                 for policy in io_policies:
                     result = replay(

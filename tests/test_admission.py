@@ -27,7 +27,7 @@ from kvcore.transfer import DeviceCache, TransferManager
 
 # Two hot blocks (A, B) between one-off scans, served by a store of 2 blocks, one block a
 # request (so prefix hits are plain hits).
-HOT_AND_SCANS = "A B A X1 A B X2 A B X3 A B X4 A B".split()
+HOT_AND_SCANS = ["A", "B", "A", "X1", "A", "B", "X2", "A", "B", "X3", "A", "B", "X4", "A", "B"]
 
 
 def serve_all(model: StoreModel, names: list[str]) -> tuple[int, str]:

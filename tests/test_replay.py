@@ -84,7 +84,7 @@ def test_limit_and_counts(prefixes: Path):
 def test_all_at_four_blocks_by_hand(prefixes: Path):
     # r1 stores 1 2 3; r2 hits 1 2 (1024 tokens), stores 4; r3 hits 1 (512), stores 5 over 3
     # (the LRU: 3, untouched since r1); r4 hits 1 2 (1024), then 3 is missing
-    tally, model = simulate(load_trace(prefixes), 4, "all")
+    tally, _ = simulate(load_trace(prefixes), 4, "all")
     assert (tally.block_hits, tally.token_hits) == (5, 2560)
     assert (tally.block_refs, tally.token_refs) == (11, 4400)
     assert (tally.blocks_written, tally.evictions) == (6, 2)
@@ -128,7 +128,7 @@ def test_replays_are_deterministic(tmp_path: Path):
             policy="adaptive",
             config={"root": str(tmp_path / f"s{i}")},
             sample_rate=0.5,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     keys = ("block_hits", "blocks_written", "blocks_refused", "evictions", "bytes_written")
