@@ -156,7 +156,7 @@ def kvcore_admit(request: BlockRequest) -> int:
 
     ``firstresult``: the backend's answer is the result.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
 

@@ -218,8 +218,9 @@ def _parser() -> _Parser:
         "--config",
         default=None,
         metavar="JSON_OR_PATH",
-        help="backend config (its capacity, watermarks and admission are set by the replay; "
-        "the data goes under a fresh namespace, removed at the end)",
+        help="backend config: a JSON object or the path of a JSON file; the replay sets its "
+        "capacity, watermarks and admission, and writes under a fresh namespace removed at "
+        "the end (default: the backend's defaults)",
     )
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     from kvcore.cli.replay import add_arguments as add_replay_arguments

@@ -59,7 +59,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         "--simulate",
         action="store_true",
         help="replay on a model of kv_file's store (metadata only, no I/O): the same "
-        "policy, the same hit counts, seconds instead of minutes",
+        "policy, the same hit counts, seconds instead of minutes (default: real I/O)",
     )
     sp.add_argument(
         "--block-bytes",
@@ -74,19 +74,27 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tokens per hash id of the trace (default: %(default)s, as in Mooncake's traces)",
     )
-    sp.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
+    sp.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replay the first N requests only (default: all)",
+    )
     sp.add_argument(
         "--plot",
         metavar="FILE.png",
         default=None,
         help="draw hit rate against capacity, one line per policy, the maximum and the "
-        "optimum dashed (needs matplotlib: pip install 'kvcore[plot]')",
+        "optimum dashed (needs matplotlib: pip install 'kvcore[plot]') (default: no chart)",
     )
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
     from kvcore.cli import load_config_arg
 
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit: {args.limit} must be at least 1", ExitCode.USAGE)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:
