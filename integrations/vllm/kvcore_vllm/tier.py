@@ -77,6 +77,7 @@ _COUNTERS = {
     "load_errors": "promotions that failed for a backend error, a corrupt object or a deadline",
     "store_chunks": "chunks given to the kvcore tier to store",
     "store_failed_chunks": "chunks a store job did not store (a future miss)",
+    "store_refused_chunks": "chunks the backend's admission policy did not take (not written)",
     "store_dropped_chunks": "chunks dropped because the store queue was full",
     "events_unmapped": "store events naming objects outside this tier's key scope (skipped)",
 }
@@ -320,6 +321,7 @@ class KVCoreTier(SecondaryTierManager):
     def _run_store(self, job: TransferJob) -> None:
         n = len(job.keys)
         written = 0
+        admitted = n  # until the backend says otherwise
         t0 = time.monotonic()
         try:
             with self._lock:
@@ -327,14 +329,22 @@ class KVCoreTier(SecondaryTierManager):
             request = self._request(
                 f"store/{job.job_id}", job.keys, self.settings.store_timeout_s, job.chunk_ids
             )
-            written = int(self.store.write(request))
+            # the store's admission first: a refused chunk is not a failure, and not written
+            admitted = int(self.backend.admit(request))
+            if admitted:
+                host = request.host.slice(0, admitted) if request.host is not None else None
+                written = int(self.store.write(request.slice(0, admitted, host=host)))
         except Exception as exc:  # a store that cannot run is a future miss
             log.warning("kvcore tier: store job %s failed: %s", job.job_id, exc)
-        self._count(store_chunks=n, store_failed_chunks=n - written)
+        self._count(
+            store_chunks=n,
+            store_refused_chunks=n - admitted,
+            store_failed_chunks=admitted - written,
+        )
         self._done(
             JobResult(
                 job.job_id,
-                success=written == n,
+                success=written == admitted,
                 transfer_time=time.monotonic() - t0,
                 transfer_bytes=written * self._chunk_bytes,
             )

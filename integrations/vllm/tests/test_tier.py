@@ -17,6 +17,7 @@ import torch
 from kvcore_vllm.config import SettingsError
 from kvcore_vllm.tier import KVCoreTier
 from tier_helpers import (
+    CTX,
     aligned_tensor,
     backend_settings,
     damage,
@@ -238,6 +239,29 @@ def test_a_full_store_queue_drops_stores_and_counts_them(tmp_path) -> None:
         assert _metric(tier.get_stats(), "store_dropped_chunks") == 1
     finally:
         gate.set()
+        tier.shutdown()
+
+
+def test_chunks_the_store_does_not_admit_are_refused_not_failed(tmp_path) -> None:
+    # kv_file with second-hit admission: a chunk is written the second time it is offered
+    tier, _ = make_tier(
+        "file", "", backend_config={"root": str(tmp_path), "admission": "second-hit"}
+    )
+    try:
+        tier.submit_store(make_job(1, [key(1), key(2)], [0, 1]))
+        assert [r.success for r in drain(tier)] == [True]  # refused: not a failure
+        assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.MISS] * 2
+        tier.on_request_finished(CTX)  # vLLM keeps a key's lookup until its requests finish
+        tier.submit_store(make_job(2, [key(1), key(2)], [0, 1]))
+        assert [(r.success, r.transfer_bytes) for r in drain(tier)] == [
+            (True, 2 * tier._chunk_bytes)
+        ]
+        assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.HIT] * 2
+        stats = tier.get_stats()
+        assert _metric(stats, "store_refused_chunks") == 2
+        assert _metric(stats, "store_failed_chunks") == 0
+        assert tier.backend.stats()["backend_admission_refused"] == 2
+    finally:
         tier.shutdown()
 
 
