@@ -112,19 +112,20 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    report.figure("max_hit_rate", [bounds.maximum.hit_rate_blocks] * args.reps, "fraction")
+    pct = 100.0  # hit rates as percentages: the report keeps 3 decimals
+    report.figure("max_hit_rate_pct", [pct * bounds.maximum.hit_rate_blocks] * args.reps, "%")
     for tokens in capacities:
         c = label(tokens)
         blocks = tokens // trace.tokens_per_block
         rate = {p: [r["hit_rate_blocks"] for r in sims[tokens, p]] for p in POLICIES}
         written = {p: [r["bytes_written"] for r in sims[tokens, p]] for p in POLICIES}
         for p in POLICIES:
-            report.figure(f"{c}_{p}_hit_rate", rate[p], "fraction")
+            report.figure(f"{c}_{p}_hit_rate_pct", [pct * r for r in rate[p]], "%")
             report.figure(f"{c}_{p}_bytes_written", written[p], "bytes")
         optimum = [bounds.optimum(blocks).hit_rate_blocks] * args.reps
-        report.figure(f"{c}_optimum_hit_rate", optimum, "fraction")
+        report.figure(f"{c}_optimum_hit_rate_pct", [pct * r for r in optimum], "%")
         lru = [independent_lru_hits(trace, blocks)] * args.reps
-        report.figure(f"{c}_independent_lru_hit_rate", lru, "fraction")
+        report.figure(f"{c}_independent_lru_hit_rate_pct", [pct * r for r in lru], "%")
         gap = [abs(a / b - 1) for a, b in zip(rate["all"], lru, strict=True)]
         report.ratio(f"{c}_all_vs_independent_lru_gap", gap, [1] * len(gap), goal="<= 0.01")
         best = [max(a, s) for a, s in zip(rate["all"], rate["second-hit"], strict=True)]
@@ -139,7 +140,8 @@ def main() -> None:
         for p in io_policies:
             runs = ios[tokens, p]
             io_rate = [r["hit_rate_blocks"] for r in runs]
-            report.figure(f"{c}_{p}_io_hit_rate", io_rate, "fraction")
+            report.figure(f"{c}_{p}_io_hit_rate_pct", [pct * r for r in io_rate], "%")
+            report.figure(f"{c}_{p}_io_bytes_written", [r["bytes_written"] for r in runs], "bytes")
             report.figure(f"{c}_{p}_io_read_p50_ms", [r["read_latency_ms_p50"] for r in runs], "ms")
             report.figure(f"{c}_{p}_io_read_p99_ms", [r["read_latency_ms_p99"] for r in runs], "ms")
             report.figure(f"{c}_{p}_io_wall_s", [r["wall_s"] for r in runs], "s")

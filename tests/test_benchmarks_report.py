@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,28 @@ def test_bench_mooncake_reports_median_and_spread(tmp_path: Path) -> None:
     report = run_bench("bench_mooncake", [*args, "--segment-mib", "64"], tmp_path)
     check_report(report)
     assert set(report["limits"]) == {"write_vs_raw", "read_vs_raw", "query_vs_raw"}
+
+
+def test_bench_replay_reports_median_and_spread(tmp_path: Path) -> None:
+    # a conversation-like trace of its own: shared roots, growing prefixes, one-off tails
+    rng = np.random.default_rng(5)
+    with (tmp_path / "trace.jsonl").open("w") as f:
+        for n in range(300):
+            root = int(rng.integers(0, 4))
+            ids = [
+                root,
+                10 + root * 8 + int(rng.integers(0, 8)),
+                *(1000 + 3 * n + i for i in range(3)),
+            ]
+            f.write(json.dumps({"timestamp": n, "input_length": 2560, "output_length": 8,
+                                "hash_ids": ids}) + "\n")  # fmt: skip
+    args = ["--trace", str(tmp_path / "trace.jsonl"), "--capacities", "4096,8192", "--reps", "2",
+            "--dir", str(tmp_path)]  # fmt: skip
+    report = run_bench("bench_replay", args, tmp_path)
+    check_report(report)
+    for capacity in ("4096t", "8192t"):
+        assert report["ratios"][f"{capacity}_adaptive_io_vs_simulate_gap"]["max"] == 0
+        assert report["ratios"][f"{capacity}_all_vs_independent_lru_gap"]["max"] == 0
 
 
 def test_check_report_names_what_is_wrong() -> None:
