@@ -61,7 +61,8 @@ _GOLDEN = 0x9E3779B97F4A7C15  # odd: multiplying by it permutes the 64-bit integ
 def block_id(key: str) -> int:
     """The 64-bit id a policy knows block ``key`` by: the same in every process and run (a
     backend and a simulation of it that use this agree on every decision)."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    raw = key.encode("utf-8", "surrogatepass")  # any str a key may be, lone surrogates too
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
 def _mix(block_id: int) -> int:

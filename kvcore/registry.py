@@ -245,7 +245,16 @@ def open_backend(
     except Exception:
         _close_quietly(pm)
         raise
-    return Backend(label, plugin, pm, cfg, ctx, factory.capabilities, strict=strict)
+    # an instance may declare what its config makes it capable of (a stack of backends: what
+    # every tier honours); the class's declaration is the default
+    capabilities = getattr(plugin, "capabilities", factory.capabilities)
+    if not isinstance(capabilities, Capabilities):
+        _close_quietly(pm)
+        raise BackendDefinitionError(
+            f"backend {label!r}: the opened instance's `capabilities` is {capabilities!r}, "
+            "not a kvcore.Capabilities"
+        )
+    return Backend(label, plugin, pm, cfg, ctx, capabilities, strict=strict)
 
 
 def _register(label: str, pm: pluggy.PluginManager, plugin: Any) -> None:

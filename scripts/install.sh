@@ -18,4 +18,5 @@ PYTHONWARNINGS=ignore .venv/bin/python -m pip install --quiet --disable-pip-vers
   -e ".[test,paddle]" \
   -e plugins/kv_file \
   -e plugins/kv_mooncake \
-  -e plugins/kv_attentionstore
+  -e plugins/kv_attentionstore \
+  -e plugins/kv_tiered

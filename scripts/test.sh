@@ -31,7 +31,8 @@ echo "== pytest"
 phase=$SECONDS
 set +e
 .venv/bin/python -m pytest -p no:cacheprovider -q --durations=10 \
-  tests plugins/kv_file/tests plugins/kv_mooncake/tests plugins/kv_attentionstore/tests "$@"
+  tests plugins/kv_file/tests plugins/kv_mooncake/tests plugins/kv_attentionstore/tests \
+  plugins/kv_tiered/tests "$@"
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then

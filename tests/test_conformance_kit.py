@@ -28,6 +28,11 @@ from kvcore import Outcome
 from kvcore.testing import BackendConformance, DeclaredCapacity, capacity_layout
 from memory_backend import MemoryBackend
 
+try:
+    from kv_tiered import TieredBackend
+except ImportError:  # the tiered stack's case is skipped
+    TieredBackend = None
+
 
 class SharedMemory(MemoryBackend):
     """The reference backend with one store shared by every instance (a server's view)."""
@@ -133,6 +138,39 @@ BROKEN = {
             return request.num_blocks
         """,
         ["test_round_trip_is_byte_exact"],
+    ),
+    # a tier stack whose lower tier lies: it claims (and "reads") every block it is asked for
+    "stack_with_a_lying_lower_tier": Case(
+        "TieredBackend",
+        '''
+        """kv_tiered's stack of the reference backend over a liar, found by name."""
+        ''',
+        ["test_missing_keys_query_zero_and_read_zero"],
+        test_body="""
+        @pytest.fixture(autouse=True)
+        def _liar_installed(self, tmp_path_factory, monkeypatch):
+            site = tmp_path_factory.mktemp("liar-site")
+            (site / "liar_tier.py").write_text(
+                "import kvcore\\n"
+                "from memory_backend import MemoryBackend\\n"
+                "class Liar(MemoryBackend):\\n"
+                "    @kvcore.hookimpl\\n"
+                "    def kvcore_query(self, request):\\n"
+                "        return request.num_blocks\\n"
+                "    @kvcore.hookimpl\\n"
+                "    def kvcore_read(self, request):\\n"
+                "        return request.num_blocks\\n"
+            )
+            info = site / "liar_tier-0.1.dist-info"
+            info.mkdir()
+            (info / "METADATA").write_text("Metadata-Version: 2.1\\nName: liar-tier\\nVersion: 0.1\\n")
+            (info / "entry_points.txt").write_text("[kvcore.backends]\\nliar = liar_tier:Liar\\n")
+            monkeypatch.syspath_prepend(str(site))
+
+        @pytest.fixture
+        def backend_config(self):
+            return {"tiers": [{"backend": "memory"}, {"backend": "liar"}]}
+        """,
     ),
     # raises on reads: strict mode lets it through
     "raises": Case(
@@ -496,6 +534,8 @@ def _failed_tests(result: pytest.RunResult) -> set[str]:
 @pytest.mark.parametrize("flaw", sorted(BROKEN))
 def test_kit_fails_broken_backend(pytester: pytest.Pytester, flaw: str) -> None:
     case = BROKEN[flaw]
+    if case.base == "TieredBackend":
+        pytest.importorskip("kv_tiered")
     result = _run_kit(pytester, case, select=case.must_fail)
     failed = _failed_tests(result)
     assert result.parseoutcomes().get("failed", 0) > 0, result.stdout.str()

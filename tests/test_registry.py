@@ -195,3 +195,31 @@ def test_disabled_backends_are_skipped(site: Path) -> None:
     )
     assert "'throwaway'" not in out.stdout.splitlines()[0]
     assert "KVCORE_DISABLE_BACKENDS" in out.stdout
+
+
+def test_an_opened_instance_may_declare_its_own_capabilities() -> None:
+    # a backend made of other backends knows what it can honour only from its config
+    from memory_backend import MemoryBackend
+
+    import kvcore
+    from kvcore.errors import BackendDefinitionError
+
+    class Narrowed(MemoryBackend):
+        def __init__(self, config, context):
+            super().__init__(config, context)
+            self.capabilities = MemoryBackend.capabilities.model_copy(
+                update={"segmented_host": False, "persistent": True}
+            )
+
+    backend = kvcore.open_backend(Narrowed)
+    assert not backend.capabilities.segmented_host and backend.capabilities.persistent
+    assert MemoryBackend.capabilities.segmented_host  # the class's declaration is untouched
+    backend.close()
+
+    class Broken(MemoryBackend):
+        def __init__(self, config, context):
+            super().__init__(config, context)
+            self.capabilities = {"addressing": "key"}
+
+    with pytest.raises(BackendDefinitionError, match=r"not a kvcore\.Capabilities"):
+        kvcore.open_backend(Broken)

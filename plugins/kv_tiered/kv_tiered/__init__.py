@@ -1,0 +1,6 @@
+"""kvcore's ``tiered`` backend: an ordered stack of other kvcore backends, opened by name."""
+
+from kv_tiered.backend import TieredBackend
+from kv_tiered.config import TieredConfig, TierSpec
+
+__all__ = ["TierSpec", "TieredBackend", "TieredConfig"]

@@ -1,0 +1,311 @@
+"""The ``tiered`` backend: other kvcore backends, opened by name, stacked fastest first.
+
+- **query**: the leading run over the union of the tiers, one batched call per tier: the first
+  tier's leading run, then the next tier's from where it ended, and so on.
+- **read**: each block from the first tier that holds it, in the same order; blocks that only
+  a lower tier had are **promoted** into the tiers above it by a background copy (bounded
+  queue, never past the read's deadline, nothing copied on the read's own path).
+- **write** (``write-through``): acknowledged when the first tier that works stores it; the
+  tiers below receive it by a background copy (bounded backlog, drops counted).
+- **faults**: a tier that fails or misses its deadline is skipped for that call and counted
+  (``tier<i>_failures``); the stack fails a call only when every tier did. A corrupt object
+  is removed by the tier that finds it (kv_file verifies every read) and the block is read
+  from the next tier that has it.
+- **remove / clear** reach every tier, after the background copies of those blocks are
+  cancelled or finished (what is removed is never copied back).
+
+Each tier is a :class:`kvcore.Backend` opened with the stack's context, so it keeps its own
+fault isolation, metrics and events. The stack declares only what every tier honours.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import kvcore
+from kv_tiered.config import TieredConfig
+from kv_tiered.mover import Copy, Mover
+from kvcore import BlockRequest, Outcome
+from kvcore import events as ev
+
+__all__ = ["TieredBackend"]
+
+log = logging.getLogger("kvcore.tiered")
+
+#: objects of a followed tier's events queued before they collapse into one resync
+_FOLLOW_QUEUE_OBJECTS = 1 << 16
+
+
+class TieredBackend:
+    """An ordered stack of kvcore backends as one backend (see the module docstring)."""
+
+    config_model = TieredConfig
+    # the class's declaration; an opened stack declares what its tiers honour
+    capabilities = kvcore.Capabilities(addressing="key", io="host", concurrent=True)
+
+    def __init__(self, config: TieredConfig, context: kvcore.BackendContext) -> None:
+        self.config = config
+        self.context = context
+        self.tiers: list[kvcore.Backend] = []
+        try:
+            for i, spec in enumerate(config.tiers):
+                self.tiers.append(_open_tier(i, spec.backend, spec.config, context))
+        except BaseException:
+            self._close_tiers()
+            raise
+        caps = [t.capabilities for t in self.tiers]
+        self.capabilities = kvcore.Capabilities(
+            addressing="key",
+            io="host",
+            # a block acknowledged is in the first tier: what it promises, the stack does
+            # (persistence too: closing waits for the copies into the tiers below)
+            persistent=any(c.persistent for c in caps),
+            shared=caps[0].shared,
+            scales=all(c.scales for c in caps),
+            concurrent=True,
+            segmented_host=all(c.segmented_host for c in caps),
+            checksums=all(c.checksums for c in caps),
+        )
+        self._counters = kvcore.Counters()
+        #: shared tiers below a private one, followed through their events (see _follow)
+        self._followed: list[tuple[int, ev.Subscription]] = []
+        for j, tier in enumerate(self.tiers):
+            private_above = [i for i in range(j) if not caps[i].shared]
+            if private_above and caps[j].shared:
+                self._followed.append((j, tier.events.subscribe(_FOLLOW_QUEUE_OBJECTS)))
+        self._mover = Mover(
+            self.tiers,
+            self._part_bytes,
+            max_blocks=config.backlog_blocks,
+            threads=config.mover_threads,
+            timeout_s=config.lower_timeout_s,
+            counters=self._counters,
+        )
+        log.info(
+            "kv_tiered stack: %s, %s",
+            " > ".join(t.name for t in self.tiers),
+            config.write_policy,
+        )
+
+    # -- data --------------------------------------------------------------------------------
+
+    @kvcore.hookimpl
+    def kvcore_query(self, request: BlockRequest) -> int:
+        self._follow()
+        n = request.num_blocks
+        found = 0
+        failed = 0
+        for i, tier in enumerate(self.tiers):
+            if found >= n:
+                break
+            got = tier.query(request.slice(found, n))
+            failed += self._failed(i, "query", got)
+            found += int(got)
+        return self._answer(found, n, failed, "query")
+
+    @kvcore.hookimpl
+    def kvcore_read(self, request: BlockRequest) -> int:
+        host = request.host
+        assert host is not None  # the core sends host buffers to io="host" backends
+        self._follow()
+        n = request.num_blocks
+        done = 0
+        failed = 0
+        for i, tier in enumerate(self.tiers):
+            if done >= n or (i and request.expired()):
+                break
+            got = tier.read(request.slice(done, n, host=host.slice(done, n)))
+            failed += self._failed(i, "read", got)
+            if got:
+                self._counters.add(f"tier{i}_read_blocks", int(got))
+                if i and self.config.promote:
+                    self._mover.submit(
+                        Copy("promote", i, tuple(range(i)),
+                             request.slice(done, done + got), request.deadline)
+                    )  # fmt: skip
+            done += int(got)
+        return self._answer(done, n, failed, "read")
+
+    @kvcore.hookimpl
+    def kvcore_write(self, request: BlockRequest) -> int:
+        n = request.num_blocks
+        for i, tier in enumerate(self.tiers):
+            got = tier.write(request)
+            if got.failure is not None and got < n:
+                self._failed(i, "write", got)
+                continue  # this tier cannot take it now: the next one acknowledges
+            self._counters.add(f"tier{i}_written_blocks", int(got))
+            below = tuple(range(i + 1, len(self.tiers)))
+            if got and below:
+                self._mover.submit(Copy("lower", i, below, request.slice(0, got), None))
+            return int(got)
+        return Outcome(0, f"every tier failed to write ({len(self.tiers)} tiers)")
+
+    @kvcore.hookimpl
+    def kvcore_admit(self, request: BlockRequest) -> int:
+        """The first tier decides what the stack takes (it is the one a write fills)."""
+        return int(self.tiers[0].admit(request))
+
+    @kvcore.hookimpl
+    def kvcore_remove(self, request: BlockRequest) -> int:
+        self._mover.forget({names[0] for names in request.object_names})
+        removed = 0
+        failure = None
+        for i, tier in enumerate(self.tiers):
+            got = tier.remove(request)
+            if got.failure is not None and tier.implements("kvcore_remove"):
+                self._failed(i, "remove", got)
+                failure = failure or got.failure
+            removed = max(removed, int(got))
+        return removed if failure is None else Outcome(removed, failure)
+
+    @kvcore.hookimpl
+    def kvcore_clear(self) -> int:
+        self._mover.forget(None)
+        cleared = 0
+        failure = None
+        for i, tier in enumerate(self.tiers):
+            got = tier.clear()
+            if got.failure is not None and tier.implements("kvcore_clear"):
+                self._failed(i, "clear", got)
+                failure = failure or got.failure
+            cleared += int(got)
+        return cleared if failure is None else Outcome(cleared, failure)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @kvcore.hookimpl
+    def kvcore_register_buffer(self, ptr: int, nbytes: int) -> None:
+        for tier in self.tiers:
+            tier.register_buffer(ptr, nbytes)
+
+    @kvcore.hookimpl
+    def kvcore_unregister_buffer(self, ptr: int) -> None:
+        for tier in self.tiers:
+            tier.unregister_buffer(ptr)
+
+    @kvcore.hookimpl
+    def kvcore_stats(self) -> dict[str, float]:
+        out = self._counters.snapshot()
+        out["backlog_blocks"] = float(self._mover.backlog_blocks)
+        out["tiers"] = float(len(self.tiers))
+        for i, tier in enumerate(self.tiers):
+            for name, value in tier.stats().items():
+                if name.startswith("backend_"):
+                    out[f"tier{i}_{name.removeprefix('backend_')}"] = value
+        return out
+
+    @kvcore.hookimpl
+    def kvcore_close(self) -> None:
+        for _, sub in self._followed:
+            sub.close()
+        if not self._mover.close(self.config.lower_timeout_s):
+            log.warning("kv_tiered: background copies still queued at close were dropped")
+        self._close_tiers()
+
+    def _follow(self) -> None:
+        """Keep private tiers (a process's memory) true to the shared tiers below them.
+
+        Another process sharing a lower tier may remove blocks this process holds a copy of
+        above it (or clear the namespace). Before answering, each followed shared tier is
+        asked to apply what its peers did (an empty query: kv_file reads its journal) and
+        reports it as events; removals, clears and lost events then reach the private tiers
+        above it. Evictions do not: an evicted block's copy is still the block.
+        """
+        for j, sub in self._followed:
+            tier = self.tiers[j]
+            tier.query(tier.request("tiered-follow", ()))
+            events = sub.drain()
+            if events:
+                self._invalidate(j, events)
+
+    def _invalidate(self, below: int, events: list[ev.StoreEvent]) -> None:
+        private = [self.tiers[i] for i in range(below) if not self.tiers[i].capabilities.shared]
+        gone: dict[str, list[str]] = {}
+        wipe = False
+        for event in events:
+            if event.origin != ev.PEER and event.kind != ev.RESYNC:
+                continue  # this stack's own changes reached every tier already
+            if event.kind in (ev.CLEARED, ev.RESYNC):
+                wipe = True
+            elif event.kind == ev.REMOVED:
+                for name, part in zip(event.names, event.parts, strict=True):
+                    gone.setdefault(part, []).append(name)
+        for tier in private:
+            if wipe:
+                tier.clear()
+                continue
+            for part, names in gone.items():
+                tier.remove(
+                    BlockRequest(
+                        task_id="tiered-invalidate",
+                        block_keys=(),
+                        object_names=tuple((n,) for n in names),
+                        parts=(part,),
+                        deadline=time.monotonic() + self.config.default_timeout_s,
+                        num_blocks=len(names),
+                    )
+                )
+        self._counters.add("invalidations", sum(len(v) for v in gone.values()) + wipe)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued background copy ran (tests, benchmarks, shutdown)."""
+        return self._mover.drain(timeout_s)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _failed(self, tier: int, op: str, outcome: Outcome) -> int:
+        """Count a tier's failure (1) or nothing (0); the tier logged it once itself."""
+        if outcome.failure is None:
+            return 0
+        self._counters.add(f"tier{tier}_failures")
+        self._counters.add(f"tier{tier}_failures_{op}")
+        return 1
+
+    def _answer(self, count: int, n: int, failed: int, op: str) -> int:
+        """The count; a failure only when every tier failed (a short answer, not a miss)."""
+        if failed and failed == len(self.tiers) and count < n:
+            return Outcome(count, f"every tier failed to {op}")
+        return count
+
+    def _part_bytes(self, request: BlockRequest) -> Sequence[int] | None:
+        if request.part_nbytes is not None:
+            return request.part_nbytes
+        layout = self.context.layout
+        if layout is None:
+            return None
+        return [layout.part_bytes(p) for p in request.parts]
+
+    def _close_tiers(self) -> None:
+        for tier in reversed(self.tiers):
+            try:
+                tier.close()
+            except Exception as exc:  # closing the others matters more
+                log.warning("kv_tiered: closing tier %r failed: %s", tier.name, exc)
+
+
+def _open_tier(
+    index: int, name: str, config: dict, context: kvcore.BackendContext
+) -> kvcore.Backend:
+    """Open tier ``index``; an error names it (``tiers[1] (mooncake): ...``)."""
+    where = f"tiers[{index}] ({name})"
+    try:
+        tier = kvcore.open_backend(name, config, context=context)
+    except kvcore.ConfigError as exc:
+        raise kvcore.ConfigError(f"invalid config for backend 'tiered': {where}: {exc}") from None
+    except kvcore.KVCoreError:
+        raise
+    except Exception as exc:
+        raise kvcore.ConfigError(
+            f"backend 'tiered': {where} cannot open: {type(exc).__name__}: {exc}"
+        ) from exc
+    caps = tier.capabilities
+    if caps.addressing != "key" or caps.io != "host" or caps.token_index:
+        tier.close()
+        raise kvcore.ConfigError(
+            f"invalid config for backend 'tiered': {where} is {caps.addressing}-addressed with "
+            f"{caps.io} I/O; a stack takes key-addressed, host-I/O backends"
+        )
+    return tier

@@ -1,0 +1,65 @@
+"""Settings of a tier stack; every field can be overridden with ``KVCORE_TIERED_<FIELD>``
+(``KVCORE_TIERED_TIERS`` as a JSON list)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+import kvcore
+from kvcore.schemas import timeout_field
+
+__all__ = ["TierSpec", "TieredConfig"]
+
+
+class TierSpec(BaseModel):
+    """One tier: an installed backend's name and its config.
+
+    Written either as ``{"backend": "file", "config": {"root": "/nvme/kv"}}`` or with the
+    config's keys beside the name, ``{"backend": "file", "root": "/nvme/kv"}``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str = Field(min_length=1, description="an installed kvcore backend's name")
+    config: dict[str, Any] = Field(default_factory=dict, description="that backend's config")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _inline_config(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "config" not in value:
+            rest = {k: v for k, v in value.items() if k != "backend"}
+            return {"backend": value.get("backend"), "config": rest}
+        return value
+
+
+class TieredConfig(kvcore.BackendConfig):
+    env_prefix = "KVCORE_TIERED_"
+
+    tiers: list[TierSpec] = Field(
+        min_length=1,
+        description="the tiers, fastest first: reads are served by the first tier holding a "
+        "block, writes are acknowledged by the first tier that stores them",
+    )
+    write_policy: Literal["write-through"] = Field(
+        default="write-through",
+        description="write-through: a write is acknowledged when the first tier has it; the "
+        "tiers below receive it asynchronously (bounded backlog, drops counted)",
+    )
+    promote: bool = Field(
+        default=True,
+        description="copy blocks read from a lower tier into the tiers above it, in the "
+        "background, before the read's deadline",
+    )
+    backlog_blocks: int = Field(
+        default=4096,
+        ge=1,
+        description="blocks queued for background copies (promotions and write-through) "
+        "before further ones are dropped and counted",
+    )
+    mover_threads: int = Field(default=1, ge=1, le=16, description="background copy threads")
+    lower_timeout_s: float = timeout_field(
+        30.0,
+        "seconds a background write-through copy may take (promotions keep the read's deadline)",
+    )

@@ -1,0 +1,211 @@
+"""Background copies between the tiers of a stack: promotions (a lower tier's blocks into the
+tiers above it, after a read found them there) and write-through (an acknowledged write's
+blocks into the tiers below the one that acknowledged it).
+
+A copy reads the blocks back from its source tier into buffers of its own and writes them to
+its targets: the read or write that caused it copies nothing and waits for nothing. The queue
+is bounded in blocks; a copy that does not fit, or whose deadline passed while it waited, is
+dropped and counted (a later miss in that tier, never an error).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import kvcore
+from kvcore import BlockRequest, HostBuffers
+from kvcore.threads import start_thread
+
+__all__ = ["Copy", "Mover"]
+
+log = logging.getLogger("kvcore.tiered")
+
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Blocks of ``request`` (names only, no buffers) to copy from tier ``source`` to
+    ``targets``; ``kind`` names the counters (``promote`` or ``lower``)."""
+
+    kind: str
+    source: int
+    targets: tuple[int, ...]
+    request: BlockRequest
+    #: a ``time.monotonic()`` instant after which the copy is not started; None: its own
+    #: timeout from when it starts
+    deadline: float | None
+
+    @property
+    def blocks(self) -> int:
+        return self.request.num_blocks
+
+
+class Mover:
+    """Runs :class:`Copy` jobs on ``threads`` threads (see the module docstring).
+
+    :param part_bytes: bytes of each part of a request's objects.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[kvcore.Backend],
+        part_bytes: Callable[[BlockRequest], Sequence[int] | None],
+        *,
+        max_blocks: int,
+        threads: int,
+        timeout_s: float,
+        counters: kvcore.Counters,
+    ) -> None:
+        self._tiers = tiers
+        self._part_bytes = part_bytes
+        self._max_blocks = max_blocks
+        self._timeout_s = timeout_s
+        self._counters = counters
+        self._queue: deque[Copy] = deque()
+        self._queued_blocks = 0
+        self._active = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._threads = [start_thread(self._work, f"kv_tiered-mover-{i}") for i in range(threads)]
+
+    def submit(self, copy: Copy) -> bool:
+        """Queue ``copy``; False (and counted as dropped) when the backlog is full or closed."""
+        n = copy.blocks
+        if n <= 0:
+            return True
+        with self._cond:
+            if self._stopping or self._queued_blocks + n > self._max_blocks:
+                self._counters.add(f"{copy.kind}_dropped_blocks", n)
+                return False
+            self._queue.append(copy)
+            self._queued_blocks += n
+            self._counters.add(f"{copy.kind}_queued_blocks", n)
+            self._cond.notify()
+        return True
+
+    def forget(self, names: set[str] | None) -> None:
+        """Drop queued copies of blocks named in ``names`` (all, for None) and wait for the
+        running ones: what is removed must not be copied back afterwards."""
+        with self._cond:
+            kept: deque[Copy] = deque()
+            for copy in self._queue:
+                rows = copy.request.object_names
+                keep = [] if names is None else [i for i, b in enumerate(rows) if b[0] not in names]
+                if len(keep) < copy.blocks:
+                    self._queued_blocks -= copy.blocks - len(keep)
+                    self._counters.add(f"{copy.kind}_cancelled_blocks", copy.blocks - len(keep))
+                    if not keep:
+                        continue
+                    request = copy.request
+                    copy = replace(
+                        copy,
+                        request=replace(
+                            request,
+                            block_keys=tuple(request.block_keys[i] for i in keep)
+                            if request.block_keys
+                            else (),
+                            object_names=tuple(rows[i] for i in keep),
+                            num_blocks=len(keep),
+                        ),
+                    )
+                kept.append(copy)
+            self._queue = kept
+            while self._active:
+                self._cond.wait()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued copy ran; False if that took longer than ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._active:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    @property
+    def backlog_blocks(self) -> int:
+        return self._queued_blocks
+
+    def close(self, timeout_s: float) -> bool:
+        """Run what is queued (up to ``timeout_s``), then stop; True if nothing was left."""
+        drained = self.drain(timeout_s)
+        with self._cond:
+            self._stopping = True
+            if not drained:
+                for copy in self._queue:
+                    self._counters.add(f"{copy.kind}_dropped_blocks", copy.blocks)
+                self._queue.clear()
+                self._queued_blocks = 0
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=max(1.0, timeout_s))
+        return drained
+
+    # -- the threads ---------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                copy = self._queue.popleft()
+                self._queued_blocks -= copy.blocks
+                self._active += 1
+            try:
+                self._run(copy)
+            except Exception as exc:  # a copy is best-effort: never let it kill the thread
+                self._counters.add(f"{copy.kind}_failed_blocks", copy.blocks)
+                log.warning("kv_tiered: a background %s copy failed: %s", copy.kind, exc)
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+
+    def _run(self, copy: Copy) -> None:
+        kind, n = copy.kind, copy.blocks
+        now = time.monotonic()
+        if copy.deadline is not None and now >= copy.deadline:
+            self._counters.add(f"{kind}_expired_blocks", n)
+            return
+        sizes = self._part_bytes(copy.request)
+        if sizes is None:
+            self._counters.add(f"{kind}_failed_blocks", n)
+            return
+        deadline = copy.deadline if copy.deadline is not None else now + self._timeout_s
+        host, region = _buffers(n, sizes)  # the region lives until this copy returns
+        request = replace(copy.request, host=host, deadline=deadline)
+        got = int(self._tiers[copy.source].read(request))
+        if got < n:
+            self._counters.add(f"{kind}_source_missing_blocks", n - got)
+        if not got:
+            return
+        part = request.slice(0, got, host=host.slice(0, got))
+        for target in copy.targets:
+            done = int(self._tiers[target].write(part))
+            self._counters.add(f"{kind}_copied_blocks", done)
+            if done < got:
+                self._counters.add(f"{kind}_failed_blocks", got - done)
+        del region
+
+
+def _buffers(blocks: int, sizes: Sequence[int]) -> tuple[HostBuffers, mmap.mmap]:
+    """Page-aligned regions for ``blocks`` objects of each part size (direct I/O takes them)."""
+    slots = [-(-s // _PAGE) * _PAGE for s in sizes]
+    stride = sum(slots)
+    region = mmap.mmap(-1, max(1, blocks * stride))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offsets = [sum(slots[:j]) for j in range(len(slots))]
+    ptrs = tuple(tuple(base + i * stride + o for o in offsets) for i in range(blocks))
+    return HostBuffers(ptrs, tuple(sizes)), region

@@ -1,0 +1,48 @@
+"""The conformance kit on tier stacks: memory over file, file over file, file over a real
+Mooncake cluster (a master and a storage node on 127.0.0.1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvcore.testing import BackendConformance
+
+
+class TestMemoryOverFile(BackendConformance):
+    backend = "tiered"
+
+    @pytest.fixture
+    def backend_config(self, tmp_path) -> dict[str, Any]:
+        return {"tiers": [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]}
+
+
+class TestFileOverFile(BackendConformance):
+    """A shared, checksummed stack: both tiers are kv_file (a local disk over a shared one)."""
+
+    backend = "tiered"
+
+    @pytest.fixture
+    def backend_config(self, tmp_path) -> dict[str, Any]:
+        return {
+            "tiers": [
+                {"backend": "file", "root": str(tmp_path / "near")},
+                {"backend": "file", "config": {"root": str(tmp_path / "far")}},
+            ]
+        }
+
+
+class TestFileOverMooncake(BackendConformance):
+    backend = "tiered"
+
+    @pytest.fixture
+    def backend_config(self, tmp_path, request) -> dict[str, Any]:
+        pytest.importorskip("kv_mooncake.testing", reason="kv_mooncake is not installed")
+        mooncake = request.getfixturevalue("mooncake_config")
+        return {
+            "tiers": [
+                {"backend": "file", "root": str(tmp_path / "near")},
+                {"backend": "mooncake", "config": mooncake},
+            ]
+        }

@@ -1,0 +1,250 @@
+"""What a stack does beyond the kit: one call per tier, promotion, write-through, bounded
+background copies, faults skipped and counted, corruption served from another tier, remove and
+clear reaching every tier, config errors naming the tier."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from kv_tiered.mover import Copy
+
+import kvcore
+from kvcore.testing import Harness, blocks_equal, small_layout
+
+
+def open_stack(tmp_path, strict: bool = True, **config: Any) -> Harness:
+    """file (near) over file (far): both shared and checksummed, so nothing is followed."""
+    tiers = [
+        {"backend": "file", "root": str(tmp_path / "near"), "rescan_interval_s": 0},
+        {"backend": "file", "root": str(tmp_path / "far"), "rescan_interval_s": 0},
+    ]
+    layout = small_layout()
+    backend = kvcore.open_backend(
+        "tiered", {"tiers": tiers, **config}, context={"layout": layout}, strict=strict
+    )
+    return Harness(backend, layout)
+
+
+def tier_harness(stack: Harness, i: int) -> Harness:
+    return Harness(stack.backend.plugin.tiers[i], stack.layout)
+
+
+def calls(h: Harness, i: int, op: str) -> float:
+    return h.backend.plugin.tiers[i].stats().get(f"calls.{op}", 0.0)
+
+
+def flush(h: Harness) -> None:
+    assert h.backend.plugin.flush(30), "background copies did not finish"
+
+
+def test_a_query_is_one_call_per_tier_over_the_union(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(6)
+        assert far.write(seq) == 6  # only the far tier has 0-5 ...
+        assert near.write(seq, 0, 2) == 2  # ... and the near one 0-1
+        before = (calls(h, 0, "query"), calls(h, 1, "query"))
+        assert h.query(seq) == 6
+        assert (calls(h, 0, "query"), calls(h, 1, "query")) == (before[0] + 1, before[1] + 1)
+        assert h.query(seq, 0, 2) == 2
+        assert calls(h, 1, "query") == before[1] + 1, "the far tier was asked for blocks 0-1"
+    finally:
+        h.backend.close()
+
+
+def test_a_read_takes_each_block_from_the_fastest_tier_and_promotes_the_rest(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(5)
+        assert far.write(seq) == 5
+        assert near.write(seq, 0, 2) == 2
+        done, got = h.read(seq)
+        assert done == 5 and blocks_equal(got, h.payload(seq, 0, 5)) == []
+        stats = h.backend.stats()
+        assert stats["backend_tier0_read_blocks"] == 2 and stats["backend_tier1_read_blocks"] == 3
+        flush(h)
+        assert near.query(seq) == 5, "blocks 2-4 were not promoted into the near tier"
+        done, got = h.read(seq)
+        assert done == 5 and blocks_equal(got, h.payload(seq, 0, 5)) == []
+        stats = h.backend.stats()
+        assert stats["backend_tier0_read_blocks"] == 7 and stats["backend_tier1_read_blocks"] == 3
+        assert stats["backend_promote_copied_blocks"] == 3
+    finally:
+        h.backend.close()
+
+
+def test_write_through_acknowledges_with_the_first_tier_and_fills_the_others(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(4)
+        assert h.write(seq) == 4
+        assert near.query(seq) == 4  # acknowledged: the first tier has it
+        flush(h)
+        done, got = far.read(seq)
+        assert done == 4 and blocks_equal(got, h.payload(seq, 0, 4)) == []
+        assert h.backend.stats()["backend_lower_copied_blocks"] == 4
+    finally:
+        h.backend.close()
+
+
+def test_background_copies_are_bounded_and_drops_are_counted(tmp_path) -> None:
+    h = open_stack(tmp_path, backlog_blocks=3)
+    stack = h.backend.plugin
+    try:
+        mover = stack._mover
+        with mover._cond:  # hold the workers: everything submitted now stays queued
+            first = h.new_sequence(3)
+            second = h.new_sequence(2)
+            queued = mover.submit(Copy("lower", 0, (1,), h.request(first), None))
+            dropped = not mover.submit(Copy("lower", 0, (1,), h.request(second), None))
+            assert queued and dropped
+            assert mover.backlog_blocks == 3
+        stats = h.backend.stats()
+        assert stats["backend_lower_dropped_blocks"] == 2
+        assert stats["backend_lower_queued_blocks"] == 3
+    finally:
+        h.backend.close()
+
+
+def test_a_promotion_never_runs_past_the_reads_deadline(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(2)
+        assert far.write(seq) == 2
+        past = time.monotonic() - 1
+        assert h.backend.plugin._mover.submit(Copy("promote", 1, (0,), h.request(seq), past))
+        flush(h)
+        assert near.query(seq) == 0
+        assert h.backend.stats()["backend_promote_expired_blocks"] == 2
+    finally:
+        h.backend.close()
+
+
+def _failing(*args: Any, **kwargs: Any) -> int:
+    raise OSError(5, "Input/output error")
+
+
+def test_a_failing_tier_is_skipped_and_counted_never_failing_the_stack(tmp_path) -> None:
+    h = open_stack(tmp_path, strict=False)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(3)
+        near.backend._write = _failing  # the near tier's disk fails
+        assert h.write(seq) == 3  # acknowledged by the far tier instead
+        assert far.query(seq) == 3 and near.query(seq) == 0
+        near.backend._query = near.backend._read = _failing
+        assert h.query(seq) == 3
+        done, got = h.read(seq)
+        assert done == 3 and blocks_equal(got, h.payload(seq, 0, 3)) == []
+        stats = h.backend.stats()
+        assert stats["backend_tier0_failures_write"] == 1
+        assert stats["backend_tier0_failures_query"] >= 1
+        assert stats["backend_tier0_failures_read"] == 1
+        far.backend._query = far.backend._read = _failing
+        assert h.query(seq) == 0  # every tier failed: a counted miss with its reason
+        assert h.backend.stats()["failures_reported.query"] >= 1
+    finally:
+        h.backend.close()
+
+
+def test_a_corrupt_object_is_removed_there_and_served_from_a_good_copy(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near = tier_harness(h, 0)
+    try:
+        seq = h.new_sequence(3)
+        assert h.write(seq) == 3
+        flush(h)
+        name = h.request(seq).object_names[1][0]
+        path = near.backend.plugin._dir.object_path(near.backend.plugin._digest(name))
+        with open(path, "r+b") as f:  # one flipped byte in the payload of block 1, part k
+            f.seek(os.path.getsize(path) - 7)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        done, got = h.read(seq)
+        assert done == 3 and blocks_equal(got, h.payload(seq, 0, 3)) == []
+        assert near.backend.stats()["backend_corrupt_removed"] == 1
+        flush(h)  # and the good copy is promoted back
+        done, got = near.read(seq)
+        assert done == 3 and blocks_equal(got, h.payload(seq, 0, 3)) == []
+    finally:
+        h.backend.close()
+
+
+def test_remove_and_clear_reach_every_tier(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(4)
+        assert h.write(seq) == 4
+        assert h.backend.remove(h.request(seq, 2, 2)) == 2  # queued copies are cancelled too
+        flush(h)
+        assert (near.query(seq), far.query(seq)) == (2, 2)
+        assert h.backend.clear() >= 4
+        assert (near.query(seq), far.query(seq)) == (0, 0)
+    finally:
+        h.backend.close()
+
+
+def test_a_private_tier_follows_removals_in_the_shared_tier_below(tmp_path) -> None:
+    # memory (this process) over file (shared): another process removes a block from the
+    # file tier; this stack must not keep serving its memory copy
+    tiers = [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]
+    layout = small_layout()
+    ours = kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": layout})
+    theirs = kvcore.open_backend("file", {"root": str(tmp_path / "s")}, context={"layout": layout})
+    h, other = Harness(ours, layout), Harness(theirs, layout)
+    try:
+        seq = h.new_sequence(3)
+        assert h.write(seq) == 3
+        flush(h)
+        assert other.backend.remove(other.request(seq, 1, 2)) == 2
+        assert h.query(seq) == 1
+        assert h.backend.stats()["backend_invalidations"] == 2 * len(layout.parts)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize(
+    ("tiers", "message"),
+    [
+        ([], "tiers"),
+        ([{"backend": "nosuch"}], "no kvcore backend named 'nosuch'"),
+        ([{"backend": "memory"}, {"backend": "file", "capacity_bytes": "lots"}],
+         r"(?s)tiers\[1\] \(file\).*capacity_bytes"),
+        ([{"root": "/tmp/x"}], "backend"),
+    ],
+)  # fmt: skip
+def test_a_bad_stack_is_refused_naming_the_tier(tiers, message) -> None:
+    with pytest.raises(kvcore.KVCoreError, match=message):
+        kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": small_layout()})
+
+
+def test_the_stack_declares_what_every_tier_honours(tmp_path) -> None:
+    layout = small_layout()
+    two_files = [
+        {"backend": "file", "root": str(tmp_path / "a")},
+        {"backend": "file", "root": str(tmp_path / "b")},
+    ]
+    file_only = kvcore.open_backend("tiered", {"tiers": two_files}, context={"layout": layout})
+    with_memory = kvcore.open_backend(
+        "tiered",
+        {"tiers": [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "c")}]},
+        context={"layout": layout},
+    )
+    try:
+        caps = file_only.capabilities
+        assert caps.persistent and caps.shared and caps.checksums and caps.segmented_host
+        caps = with_memory.capabilities
+        assert caps.persistent and not caps.shared and not caps.checksums
+    finally:
+        file_only.close()
+        with_memory.close()
