@@ -76,6 +76,9 @@ def replay(
         raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
     bounds = bounds or Bounds(trace)
     store = {
+        # no periodic full scans: one could reorder what a replay counts (a backend without
+        # the setting is not given it)
+        "rescan_interval_s": 0,
         "high_watermark": high_watermark,
         "low_watermark": low_watermark,
         "admission_doorkeeper": doorkeeper_factor,
