@@ -179,6 +179,14 @@ class Backend:
         n = self._call("admit", self._pm.hook.kvcore_admit, request, {"request": request})
         return Outcome(request.num_blocks) if n.failure is not None else n
 
+    def evict_to(self, sink: Callable[[list[tuple[str, memoryview]]], None] | None) -> bool:
+        """Have the backend hand what it evicts to ``sink`` (see ``kvcore_evict_to``); False
+        for backends that cannot."""
+        if not self.implements("kvcore_evict_to"):
+            return False
+        answer = self._lifecycle("evict_to", self._pm.hook.kvcore_evict_to, sink=sink)
+        return bool(answer)
+
     def flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> Outcome:
         """Blocks whose residency record changed; 0 for backends without a token index."""
         if not self.capabilities.token_index:

@@ -59,6 +59,7 @@ REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
 #: Optional hooks; :meth:`kvcore.Backend.implements` tells whether a backend has one.
 OPTIONAL_HOOKS = (
     "kvcore_admit",
+    "kvcore_evict_to",
     "kvcore_flush_token_index",
     "kvcore_remove",
     "kvcore_clear",
@@ -153,6 +154,28 @@ def kvcore_admit(request: BlockRequest) -> int:
     :func:`kvcore_write` stores what it is given whether or not it was asked about:
     admission is the writer's question, asked once per offer (see :mod:`kvcore.admission`
     for the policies a backend can keep).
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.3
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_evict_to(sink: Callable[[list[tuple[str, memoryview]]], None] | None) -> bool:
+    """Hand every object the store evicts to ``sink`` before its bytes are gone.
+
+    For a store in front of another (kv_tiered's ``write-back-on-evict``): the lower tier
+    receives exactly what the upper one drops. Events (:func:`kvcore_watch`) say *that* an
+    object was evicted; by the time a subscriber reads one, its bytes are deleted.
+
+    :param sink: called with ``[(object name, payload), ...]`` for each batch of evictions of
+        this opened backend, after the objects left the store and before their bytes are
+        freed; each payload is the object's verified bytes, valid only during the call (the
+        sink copies what it keeps, and must not call back into the backend). None: stop.
+        An exception from the sink is counted and logged, never raised into the write that
+        evicted.
+    :return: True if the backend will call ``sink``; False or None if it cannot.
 
     ``firstresult``: the backend's answer is the result.
 

@@ -91,6 +91,11 @@ class Recorder(MemoryBackend):
         return MemoryBackend.kvcore_write(self, request)
 
     @kvcore.hookimpl
+    def kvcore_evict_to(self, sink):
+        record("kvcore_evict_to")
+        return False  # the reference store never evicts on its own
+
+    @kvcore.hookimpl
     def kvcore_admit(self, request):
         record("kvcore_admit")
         return request.num_blocks

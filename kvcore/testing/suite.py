@@ -744,6 +744,60 @@ class BackendConformance:
             )
             assert index.resyncs == 0, "the subscription fell behind (resync) in a short test"
 
+    @exercises("kvcore_evict_to", "kvcore_write", "kvcore_query")
+    def test_what_the_store_evicts_is_handed_over_intact(
+        self,
+        open_harness: Callable[..., Harness],
+        backend_capacity: DeclaredCapacity | None,
+    ) -> None:
+        """For a backend with ``kvcore_evict_to``: write about twice its capacity; every block
+        written is then either still found, or was handed to the sink with every part's exact
+        bytes (a store in front of another loses nothing it evicts)."""
+        if backend_capacity is None:
+            pytest.skip("no declared capacity (see the `backend_capacity` fixture)")
+        layout = capacity_layout()
+        n = 2 * backend_capacity.nbytes // layout.block_bytes + 1
+        h = open_harness(
+            capacity_layout(max(n, 16)),
+            config=backend_capacity.config,
+            namespace=f"kvcore-kit-{uuid.uuid4().hex[:12]}",
+        )
+        _require_hook(h.backend, "kvcore_evict_to")
+        handed: dict[str, bytes] = {}
+
+        def sink(objects: list[tuple[str, memoryview]]) -> None:
+            for name, payload in objects:
+                handed[name] = bytes(payload)  # valid only during the call: copied
+
+        if not h.backend.evict_to(sink):
+            pytest.skip("the backend says it cannot hand evictions over (kvcore_evict_to)")
+        seqs = [h.new_sequence(4) for _ in range(max(1, n // 4))]
+        for seq in seqs:
+            assert h.write(seq) == 4
+        h.backend.evict_to(None)
+        assert handed, f"{len(seqs) * 4} blocks written over a capacity of ~{n // 2}: none handed"
+        lost, wrong = [], []
+        for seq in seqs:
+            names = h.request(seq).object_names
+            for i in range(4):
+                if h.query(seq, i, 1):
+                    continue
+                for j, name in enumerate(names[i]):  # each part: still stored, or handed over
+                    want = h.payload(seq, i, 1)[0][j]
+                    if name in handed:
+                        if handed[name] != want:
+                            wrong.append(name)
+                        continue
+                    part = h.parts[j]
+                    one = h.backend.request(
+                        "kit-part", [seq.keys[i]], parts=(part,),
+                        part_bytes=(h.layout.part_bytes(part),),
+                    )  # fmt: skip
+                    if not h.backend.query(one):
+                        lost.append(name)
+        assert not lost, f"{len(lost)} evicted objects were never handed over: {lost[:3]}"
+        assert not wrong, f"{len(wrong)} objects were handed over with other bytes: {wrong[:3]}"
+
     # -- admission ---------------------------------------------------------------------------
 
     @exercises("kvcore_admit", "kvcore_write", "kvcore_read")

@@ -149,6 +149,7 @@ class FileBackend:
         if config.rescan_interval_s > 0:
             self._rescanner = start_thread(self._rescan_loop, "kv_file-rescan")
         self._watch_stop: threading.Event | None = None
+        self._evict_sink: Callable[[list[tuple[str, memoryview]]], None] | None = None
         log.info(
             "kv_file store at %s: %d objects, %d of %d bytes, fsync=%s",
             self._dir.path,
@@ -447,6 +448,14 @@ class FileBackend:
         return {"write_gbps": gb / (t1 - t0), "read_gbps": gb / (t2 - t1)}
 
     @kvcore.hookimpl
+    def kvcore_evict_to(self, sink: Callable[[list[tuple[str, memoryview]]], None] | None) -> bool:
+        """Evicted objects are read back from their retired files (verified) and handed to
+        ``sink`` by the write that evicted them, before the files are deleted."""
+        self._evict_sink = sink
+        self._catalog.on_retired = None if sink is None else self._hand_over
+        return True
+
+    @kvcore.hookimpl
     def kvcore_watch(self, report: Callable[..., None] | None) -> set[str] | None:
         """Report every change of the directory, whoever makes it, in the journal's order
         (see :mod:`kv_file.catalog`): a router following any one process sees the store."""
@@ -600,16 +609,39 @@ class FileBackend:
                     ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
                 )
 
-    def _retire(self, digests: list[int]) -> list[str]:
+    def _retire(self, digests: list[int]) -> list[tuple[int, str]]:
         """Move evicted objects' files off their names, to temp names beside them (the
-        catalog deletes those later, outside the journal's lock); returns the temp paths."""
+        catalog deletes those later, outside the journal's lock); returns the digests and
+        temp paths of those moved."""
         moved = []
         for digest in digests:
             temp = self._dir.temp_path(digest)
             with contextlib.suppress(FileNotFoundError):
                 os.rename(self._dir.object_path(digest), temp)
-                moved.append(temp)
+                moved.append((digest, temp))
         return moved
+
+    def _hand_over(self, retired: list[tuple[int, str | None, int, str]]) -> None:
+        """Read evicted objects back from their retired files, verified, and give them to the
+        sink of ``kvcore_evict_to`` (see there)."""
+        sink = self._evict_sink
+        if sink is None:
+            return
+        objects: list[tuple[str, memoryview]] = []
+        for digest, name, size, path in retired:
+            raw = encode_name(name) if name is not None else read_name(path)
+            if raw is None:
+                continue
+            payload = size - header_size(len(raw))
+            buffer = memoryview(bytearray(max(payload, 0)))
+            outcome = read_object(path, raw, [buffer], digest=digest, expected_len=payload)
+            if outcome is ReadOutcome.OK:
+                objects.append((raw.decode("utf-8", "surrogatepass"), buffer))
+            else:
+                self._counters.add("evict_handover_unreadable")
+        if objects:
+            sink(objects)
+            self._counters.add("evict_handed_over", len(objects))
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ class Catalog:
         low: float,
         *,
         fits: frozenset[int] | None,
-        retire_files: Callable[[list[int]], list[str]],
+        retire_files: Callable[[list[int]], list[tuple[int, str]]],
         counters: kvcore.Counters,
     ) -> None:
         self._dir = store_dir
@@ -75,6 +75,9 @@ class Catalog:
             store_dir.path, self.token, lambda: store_dir.meta_temp_path("journal")
         )
         self.report: Callable[..., None] | None = None
+        #: called with ``[(digest, name, size, temp path)]`` of each eviction's retired files
+        #: before they are deleted (outside the lock): a backend hands their bytes over there
+        self.on_retired: Callable[[list[tuple[int, str | None, int, str]]], None] | None = None
         self.evictions = 0  # objects this process evicted
         self._compacted_size = 0  # journal bytes after its last rewrite
         with self._exclusive():
@@ -221,11 +224,19 @@ class Catalog:
         """Reserve bytes for writes of ``sizes`` (in order), evicting LRU objects first as
         needed; returns how many (a leading run) were admitted. ``touched``: objects the write
         skips as already stored, now most recently used."""
-        retired: list[str] = []
+        retired: list[tuple[int, str]] = []
+        known: dict[int, tuple[str | None, int]] = {}
         with self._exclusive():
             victims, admitted = self.index.plan_admission(self.journal.reserved(), sizes)
             victim_bytes = 0
             if victims:
+                if self.on_retired is not None:
+                    with self.index.lock:
+                        known = {
+                            d: (e.name, e.size)
+                            for d in victims
+                            if (e := self.index.lru.get(d)) is not None
+                        }
                 # Renamed away from their names under the lock (a rename costs a fraction of
                 # an unlink, which frees the pages); their bytes stay reserved until the
                 # temp files are deleted, after the lock (a crash leaves stale temps, which the
@@ -238,7 +249,14 @@ class Catalog:
             self._commit(records)
             self.journal.reserve(sum(sizes[:admitted]) + victim_bytes)
         if victims:
-            for path in retired:
+            hand_over = self.on_retired
+            if hand_over is not None and retired:
+                try:
+                    hand_over([(d, *known[d], path) for d, path in retired if d in known])
+                except Exception as exc:  # the eviction goes on: its bytes are lost, counted
+                    self._counters.add("evict_handover_errors")
+                    log.warning("kv_file: handing evicted objects over failed: %s", exc)
+            for _, path in retired:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with self.journal.mutex:  # given back by the next locked section of this process

@@ -20,6 +20,8 @@ fault isolation, metrics and events. The stack declares only what every tier hon
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -27,8 +29,9 @@ from collections.abc import Sequence
 import kvcore
 from kv_tiered.config import TieredConfig
 from kv_tiered.mover import Copy, Mover
-from kvcore import BlockRequest, Outcome
+from kvcore import BlockRequest, HostBuffers, Outcome
 from kvcore import events as ev
+from kvcore.keys import parse_object_name
 
 __all__ = ["TieredBackend"]
 
@@ -83,6 +86,14 @@ class TieredBackend:
             timeout_s=config.lower_timeout_s,
             counters=self._counters,
         )
+        self._write_through = config.write_policy == "write-through"
+        if not self._write_through:
+            try:
+                self._hand_down_evictions()
+            except BaseException:
+                self._mover.close(0)
+                self._close_tiers()
+                raise
         log.info(
             "kv_tiered stack: %s, %s",
             " > ".join(t.name for t in self.tiers),
@@ -138,7 +149,7 @@ class TieredBackend:
                 continue  # this tier cannot take it now: the next one acknowledges
             self._counters.add(f"tier{i}_written_blocks", int(got))
             below = tuple(range(i + 1, len(self.tiers)))
-            if got and below:
+            if got and below and self._write_through:
                 self._mover.submit(Copy("lower", i, below, request.slice(0, got), None))
             return int(got)
         return Outcome(0, f"every tier failed to write ({len(self.tiers)} tiers)")
@@ -199,11 +210,56 @@ class TieredBackend:
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:
+        if not self._write_through:  # nothing handed down after the mover stops
+            for tier in self.tiers[:-1]:
+                tier.evict_to(None)
         for _, sub in self._followed:
             sub.close()
         if not self._mover.close(self.config.lower_timeout_s):
             log.warning("kv_tiered: background copies still queued at close were dropped")
         self._close_tiers()
+
+    def _hand_down_evictions(self) -> None:
+        """write-back-on-evict: each tier that can hands what it evicts to the tier below it
+        (the first tier must be able to: otherwise nothing would ever reach the others)."""
+        if len(self.tiers) < 2:
+            raise kvcore.ConfigError(
+                "invalid config for backend 'tiered': write_policy 'write-back-on-evict' needs "
+                "at least two tiers"
+            )
+        for i, tier in enumerate(self.tiers[:-1]):
+            if not tier.evict_to(functools.partial(self._evicted, i)) and i == 0:
+                raise kvcore.ConfigError(
+                    f"invalid config for backend 'tiered': tiers[0] ({tier.name}) cannot hand "
+                    "over what it evicts (kvcore_evict_to), which write_policy "
+                    "'write-back-on-evict' needs (kv_file can)"
+                )
+
+    def _evicted(self, tier: int, objects: list[tuple[str, memoryview]]) -> None:
+        """Objects tier ``tier`` evicts, written to the tier below before this returns (and so
+        before the tier deletes their bytes): a block is never in neither tier. The payloads
+        are written from where they are, uncopied."""
+        groups: dict[tuple[str, int], list[tuple[str, memoryview]]] = {}
+        for name, payload in objects:
+            fields = parse_object_name(name)
+            part = fields.part if fields is not None else ""
+            groups.setdefault((part, len(payload)), []).append((name, payload))
+        below = self.tiers[tier + 1]
+        for (part, size), members in groups.items():
+            request = BlockRequest(
+                task_id="tiered-evicted",
+                block_keys=(),
+                object_names=tuple((name,) for name, _ in members),
+                parts=(part,),
+                deadline=time.monotonic() + self.config.lower_timeout_s,
+                host=HostBuffers(tuple((_address(p),) for _, p in members), (size,)),
+                num_blocks=len(members),
+                part_nbytes=(size,),
+            )
+            done = int(below.write(request))
+            self._counters.add("evicted_written_objects", done)
+            if done < len(members):
+                self._counters.add("evicted_lost_objects", len(members) - done)
 
     def _follow(self) -> None:
         """Keep private tiers (a process's memory) true to the shared tiers below them.
@@ -284,6 +340,11 @@ class TieredBackend:
                 tier.close()
             except Exception as exc:  # closing the others matters more
                 log.warning("kv_tiered: closing tier %r failed: %s", tier.name, exc)
+
+
+def _address(view: memoryview) -> int:
+    """Where a (writable, contiguous) payload's bytes are."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _open_tier(

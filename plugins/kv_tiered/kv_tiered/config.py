@@ -42,10 +42,12 @@ class TieredConfig(kvcore.BackendConfig):
         description="the tiers, fastest first: reads are served by the first tier holding a "
         "block, writes are acknowledged by the first tier that stores them",
     )
-    write_policy: Literal["write-through"] = Field(
+    write_policy: Literal["write-through", "write-back-on-evict"] = Field(
         default="write-through",
         description="write-through: a write is acknowledged when the first tier has it; the "
-        "tiers below receive it asynchronously (bounded backlog, drops counted)",
+        "tiers below receive it asynchronously (bounded backlog, drops counted). "
+        "write-back-on-evict: a tier below receives only what the tier above it evicts "
+        "(handed over by that tier before the bytes are deleted: kvcore_evict_to)",
     )
     promote: bool = Field(
         default=True,

@@ -46,3 +46,19 @@ class TestFileOverMooncake(BackendConformance):
                 {"backend": "mooncake", "config": mooncake},
             ]
         }
+
+
+class TestFileOverFileWriteBackOnEvict(BackendConformance):
+    """The lower tier receives only what the upper one evicts."""
+
+    backend = "tiered"
+
+    @pytest.fixture
+    def backend_config(self, tmp_path) -> dict[str, Any]:
+        return {
+            "tiers": [
+                {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 8 << 20},
+                {"backend": "file", "root": str(tmp_path / "far")},
+            ],
+            "write_policy": "write-back-on-evict",
+        }

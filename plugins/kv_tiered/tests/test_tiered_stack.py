@@ -248,3 +248,48 @@ def test_the_stack_declares_what_every_tier_honours(tmp_path) -> None:
     finally:
         file_only.close()
         with_memory.close()
+
+
+def test_write_back_on_evict_moves_exactly_what_the_first_tier_evicts(tmp_path) -> None:
+    layout = small_layout()
+    block = 2 * layout.part_bytes("k")
+    tiers = [
+        # about 8 blocks (headers aside), evicting one object at a time
+        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block,
+         "high_watermark": 1.0, "low_watermark": 1.0, "rescan_interval_s": 0},
+        {"backend": "file", "root": str(tmp_path / "far"), "rescan_interval_s": 0},
+    ]  # fmt: skip
+    backend = kvcore.open_backend(
+        "tiered",
+        {"tiers": tiers, "write_policy": "write-back-on-evict"},
+        context={"layout": layout},
+        strict=True,
+    )
+    h = Harness(backend, layout)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seqs = [h.new_sequence(2) for _ in range(15)]
+        for seq in seqs:
+            assert h.write(seq) == 2
+        flush(h)
+        evicted = near.backend.stats()["backend_evictions"]
+        assert evicted > 0
+        assert far.backend.stats()["backend_objects"] == evicted, backend.stats()
+        for seq in seqs:  # every block: in one tier or the other, byte for byte
+            done, got = h.read(seq)
+            assert done == 2 and blocks_equal(got, h.payload(seq, 0, 2)) == []
+        flush(h)  # the reads promoted blocks back, evicting others again
+        stats = backend.stats()
+        assert stats["backend_evicted_written_objects"] == stats["backend_tier0_evictions"]
+    finally:
+        backend.close()
+
+
+def test_write_back_on_evict_needs_a_first_tier_that_hands_evictions_over(tmp_path) -> None:
+    tiers = [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "far")}]
+    with pytest.raises(kvcore.ConfigError, match=r"tiers\[0\] \(memory\) cannot hand over"):
+        kvcore.open_backend(
+            "tiered",
+            {"tiers": tiers, "write_policy": "write-back-on-evict"},
+            context={"layout": small_layout()},
+        )

@@ -1,0 +1,78 @@
+"""A local file tier in front of a real Mooncake cluster (master and storage node on
+127.0.0.1): the master dies while the stack serves reads, and comes back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+import kvcore
+from kvcore.testing import Harness, blocks_equal, small_layout
+
+mooncake_testing = pytest.importorskip("kv_mooncake.testing", reason="kv_mooncake is not installed")
+
+
+def test_reads_keep_hitting_the_file_tier_while_the_master_is_dead_then_writes_reach_it_again(
+    tmp_path, mooncake_cluster_factory: Callable[..., mooncake_testing.MooncakeCluster]
+) -> None:
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    layout = small_layout()
+    mooncake = cluster.config(default_timeout_s=2.0)
+    stack = kvcore.open_backend(
+        "tiered",
+        {
+            "tiers": [
+                {"backend": "file", "root": str(tmp_path / "near"), "rescan_interval_s": 0},
+                {"backend": "mooncake", "config": mooncake},
+            ],
+            "lower_timeout_s": 2.0,
+        },
+        context={"layout": layout},
+    )  # not strict: an engine's stack, where a tier's failure must never raise
+    direct = kvcore.open_backend("mooncake", mooncake, context={"layout": layout})
+    h, far = Harness(stack, layout), Harness(direct, layout)
+    try:
+        stored = [h.new_sequence(4) for _ in range(5)]
+        for seq in stored:
+            assert h.write(seq) == 4
+        assert stack.plugin.flush(30)
+        assert all(far.query(seq) == 4 for seq in stored), "write-through did not reach Mooncake"
+
+        cluster.master.kill()
+        wrong = 0
+        until = time.monotonic() + 5
+        rounds = 0
+        while time.monotonic() < until:  # a few seconds of traffic with the master dead
+            for seq in stored:
+                assert h.query(seq, timeout_s=2.0) == 4
+                done, got = h.read(seq, timeout_s=2.0)
+                assert done == 4
+                wrong += len(blocks_equal(got, h.payload(seq, 0, 4)))
+            rounds += 1
+        assert wrong == 0 and rounds >= 2
+        # writes are acknowledged by the file tier; their copies to Mooncake fail, counted
+        during = h.new_sequence(2)
+        assert h.write(during, timeout_s=2.0) == 2
+        stats = stack.stats()
+        assert stats.get("errors.read", 0) == 0 and stats.get("errors.query", 0) == 0
+        assert stats["backend_tier0_read_blocks"] >= 4 * 5 * rounds
+        assert stats.get("backend_tier1_read_blocks", 0) == 0
+
+        cluster.master.start()  # the same ports; Mooncake's clients reconnect by themselves
+        after = h.new_sequence(3)
+        deadline = time.monotonic() + 30
+        while True:
+            assert h.write(after, timeout_s=2.0) == 3
+            stack.plugin.flush(10)
+            if far.query(after, timeout_s=2.0) == 3:
+                break
+            assert time.monotonic() < deadline, "no write reached Mooncake 30 s after restart"
+            time.sleep(0.5)
+        done, got = far.read(after)
+        assert done == 3 and blocks_equal(got, h.payload(after, 0, 3)) == []
+    finally:
+        cluster.master.resume()
+        stack.close()
+        direct.close()
