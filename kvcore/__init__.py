@@ -35,8 +35,9 @@ from kvcore.schemas import (
     TaskResult,
     WriteTask,
 )
+from kvcore.versions import installed_version as _installed_version
 
-__version__ = "0.3.0"
+__version__ = _installed_version("kvcore")
 
 __all__ = [
     "Backend",

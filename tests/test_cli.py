@@ -232,3 +232,16 @@ def test_check_counts_errors_apart_from_failures(tmp_path):
     assert "  ERROR TestInstalledBackend::test_round_trip_is_byte_exact[float16] (teardown)" in (
         out.stdout
     )
+
+
+def test_version_lists_the_core_and_every_installed_plugin(capsys) -> None:
+    import kvcore
+    from kvcore.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--version"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["kvcore", kvcore.__version__]
+    names = {line.split()[0] for line in lines}
+    assert "kvcore-file" in names  # the README's install includes it

@@ -38,7 +38,9 @@ def test_every_option_has_help_and_states_its_default():
             name = "/".join(action.option_strings) or action.dest
             assert action.help and len(action.help) > 10, f"{command} {name} has no help"
             stated = "default" in action.help
-            flag = isinstance(action, (argparse._StoreTrueAction, argparse._CountAction))
+            flag = isinstance(action, (argparse._StoreTrueAction, argparse._CountAction)) or (
+                action.nargs == 0
+            )
             positional = not action.option_strings
             assert stated or flag or positional, f"{command} {name}: no default stated"
 

@@ -82,6 +82,21 @@ def _installed_names() -> str:
     return ", ".join(names) if names else "none installed"
 
 
+class _VersionAction(argparse.Action):
+    """``kvcore --version``: one line per distribution, kvcore first."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from kvcore.versions import kvcore_distributions
+
+        width = max(len(name) for name, _ in kvcore_distributions())
+        lines = [f"{name:<{width}}  {version}" for name, version in kvcore_distributions()]
+        sys.stdout.write("\n".join(lines) + "\n")
+        parser.exit()
+
+
 def _parser() -> _Parser:
     installed = _installed_names()
     p = _Parser(
@@ -89,6 +104,11 @@ def _parser() -> _Parser:
         description="Third-tier KV-cache storage for LLM serving engines.",
         epilog=f"Exit codes and environment variables: docs/operator-guide.md. "
         f"Set {DEBUG_ENV}=1 for tracebacks.",
+    )
+    p.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print kvcore's version and every installed backend's and adapter's, and exit",
     )
     p.add_argument(
         "-v",

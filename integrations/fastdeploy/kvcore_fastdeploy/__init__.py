@@ -7,6 +7,7 @@ staging layout. With the patch in ``patches/`` a deployment selects it with
 ``--kvcache-storage-backend kvcore:<name>``; see ``docs/fastdeploy.md``.
 """
 
+from kvcore.versions import installed_version
 from kvcore_fastdeploy.layout import layout_from_fastdeploy
 from kvcore_fastdeploy.names import PART_SUFFIXES, fastdeploy_names, part_of
 from kvcore_fastdeploy.settings import (
@@ -26,9 +27,12 @@ __all__ = [
     "NOT_FOUND",
     "PART_SUFFIXES",
     "KVCoreStore",
+    "__version__",
     "fastdeploy_backend_config",
     "fastdeploy_names",
     "layout_from_fastdeploy",
     "parse_backend_spec",
     "part_of",
 ]
+
+__version__ = installed_version("kvcore-fastdeploy")

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EXTRA_CONFIG", "KVCoreHiCacheStorage"]
+from kvcore.versions import installed_version
+
+__all__ = ["EXTRA_CONFIG", "KVCoreHiCacheStorage", "__version__"]
+
+__version__ = installed_version("kvcore-sglang")
 
 #: The loader keys SGLang's ``dynamic`` backend needs to build this class.
 EXTRA_CONFIG: dict[str, Any] = {

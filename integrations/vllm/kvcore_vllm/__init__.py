@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CONNECTOR_NAME", "TIER_TYPE", "KVCoreConnector", "KVCoreTier"]
+from kvcore.versions import installed_version
+
+__all__ = ["CONNECTOR_NAME", "TIER_TYPE", "KVCoreConnector", "KVCoreTier", "__version__"]
+
+__version__ = installed_version("kvcore-vllm")
 
 #: The name operators put in ``"kv_connector"``.
 CONNECTOR_NAME = "KVCoreConnector"

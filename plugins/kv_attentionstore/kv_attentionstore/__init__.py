@@ -13,6 +13,7 @@ from kv_attentionstore.config import (
 )
 from kv_attentionstore.readiness import SdkNotReadyError, SdkStartError
 from kv_attentionstore.sdk_loader import SdkMissingError, detect_constructor
+from kvcore.versions import installed_version
 
 __all__ = [
     "FASTDEPLOY_ALIASES",
@@ -22,6 +23,9 @@ __all__ = [
     "SdkNotReadyError",
     "SdkSettings",
     "SdkStartError",
+    "__version__",
     "detect_constructor",
     "resolve_settings",
 ]
+
+__version__ = installed_version("kvcore-attentionstore")

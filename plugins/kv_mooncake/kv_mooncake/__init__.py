@@ -8,5 +8,14 @@ Test helpers (a real ``mooncake_master`` on loopback, pytest fixtures) are in
 from kv_mooncake.backend import MooncakeBackend
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import MasterUnreachableError, MooncakeSetupError
+from kvcore.versions import installed_version
 
-__all__ = ["MasterUnreachableError", "MooncakeBackend", "MooncakeConfig", "MooncakeSetupError"]
+__all__ = [
+    "MasterUnreachableError",
+    "MooncakeBackend",
+    "MooncakeConfig",
+    "MooncakeSetupError",
+    "__version__",
+]
+
+__version__ = installed_version("kvcore-mooncake")
