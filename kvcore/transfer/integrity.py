@@ -68,6 +68,14 @@ class VerifiedBlocks:
             part_nbytes=(self.size,),
         )
 
+    def digests_of(self, request: BlockRequest) -> BlockRequest:
+        """The request naming the digest objects of ``request``'s blocks (to remove them with
+        the blocks).
+
+        .. versionadded:: 0.3
+        """
+        return self._digests(request)
+
     def _digest_buffers(self, request: BlockRequest, n: int) -> tuple[np.ndarray, BlockRequest]:
         """A buffer for the digests of the first ``n`` blocks of ``request`` (exactly ``n``
         digests long), and the request that stores them from it or reads them into it."""

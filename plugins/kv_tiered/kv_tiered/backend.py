@@ -24,6 +24,7 @@ import ctypes
 import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import kvcore
@@ -32,6 +33,7 @@ from kv_tiered.mover import Copy, Mover
 from kvcore import BlockRequest, HostBuffers, Outcome
 from kvcore import events as ev
 from kvcore.keys import parse_object_name
+from kvcore.transfer.integrity import VerifiedBlocks
 
 __all__ = ["TieredBackend"]
 
@@ -69,23 +71,35 @@ class TieredBackend:
             scales=all(c.scales for c in caps),
             concurrent=True,
             segmented_host=all(c.segmented_host for c in caps),
-            checksums=all(c.checksums for c in caps),
+            # every tier's reads are verified: by the tier, or by the digests kept beside
+            checksums=True,
         )
         self._counters = kvcore.Counters()
         #: shared tiers below a private one, followed through their events (see _follow)
         self._followed: list[tuple[int, ev.Subscription]] = []
         for j, tier in enumerate(self.tiers):
-            private_above = [i for i in range(j) if not caps[i].shared]
-            if private_above and caps[j].shared:
+            private_above = any(not caps[i].shared for i in range(j))
+            tiers_below = j < len(self.tiers) - 1
+            if caps[j].shared and (private_above or tiers_below):
                 self._followed.append((j, tier.events.subscribe(_FOLLOW_QUEUE_OBJECTS)))
+        #: first-part names of blocks a peer removed from a shared tier with tiers below it
+        #: (a copy of ours may land there after the removal): not served from below
+        self._removed_by_peers: OrderedDict[str, None] = OrderedDict()
+        #: tiers that keep no checksum of their own get block digests beside (kvcore's
+        #: VerifiedBlocks), one wrapper per (tier, parts of a request)
+        self._verified: dict[tuple[int, int], VerifiedBlocks] = {}
         self._mover = Mover(
-            self.tiers,
+            self._store,
+            self._remove_from,
             self._part_bytes,
             max_blocks=config.backlog_blocks,
             threads=config.mover_threads,
             timeout_s=config.lower_timeout_s,
             counters=self._counters,
         )
+        self._layout_parts = context.layout.parts if context.layout is not None else ()
+        #: write-back-on-evict: blocks some of whose parts were evicted, waiting for the rest
+        self._pending_evicted: OrderedDict[tuple, dict[str, tuple[str, bytes]]] = OrderedDict()
         self._write_through = config.write_policy == "write-through"
         if not self._write_through:
             try:
@@ -108,12 +122,13 @@ class TieredBackend:
         n = request.num_blocks
         found = 0
         failed = 0
-        for i, tier in enumerate(self.tiers):
+        for i in range(len(self.tiers)):
             if found >= n:
                 break
-            got = tier.query(request.slice(found, n))
+            part = request.slice(found, n)
+            got = self._store(i, part).query(part)
             failed += self._failed(i, "query", got)
-            found += int(got)
+            found += self._not_removed(i, part, int(got))
         return self._answer(found, n, failed, "query")
 
     @kvcore.hookimpl
@@ -124,11 +139,13 @@ class TieredBackend:
         n = request.num_blocks
         done = 0
         failed = 0
-        for i, tier in enumerate(self.tiers):
+        for i in range(len(self.tiers)):
             if done >= n or (i and request.expired()):
                 break
-            got = tier.read(request.slice(done, n, host=host.slice(done, n)))
+            part = request.slice(done, n, host=host.slice(done, n))
+            got = self._store(i, part).read(part)
             failed += self._failed(i, "read", got)
+            got = Outcome(self._not_removed(i, part, int(got)))
             if got:
                 self._counters.add(f"tier{i}_read_blocks", int(got))
                 if i and self.config.promote:
@@ -142,8 +159,11 @@ class TieredBackend:
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
         n = request.num_blocks
-        for i, tier in enumerate(self.tiers):
-            got = tier.write(request)
+        if self._removed_by_peers:  # stored again here: its copies are good again
+            for names in request.object_names:
+                self._removed_by_peers.pop(names[0], None)
+        for i in range(len(self.tiers)):
+            got = self._store(i, request).write(request)
             if got.failure is not None and got < n:
                 self._failed(i, "write", got)
                 continue  # this tier cannot take it now: the next one acknowledges
@@ -165,7 +185,7 @@ class TieredBackend:
         removed = 0
         failure = None
         for i, tier in enumerate(self.tiers):
-            got = tier.remove(request)
+            got = self._remove_from(i, request)
             if got.failure is not None and tier.implements("kvcore_remove"):
                 self._failed(i, "remove", got)
                 failure = failure or got.failure
@@ -219,6 +239,44 @@ class TieredBackend:
             log.warning("kv_tiered: background copies still queued at close were dropped")
         self._close_tiers()
 
+    def _not_removed(self, i: int, request: BlockRequest, run: int) -> int:
+        """The part of a lower tier's leading ``run`` that no peer removed: a copy this stack
+        made into tier ``i`` can land after a peer removed the block from every tier; it is
+        cut from the run, and removed there."""
+        tombstones = self._removed_by_peers
+        if not i or not run or not tombstones:
+            return run
+        names = request.object_names
+        for k in range(run):
+            if names[k][0] in tombstones:
+                stale = request.slice(k, run)
+                for j in range(i, len(self.tiers)):
+                    self._remove_from(j, stale)
+                self._counters.add("removed_by_peers_hidden_blocks", run - k)
+                return k
+        return run
+
+    def _remove_from(self, i: int, request: BlockRequest) -> Outcome:
+        """Remove ``request``'s blocks from tier ``i`` (and their digests, where kept)."""
+        tier = self.tiers[i]
+        got = tier.remove(request)
+        store = self._store(i, request)
+        if isinstance(store, VerifiedBlocks) and request.num_blocks:
+            tier.remove(store.digests_of(request))
+        return got
+
+    def _store(self, i: int, request: BlockRequest) -> kvcore.Backend | VerifiedBlocks:
+        """What reads and writes tier ``i`` for ``request``: the tier itself when it verifies
+        what it returns, else the tier with block digests beside."""
+        tier = self.tiers[i]
+        if tier.capabilities.checksums:
+            return tier
+        key = (i, len(request.parts))
+        verified = self._verified.get(key)
+        if verified is None:
+            verified = self._verified[key] = VerifiedBlocks(tier, key[1])
+        return verified
+
     def _hand_down_evictions(self) -> None:
         """write-back-on-evict: each tier that can hands what it evicts to the tier below it
         (the first tier must be able to: otherwise nothing would ever reach the others)."""
@@ -236,30 +294,58 @@ class TieredBackend:
                 )
 
     def _evicted(self, tier: int, objects: list[tuple[str, memoryview]]) -> None:
-        """Objects tier ``tier`` evicts, written to the tier below before this returns (and so
-        before the tier deletes their bytes): a block is never in neither tier. The payloads
-        are written from where they are, uncopied."""
-        groups: dict[tuple[str, int], list[tuple[str, memoryview]]] = {}
+        """Objects tier ``tier`` evicts (their bytes valid during this call only), written to
+        the tier below before this returns, and so before the tier deletes them: a block is
+        never in neither tier.
+
+        Objects are written a block at a time (the tier below may keep a digest per block):
+        a block whose parts are evicted in different calls waits, copied, for its last part
+        (at most ``backlog_blocks`` such blocks; past that the oldest is dropped, counted).
+        """
+        ready: list[dict[str, tuple[str, bytes]]] = []
+        pending = self._pending_evicted
         for name, payload in objects:
             fields = parse_object_name(name)
-            part = fields.part if fields is not None else ""
-            groups.setdefault((part, len(payload)), []).append((name, payload))
-        below = self.tiers[tier + 1]
-        for (part, size), members in groups.items():
-            request = BlockRequest(
-                task_id="tiered-evicted",
-                block_keys=(),
-                object_names=tuple((name,) for name, _ in members),
-                parts=(part,),
-                deadline=time.monotonic() + self.config.lower_timeout_s,
-                host=HostBuffers(tuple((_address(p),) for _, p in members), (size,)),
-                num_blocks=len(members),
-                part_nbytes=(size,),
-            )
-            done = int(below.write(request))
-            self._counters.add("evicted_written_objects", done)
-            if done < len(members):
-                self._counters.add("evicted_lost_objects", len(members) - done)
+            if fields is None or fields.namespace != self.context.namespace:
+                ready.append({"": (name, bytes(payload))})  # not a block kvcore named: alone
+                continue
+            key = (fields.block_key, fields.rank, fields.world_size, fields.weight_version)
+            parts = pending.setdefault(key, {})
+            parts[fields.part] = (name, bytes(payload))
+            layout_parts = self._layout_parts
+            if fields.part not in layout_parts or set(parts) >= set(layout_parts):
+                del pending[key]
+                ready.append(parts)
+        while len(pending) > self.config.backlog_blocks:
+            _, dropped = pending.popitem(last=False)
+            self._counters.add("evicted_lost_objects", len(dropped))
+        for block in ready:
+            self._write_evicted(tier + 1, block)
+
+    def _write_evicted(self, below: int, block: dict[str, tuple[str, bytes]]) -> None:
+        layout_parts = self._layout_parts
+        parts = [p for p in layout_parts if p in block] if set(block) <= set(layout_parts) else []
+        if len(parts) != len(block):
+            parts = list(block)  # parts outside the layout: a block of its own
+        names = tuple(block[p][0] for p in parts)
+        fields = parse_object_name(names[0])
+        buffers = [bytearray(block[p][1]) for p in parts]
+        request = BlockRequest(
+            task_id="tiered-evicted",
+            block_keys=(fields.block_key,) if fields is not None else (),
+            object_names=(names,),
+            parts=tuple(parts),
+            deadline=time.monotonic() + self.config.lower_timeout_s,
+            host=HostBuffers(
+                (tuple(_address(memoryview(b)) for b in buffers),), tuple(len(b) for b in buffers)
+            ),
+            num_blocks=1,
+            part_nbytes=tuple(len(b) for b in buffers),
+        )
+        done = int(self._store(below, request).write(request))
+        self._counters.add("evicted_written_objects", len(parts) * done)
+        if not done:
+            self._counters.add("evicted_lost_objects", len(parts))
 
     def _follow(self) -> None:
         """Keep private tiers (a process's memory) true to the shared tiers below them.
@@ -281,6 +367,7 @@ class TieredBackend:
         private = [self.tiers[i] for i in range(below) if not self.tiers[i].capabilities.shared]
         gone: dict[str, list[str]] = {}
         wipe = False
+        tombstones = self._removed_by_peers
         for event in events:
             if event.origin != ev.PEER and event.kind != ev.RESYNC:
                 continue  # this stack's own changes reached every tier already
@@ -289,6 +376,13 @@ class TieredBackend:
             elif event.kind == ev.REMOVED:
                 for name, part in zip(event.names, event.parts, strict=True):
                     gone.setdefault(part, []).append(name)
+                    if below < len(self.tiers) - 1:
+                        tombstones[name] = None
+            elif event.kind == ev.STORED:  # stored again by a peer: its copies are good
+                for name in event.names:
+                    tombstones.pop(name, None)
+        while len(tombstones) > _FOLLOW_QUEUE_OBJECTS:
+            tombstones.popitem(last=False)
         for tier in private:
             if wipe:
                 tier.clear()

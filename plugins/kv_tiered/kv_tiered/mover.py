@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import kvcore
 from kvcore import BlockRequest, HostBuffers
@@ -51,12 +52,15 @@ class Copy:
 class Mover:
     """Runs :class:`Copy` jobs on ``threads`` threads (see the module docstring).
 
+    :param store: what reads and writes tier ``i`` for a request (the tier, or it with block
+        digests beside).
     :param part_bytes: bytes of each part of a request's objects.
     """
 
     def __init__(
         self,
-        tiers: Sequence[kvcore.Backend],
+        store: Callable[[int, BlockRequest], Any],
+        remove: Callable[[int, BlockRequest], Any],
         part_bytes: Callable[[BlockRequest], Sequence[int] | None],
         *,
         max_blocks: int,
@@ -64,7 +68,8 @@ class Mover:
         timeout_s: float,
         counters: kvcore.Counters,
     ) -> None:
-        self._tiers = tiers
+        self._store = store  # tier index, request -> what reads and writes that tier
+        self._remove = remove  # tier index, request -> removes its blocks (and digests)
         self._part_bytes = part_bytes
         self._max_blocks = max_blocks
         self._timeout_s = timeout_s
@@ -186,18 +191,29 @@ class Mover:
         deadline = copy.deadline if copy.deadline is not None else now + self._timeout_s
         host, region = _buffers(n, sizes)  # the region lives until this copy returns
         request = replace(copy.request, host=host, deadline=deadline)
-        got = int(self._tiers[copy.source].read(request))
+        got = int(self._store(copy.source, request).read(request))
         if got < n:
             self._counters.add(f"{kind}_source_missing_blocks", n - got)
         if not got:
             return
         part = request.slice(0, got, host=host.slice(0, got))
         for target in copy.targets:
-            done = int(self._tiers[target].write(part))
+            done = int(self._store(target, part).write(part))
             self._counters.add(f"{kind}_copied_blocks", done)
             if done < got:
                 self._counters.add(f"{kind}_failed_blocks", got - done)
         del region
+        # A block removed from the source while it was being copied (by another process
+        # sharing the tiers) must not live on in the targets: whoever removed it may already
+        # have removed it there. So the copies of blocks the source no longer holds are
+        # removed again (an eviction in the source meanwhile costs that block's lower copy: a
+        # later miss, never a block that was removed coming back).
+        still = int(self._store(copy.source, part).query(part))
+        if still < got:
+            gone = part.slice(still, got)
+            for target in copy.targets:
+                self._remove(target, gone)
+            self._counters.add(f"{kind}_undone_blocks", got - still)
 
 
 def _buffers(blocks: int, sizes: Sequence[int]) -> tuple[HostBuffers, mmap.mmap]:
