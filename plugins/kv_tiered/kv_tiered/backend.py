@@ -76,12 +76,14 @@ class TieredBackend:
         )
         self._counters = kvcore.Counters()
         #: shared tiers below a private one, followed through their events (see _follow)
-        self._followed: list[tuple[int, ev.Subscription]] = []
+        #: (tier, subscription, whether a private tier is above it)
+        self._followed: list[tuple[int, ev.Subscription, bool]] = []
         for j, tier in enumerate(self.tiers):
             private_above = any(not caps[i].shared for i in range(j))
             tiers_below = j < len(self.tiers) - 1
             if caps[j].shared and (private_above or tiers_below):
-                self._followed.append((j, tier.events.subscribe(_FOLLOW_QUEUE_OBJECTS)))
+                sub = tier.events.subscribe(_FOLLOW_QUEUE_OBJECTS)
+                self._followed.append((j, sub, private_above))
         #: first-part names of blocks a peer removed from a shared tier with tiers below it
         #: (a copy of ours may land there after the removal): not served from below
         self._removed_by_peers: OrderedDict[str, None] = OrderedDict()
@@ -127,6 +129,7 @@ class TieredBackend:
                 break
             part = request.slice(found, n)
             got = self._store(i, part).query(part)
+            self._followed_after(i)
             failed += self._failed(i, "query", got)
             found += self._not_removed(i, part, int(got))
         return self._answer(found, n, failed, "query")
@@ -144,6 +147,7 @@ class TieredBackend:
                 break
             part = request.slice(done, n, host=host.slice(done, n))
             got = self._store(i, part).read(part)
+            self._followed_after(i)
             failed += self._failed(i, "read", got)
             got = Outcome(self._not_removed(i, part, int(got)))
             if got:
@@ -233,7 +237,7 @@ class TieredBackend:
         if not self._write_through:  # nothing handed down after the mover stops
             for tier in self.tiers[:-1]:
                 tier.evict_to(None)
-        for _, sub in self._followed:
+        for _, sub, _ in self._followed:
             sub.close()
         if not self._mover.close(self.config.lower_timeout_s):
             log.warning("kv_tiered: background copies still queued at close were dropped")
@@ -348,20 +352,32 @@ class TieredBackend:
             self._counters.add("evicted_lost_objects", len(parts))
 
     def _follow(self) -> None:
-        """Keep private tiers (a process's memory) true to the shared tiers below them.
+        """Keep private tiers (a process's memory) true to the shared tiers below them, and
+        know what peers removed from shared tiers that have tiers below them.
 
         Another process sharing a lower tier may remove blocks this process holds a copy of
-        above it (or clear the namespace). Before answering, each followed shared tier is
-        asked to apply what its peers did (an empty query: kv_file reads its journal) and
-        reports it as events; removals, clears and lost events then reach the private tiers
-        above it. Evictions do not: an evicted block's copy is still the block.
+        above it (or clear the namespace). Before answering, each shared tier below a private
+        one is asked to apply what its peers did (an empty query: kv_file reads its journal)
+        and reports it as events; removals, clears and lost events then reach the private
+        tiers above it. Evictions do not: an evicted block's copy is still the block. A shared
+        tier with no private tier above reports its news when the call asks it anyway.
         """
-        for j, sub in self._followed:
-            tier = self.tiers[j]
-            tier.query(tier.request("tiered-follow", ()))
-            events = sub.drain()
-            if events:
-                self._invalidate(j, events)
+        for j, sub, private_above in self._followed:
+            if private_above:  # asked before the private tiers are: an empty call
+                tier = self.tiers[j]
+                tier.query(tier.request("tiered-follow", ()))
+            self._take_events(j, sub)
+
+    def _followed_after(self, i: int) -> None:
+        """Tier ``i`` was just asked (and applied its peers' changes): take its news."""
+        for j, sub, _ in self._followed:
+            if j == i:
+                self._take_events(j, sub)
+
+    def _take_events(self, j: int, sub: ev.Subscription) -> None:
+        events = sub.drain()
+        if events:
+            self._invalidate(j, events)
 
     def _invalidate(self, below: int, events: list[ev.StoreEvent]) -> None:
         private = [self.tiers[i] for i in range(below) if not self.tiers[i].capabilities.shared]
