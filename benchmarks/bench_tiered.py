@@ -13,7 +13,8 @@ Per repetition, in rotated order, each on fresh keys:
   background, waited for untimed), then the same read again (served by the file tier).
 
 Both kv_file stores live in the same directory tree (``--dir``), so their page cache and disk
-are the same. Goals (issue 26): promoted read >= 0.9x the upper tier alone; write-through
+are the same; every timed call starts after ``sync()`` (untimed), so none runs beside the
+kernel's writeback of an earlier step's files. Goals (issue 26): promoted read >= 0.9x the upper tier alone; write-through
 write-back >= 0.9x the upper tier alone.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -42,7 +44,11 @@ def fresh_keys(layout: kvcore.CacheLayout, blocks: int) -> list[str]:
 
 
 def timed(tm: TransferManager, op: str, keys: list[str], blocks: int) -> float:
+    """One write-back or read, timed from a settled page cache: the dirty pages of earlier
+    steps (a promotion writes as much again as the read it follows) are written out first,
+    untimed, so no contender's call runs beside the kernel's writeback of another's."""
     task = {"task_id": op, "keys": keys, "device_block_ids": list(range(blocks))}
+    os.sync()
     t0 = time.perf_counter()
     res = (tm.write_back if op == "write" else tm.read)(task).result()
     elapsed = time.perf_counter() - t0
@@ -93,7 +99,8 @@ def main() -> None:
     upper = {"root": f"{root}/upper", "rescan_interval_s": 0, "capacity_bytes": 1 << 40}
     samples: dict[str, list[float]] = {
         k: []
-        for k in ("upper_alone_write", "stack_write", "upper_alone_read", "stack_lower_read",
+        for k in ("upper_alone_write", "upper_alone_write_again", "stack_write",
+                  "upper_alone_read", "upper_alone_read_again", "stack_lower_read",
                   "stack_promoted_read")
     }  # fmt: skip
     report = Report()
@@ -114,8 +121,8 @@ def main() -> None:
                 timed(tm, "write", fresh_keys(layout, blocks), blocks)
             mover.flush(120)
 
-            def write_alone() -> None:
-                samples["upper_alone_write"].append(
+            def write_alone(into: str = "upper_alone_write") -> None:
+                samples[into].append(
                     nbytes / timed(alone, "write", fresh_keys(layout, blocks), blocks) / 1e9
                 )
 
@@ -124,12 +131,10 @@ def main() -> None:
                 samples["stack_write"].append(nbytes / t / 1e9)
                 assert mover.flush(120), "the background copies did not finish"
 
-            def read_alone() -> None:
+            def read_alone(into: str = "upper_alone_read") -> None:
                 keys = fresh_keys(layout, blocks)
                 timed(alone, "write", keys, blocks)
-                samples["upper_alone_read"].append(
-                    nbytes / timed(alone, "read", keys, blocks) / 1e9
-                )
+                samples[into].append(nbytes / timed(alone, "read", keys, blocks) / 1e9)
 
             def read_stack() -> None:
                 keys = fresh_keys(layout, blocks)
@@ -140,7 +145,14 @@ def main() -> None:
                 samples["stack_lower_read"].append(nbytes / first / 1e9)
                 samples["stack_promoted_read"].append(nbytes / second / 1e9)
 
-            steps = [write_alone, write_stack, read_alone, read_stack]
+            steps = [
+                write_alone,
+                write_stack,
+                lambda: write_alone("upper_alone_write_again"),  # A/A: the noise
+                read_alone,
+                read_stack,
+                lambda: read_alone("upper_alone_read_again"),
+            ]
             for rep in range(args.reps):
                 shift = rep % len(steps)
                 for step in steps[shift:] + steps[:shift]:
@@ -170,6 +182,12 @@ def main() -> None:
     report.ratio(
         "stack_lower_read_vs_upper_alone", samples["stack_lower_read"], samples["upper_alone_read"]
     )
+    for op in ("write", "read"):  # A/A controls: the same contender twice
+        report.ratio(
+            f"aa_upper_alone_{op}",
+            samples[f"upper_alone_{op}_again"],
+            samples[f"upper_alone_{op}"],
+        )
     report.notes["setup"] = {
         "lower_tier": lower_name,
         "blocks": blocks,

@@ -86,6 +86,18 @@ def test_bench_replay_reports_median_and_spread(tmp_path: Path) -> None:
         assert report["ratios"][f"{capacity}_all_vs_independent_lru_gap"]["max"] == 0
 
 
+def test_bench_tiered_reports_median_and_spread(tmp_path: Path) -> None:
+    pytest.importorskip("kv_tiered")
+    args = ["--blocks", "2", "--reps", "2", "--file-lower", "--dir", str(tmp_path)]
+    report = run_bench("bench_tiered", args, tmp_path)
+    check_report(report)
+    assert set(report["goals"]) == {
+        "stack_promoted_read_vs_upper_alone",
+        "stack_write_through_vs_upper_alone",
+    }
+    assert report["setup"]["promoted_blocks"] == 2 * 2  # every repetition's read was promoted
+
+
 def test_check_report_names_what_is_wrong() -> None:
     good = {
         "figures": {"a_gbps": {"median": 2, "min": 1, "max": 3, "n": 3, "unit": "GB/s"}},
