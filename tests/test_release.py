@@ -1,0 +1,147 @@
+"""The release build (scripts/build-wheels.sh): a manylinux wheel of kvcore with the C++ swap
+ops compiled, pure wheels and sdists of every other package, installed into a fresh venv with
+no C/C++ compiler on PATH and used from the installed packages alone (no checkout on
+``sys.path``): ``kvcore --version``, ``kvcore demo``, the conformance kit against kv_file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import kvcore
+
+ROOT = Path(__file__).resolve().parents[1]
+#: what a compiler on PATH could be called
+COMPILERS = ("cc", "gcc", "g++", "c++", "cpp", "clang", "clang++", "x86_64-linux-gnu-gcc",
+             "x86_64-linux-gnu-g++", "x86_64-linux-gnu-cpp")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run(
+        ["bash", "scripts/build-wheels.sh", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def without_compilers(tmp: Path) -> str:
+    """A PATH of every program on this one except the compilers."""
+    bin_dir = tmp / "bin-without-compilers"
+    bin_dir.mkdir()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for entry in os.scandir(directory):
+            name = entry.name
+            compiler = name in COMPILERS or name.startswith(("gcc-", "g++-", "clang-", "cc1"))
+            if compiler or (bin_dir / name).exists() or not os.access(entry.path, os.X_OK):
+                continue
+            (bin_dir / name).symlink_to(entry.path)
+    return str(bin_dir)
+
+
+def fresh_venv(tmp: Path) -> tuple[Path, dict[str, str]]:
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KVCORE_"))}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{without_compilers(tmp)}"
+    env["KVCORE_FILE_ROOT"] = str(tmp / "store")
+    env["XDG_STATE_HOME"] = str(tmp / "state")
+    for compiler in COMPILERS:
+        assert shutil.which(compiler, path=env["PATH"]) is None, f"{compiler} is still on PATH"
+    return venv, env
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600):
+    done = subprocess.run(
+        args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    return done
+
+
+def test_the_core_wheel_is_manylinux_with_the_swap_ops_and_no_tests(dist: Path) -> None:
+    (wheel,) = dist.glob("kvcore-*-manylinux*.whl")
+    show = subprocess.run(
+        [str(ROOT / ".venv/bin/python"), "-m", "auditwheel", "show", str(wheel)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "manylinux_" in " ".join(show.stdout.split()), show.stdout
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("kvcore/_swap") and n.endswith(".so") for n in names)
+    assert "kvcore/py.typed" in names and "kvcore/testing/suite.py" in names  # the kit ships
+    assert not [n for n in names if n.startswith("tests/") or "/tests/" in n or "conftest" in n]
+    pure = sorted(p.name.split("-")[0] for p in dist.glob("*-py3-none-any.whl"))
+    assert pure == sorted(
+        [
+            "kvcore_attentionstore",
+            "kvcore_fastdeploy",
+            "kvcore_file",
+            "kvcore_mooncake",
+            "kvcore_sglang",
+            "kvcore_tiered",
+            "kvcore_vllm",
+        ]
+    )
+    assert len(list(dist.glob("*.tar.gz"))) == 8
+    for wheel in dist.glob("*.whl"):  # every package says it is typed
+        package = wheel.name.split("-")[0].replace("kvcore_", "kv_")
+        typed = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/py.typed")]
+        assert typed, f"{wheel.name} has no py.typed ({package})"
+
+
+def test_installed_wheels_work_without_a_compiler_or_a_checkout(dist: Path, tmp_path) -> None:
+    venv, env = fresh_venv(tmp_path)
+    python = str(venv / "bin" / "python")
+    # kvcore's packages only from the built wheels (no index has them); their dependencies
+    # from the index, as binary wheels: nothing may need compiling
+    done = run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                "--only-binary", ":all:", "--find-links", str(dist),
+                f"kvcore[file]=={kvcore.__version__}", "pytest>=8"], env, tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    where = run([python, "-c", "import kvcore, kv_file; print(kvcore.__file__, kv_file.__file__)"],
+                env, tmp_path)  # fmt: skip
+    assert str(venv) in where.stdout and str(ROOT) not in where.stdout, where.stdout + where.stderr
+
+    version = run([str(venv / "bin" / "kvcore"), "--version"], env, tmp_path)
+    assert version.returncode == 0, version.stderr
+    lines = dict(line.split() for line in version.stdout.splitlines())
+    assert lines["kvcore"] == kvcore.__version__ and lines["kvcore-file"] == "0.1.0"
+
+    demo = run([str(venv / "bin" / "kvcore"), "demo", "--conversations", "1", "--turns", "2"],
+               env, tmp_path)  # fmt: skip
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    assert "OK: every restored byte matched" in demo.stdout
+
+    config = json.dumps({"root": str(tmp_path / "kit-store")})
+    kit = run([str(venv / "bin" / "kvcore"), "check", "file", "--config", config], env, tmp_path)
+    assert kit.returncode == 0, kit.stdout[-3000:] + kit.stderr[-3000:]
+    assert "0 failed" in kit.stdout, kit.stdout[-2000:]
+
+
+def test_a_source_build_without_a_compiler_fails_in_one_line_that_says_so(
+    dist: Path, tmp_path
+) -> None:
+    venv, env = fresh_venv(tmp_path)
+    python = str(venv / "bin" / "python")
+    done = run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                "--only-binary", ":all:", "setuptools>=77", "wheel"], env, tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (sdist,) = dist.glob("kvcore-[0-9]*.tar.gz")
+    build = run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                 "--wheel-dir", str(tmp_path / "out"), str(sdist)], env, tmp_path)  # fmt: skip
+    assert build.returncode != 0
+    said = [line for line in (build.stdout + build.stderr).splitlines()
+            if "needs a C++ compiler on PATH" in line]  # fmt: skip
+    assert said, build.stdout[-3000:] + build.stderr[-3000:]
+    assert "install kvcore's prebuilt wheel" in said[0]
