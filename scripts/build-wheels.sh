@@ -20,13 +20,25 @@ trap 'rm -rf "$raw"' EXIT
 mkdir -p "$out"
 rm -f "$out"/*.whl "$out"/*.tar.gz
 
+# Built from a copy of the tree: a build writes build/ and *.egg-info beside the sources,
+# which must not disturb the checkout's editable installs (nor ship its in-place .so)
+src="$raw/src"
+"$py" - "$src" <<'PY'
+import shutil
+import sys
+
+skip = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
+                              ".pytest_cache", ".ruff_cache", "*.so", "*.o")
+shutil.copytree(".", sys.argv[1], ignore=skip, symlinks=True)
+PY
+
 packages=(. plugins/kv_file plugins/kv_mooncake plugins/kv_attentionstore plugins/kv_tiered
           integrations/vllm integrations/sglang integrations/fastdeploy)
 for package in "${packages[@]}"; do
   # --no-isolation: the build tools of ./.venv (setuptools>=77, wheel), no download per package
-  "$py" -m build --no-isolation --wheel --sdist --outdir "$raw" "$package" >"$raw/build.log" 2>&1 \
+  "$py" -m build --no-isolation --wheel --sdist --outdir "$raw" "$src/$package" \
+    >"$raw/build.log" 2>&1 \
     || { cat "$raw/build.log" >&2; echo "build of $package failed" >&2; exit 1; }
-  rm -rf "$package/build" "$package"/*.egg-info
 done
 
 # the core's platform wheel: repaired to the oldest manylinux tag its symbols allow
