@@ -1,0 +1,134 @@
+"""What other processes sharing a stack's tiers changed, and what this stack does about it.
+
+Two cases need it. A private tier (this process's memory) above a shared one (a kv_file
+directory other processes use) would keep serving blocks another process removed. And a
+background copy of this stack can land in a lower tier just after another process removed the
+block from every tier. So the stack follows, through its events, each shared tier that has a
+private tier above it or tiers below it: kv_file reports every change of its directory,
+whoever makes it, and applies them before it answers a call.
+
+- Removals and clears by peers reach the private tiers above (a lost event clears them).
+  Evictions do not: an evicted block's copy is still the block.
+- A block a peer removed from a shared tier is not served from the tiers below it, and is
+  removed there, until someone stores it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import kvcore
+from kv_tiered.tiers import Tiers
+from kvcore import BlockRequest
+from kvcore import events as ev
+
+__all__ = ["PeerChanges"]
+
+#: objects of a followed tier's events queued before they collapse into one resync, and
+#: names of blocks removed by peers kept
+FOLLOW_QUEUE_OBJECTS = 1 << 16
+
+
+class PeerChanges:
+    """The followed tiers of one stack (see the module docstring)."""
+
+    def __init__(self, tiers: Tiers, counters: kvcore.Counters, timeout_s: float) -> None:
+        self._tiers = tiers
+        self._counters = counters
+        self._timeout_s = timeout_s
+        caps = [t.capabilities for t in tiers]
+        #: (tier, subscription, whether a private tier is above it)
+        self._followed: list[tuple[int, ev.Subscription, bool]] = []
+        for j, tier in enumerate(tiers):
+            private_above = any(not caps[i].shared for i in range(j))
+            if caps[j].shared and (private_above or j < len(tiers) - 1):
+                sub = tier.events.subscribe(FOLLOW_QUEUE_OBJECTS)
+                self._followed.append((j, sub, private_above))
+        #: first-part names of blocks peers removed from a followed tier with tiers below
+        self._removed: OrderedDict[str, None] = OrderedDict()
+
+    def before_call(self) -> None:
+        """Before a call asks the tiers: a shared tier under a private one is asked first to
+        apply what its peers did (an empty query), and that reaches the private tiers."""
+        for j, sub, private_above in self._followed:
+            if private_above:
+                tier = self._tiers[j]
+                tier.query(tier.request("tiered-follow", ()))
+            self._take(j, sub)
+
+    def after(self, i: int) -> None:
+        """Tier ``i`` was just asked (and applied its peers' changes): take its news."""
+        for j, sub, _ in self._followed:
+            if j == i:
+                self._take(j, sub)
+
+    def not_removed(self, i: int, request: BlockRequest, run: int) -> int:
+        """The part of tier ``i``'s leading ``run`` that no peer removed (the rest is removed
+        from tier ``i`` and those below it)."""
+        removed = self._removed
+        if not i or not run or not removed:
+            return run
+        names = request.object_names
+        for k in range(run):
+            if names[k][0] in removed:
+                stale = request.slice(k, run)
+                for j in range(i, len(self._tiers)):
+                    self._tiers.remove_from(j, stale)
+                self._counters.add("removed_by_peers_hidden_blocks", run - k)
+                return k
+        return run
+
+    def stored_again(self, request: BlockRequest) -> None:
+        """This stack stores ``request``'s blocks: their copies are good again."""
+        if self._removed:
+            for names in request.object_names:
+                self._removed.pop(names[0], None)
+
+    def close(self) -> None:
+        for _, sub, _ in self._followed:
+            sub.close()
+
+    def _take(self, j: int, sub: ev.Subscription) -> None:
+        events = sub.drain()
+        if events:
+            self._apply(j, events)
+
+    def _apply(self, below: int, events: list[ev.StoreEvent]) -> None:
+        tiers = self._tiers
+        private = [tiers[i] for i in range(below) if not tiers[i].capabilities.shared]
+        gone: dict[str, list[str]] = {}
+        wipe = False
+        removed = self._removed
+        has_lower = below < len(tiers) - 1
+        for event in events:
+            if event.origin != ev.PEER and event.kind != ev.RESYNC:
+                continue  # this stack's own changes reached every tier already
+            if event.kind in (ev.CLEARED, ev.RESYNC):
+                wipe = True
+            elif event.kind == ev.REMOVED:
+                for name, part in zip(event.names, event.parts, strict=True):
+                    gone.setdefault(part, []).append(name)
+                    if has_lower:
+                        removed[name] = None
+            elif event.kind == ev.STORED:  # stored again by a peer: its copies are good
+                for name in event.names:
+                    removed.pop(name, None)
+        while len(removed) > FOLLOW_QUEUE_OBJECTS:
+            removed.popitem(last=False)
+        for tier in private:
+            if wipe:
+                tier.clear()
+                continue
+            for part, names in gone.items():
+                tier.remove(
+                    BlockRequest(
+                        task_id="tiered-invalidate",
+                        block_keys=(),
+                        object_names=tuple((n,) for n in names),
+                        parts=(part,),
+                        deadline=time.monotonic() + self._timeout_s,
+                        num_blocks=len(names),
+                    )
+                )
+        self._counters.add("invalidations", sum(len(v) for v in gone.values()) + wipe)

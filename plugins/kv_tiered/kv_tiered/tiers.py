@@ -1,0 +1,105 @@
+"""The opened tiers of a stack, and how each is read and written.
+
+Each tier is a :class:`kvcore.Backend` opened by name with the stack's context. A tier that
+verifies what it returns (``Capabilities.checksums``: kv_file) is used as it is; the others
+(memory, Mooncake) get kvcore's block digests beside their blocks
+(:class:`~kvcore.transfer.integrity.VerifiedBlocks`), so every read the stack serves is
+verified, whichever tier it comes from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import kvcore
+from kvcore import BlockRequest, Outcome
+from kvcore.transfer.integrity import VerifiedBlocks
+
+__all__ = ["Tiers"]
+
+log = logging.getLogger("kvcore.tiered")
+
+
+class Tiers(Sequence[kvcore.Backend]):
+    """The tiers, fastest first (a sequence of opened backends)."""
+
+    def __init__(self, specs: Sequence[Any], context: kvcore.BackendContext) -> None:
+        self.context = context
+        self._tiers: list[kvcore.Backend] = []
+        try:
+            for i, spec in enumerate(specs):
+                self._tiers.append(_open_tier(i, spec.backend, spec.config, context))
+        except BaseException:
+            self.close()
+            raise
+        #: one digest keeper per (tier, parts of a request)
+        self._verified: dict[tuple[int, int], VerifiedBlocks] = {}
+
+    def __getitem__(self, i: int) -> kvcore.Backend:  # type: ignore[override]
+        return self._tiers[i]
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def store(self, i: int, request: BlockRequest) -> kvcore.Backend | VerifiedBlocks:
+        """What reads and writes tier ``i`` for ``request`` (see the module docstring)."""
+        tier = self._tiers[i]
+        if tier.capabilities.checksums:
+            return tier
+        key = (i, len(request.parts))
+        verified = self._verified.get(key)
+        if verified is None:
+            verified = self._verified[key] = VerifiedBlocks(tier, key[1])
+        return verified
+
+    def remove_from(self, i: int, request: BlockRequest) -> Outcome:
+        """Remove ``request``'s blocks from tier ``i``, and their digests where it has them."""
+        tier = self._tiers[i]
+        got = tier.remove(request)
+        store = self.store(i, request)
+        if isinstance(store, VerifiedBlocks) and request.num_blocks:
+            tier.remove(store.digests_of(request))
+        return got
+
+    def part_bytes(self, request: BlockRequest) -> Sequence[int] | None:
+        """Bytes of each part of ``request``'s objects (None: unknown without a layout)."""
+        if request.part_nbytes is not None:
+            return request.part_nbytes
+        layout = self.context.layout
+        if layout is None:
+            return None
+        return [layout.part_bytes(p) for p in request.parts]
+
+    def close(self) -> None:
+        for tier in reversed(self._tiers):
+            try:
+                tier.close()
+            except Exception as exc:  # closing the others matters more
+                log.warning("kv_tiered: closing tier %r failed: %s", tier.name, exc)
+
+
+def _open_tier(
+    index: int, name: str, config: dict, context: kvcore.BackendContext
+) -> kvcore.Backend:
+    """Open tier ``index``; an error names it (``tiers[1] (mooncake): ...``)."""
+    where = f"tiers[{index}] ({name})"
+    try:
+        tier = kvcore.open_backend(name, config, context=context)
+    except kvcore.ConfigError as exc:
+        raise kvcore.ConfigError(f"invalid config for backend 'tiered': {where}: {exc}") from None
+    except kvcore.KVCoreError:
+        raise
+    except Exception as exc:
+        raise kvcore.ConfigError(
+            f"backend 'tiered': {where} cannot open: {type(exc).__name__}: {exc}"
+        ) from exc
+    caps = tier.capabilities
+    if caps.addressing != "key" or caps.io != "host" or caps.token_index:
+        tier.close()
+        raise kvcore.ConfigError(
+            f"invalid config for backend 'tiered': {where} is {caps.addressing}-addressed with "
+            f"{caps.io} I/O; a stack takes key-addressed, host-I/O backends"
+        )
+    return tier
