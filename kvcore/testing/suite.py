@@ -714,15 +714,7 @@ class BackendConformance:
         """For a backend that reports its own drops (``kvcore_watch``): write about twice its
         capacity; an index built only from the events then holds exactly the blocks a query
         finds (no block reported stored that is gone, none kept that was never reported)."""
-        if backend_capacity is None:
-            pytest.skip("no declared capacity (see the `backend_capacity` fixture)")
-        layout = capacity_layout()
-        n = 2 * backend_capacity.nbytes // layout.block_bytes + 1
-        h = open_harness(
-            capacity_layout(max(n, 16)),
-            config=backend_capacity.config,
-            namespace=f"kvcore-kit-{uuid.uuid4().hex[:12]}",
-        )
+        h, n = _twice_the_capacity(open_harness, backend_capacity)
         if not h.backend.implements("kvcore_watch"):
             pytest.skip("backend does not report what it drops (kvcore_watch, kvcore 0.3)")
         seqs = [h.new_sequence(4) for _ in range(max(1, n // 4))]
@@ -753,15 +745,7 @@ class BackendConformance:
         """For a backend with ``kvcore_evict_to``: write about twice its capacity; every block
         written is then either still found, or was handed to the sink with every part's exact
         bytes (a store in front of another loses nothing it evicts)."""
-        if backend_capacity is None:
-            pytest.skip("no declared capacity (see the `backend_capacity` fixture)")
-        layout = capacity_layout()
-        n = 2 * backend_capacity.nbytes // layout.block_bytes + 1
-        h = open_harness(
-            capacity_layout(max(n, 16)),
-            config=backend_capacity.config,
-            namespace=f"kvcore-kit-{uuid.uuid4().hex[:12]}",
-        )
+        h, n = _twice_the_capacity(open_harness, backend_capacity)
         _require_hook(h.backend, "kvcore_evict_to")
         handed: dict[str, bytes] = {}
 
@@ -1173,6 +1157,22 @@ def _stored_for_removal(harness: Harness, n: int) -> tuple[Backend, Sequence_]:
     seq = harness.new_sequence(n)
     assert harness.write(seq) == n
     return harness.backend, seq
+
+
+def _twice_the_capacity(
+    open_harness: Callable[..., Harness], capacity: DeclaredCapacity | None
+) -> tuple[Harness, int]:
+    """A harness on a store of the declared capacity, in a namespace of the kit's own, and
+    how many blocks are about twice that capacity (skips without a declared capacity)."""
+    if capacity is None:
+        pytest.skip("no declared capacity (see the `backend_capacity` fixture)")
+    n = 2 * capacity.nbytes // capacity_layout().block_bytes + 1
+    h = open_harness(
+        capacity_layout(max(n, 16)),
+        config=capacity.config,
+        namespace=f"kvcore-kit-{uuid.uuid4().hex[:12]}",
+    )
+    return h, n
 
 
 def _require_hook(backend: Backend, hook: str) -> None:
