@@ -177,7 +177,6 @@ class IOReplay:
                 # beyond the leading run it found (skipped there, yet counted as done)
                 tally.blocks_written = int(stored) // parts
                 tally.bytes_written = tally.blocks_written * self.layout.block_bytes
-            self.stats = stats
         finally:
             try:
                 self.backend.clear()
