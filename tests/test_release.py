@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -63,9 +64,19 @@ def fresh_venv(tmp: Path) -> tuple[Path, dict[str, str]]:
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600):
-    done = subprocess.run(
+    return subprocess.run(
         args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def pip_install(python: str, args: list[str], env: dict[str, str], cwd: Path):
+    """``pip install`` from the package index, tried again if the index fails to answer."""
+    command = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args]
+    for _ in range(3):
+        done = run(command, env, cwd)
+        if done.returncode == 0 or "No matching distribution" not in done.stderr:
+            return done
+        time.sleep(5)
     return done
 
 
@@ -104,9 +115,9 @@ def test_installed_wheels_work_without_a_compiler_or_a_checkout(dist: Path, tmp_
     python = str(venv / "bin" / "python")
     # kvcore's packages only from the built wheels (no index has them); their dependencies
     # from the index, as binary wheels: nothing may need compiling
-    done = run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                "--only-binary", ":all:", "--find-links", str(dist),
-                f"kvcore[file]=={kvcore.__version__}", "pytest>=8"], env, tmp_path)  # fmt: skip
+    done = pip_install(python, ["--only-binary", ":all:", "--find-links", str(dist),
+                                f"kvcore[file]=={kvcore.__version__}", "pytest>=8"],
+                       env, tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     where = run([python, "-c", "import kvcore, kv_file; print(kvcore.__file__, kv_file.__file__)"],
@@ -134,8 +145,7 @@ def test_a_source_build_without_a_compiler_fails_in_one_line_that_says_so(
 ) -> None:
     venv, env = fresh_venv(tmp_path)
     python = str(venv / "bin" / "python")
-    done = run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                "--only-binary", ":all:", "setuptools>=77", "wheel"], env, tmp_path)  # fmt: skip
+    done = pip_install(python, ["--only-binary", ":all:", "setuptools>=77", "wheel"], env, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     (sdist,) = dist.glob("kvcore-[0-9]*.tar.gz")
     build = run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
