@@ -1,5 +1,6 @@
-"""The conformance kit on tier stacks: memory over file, file over file, file over a real
-Mooncake cluster (a master and a storage node on 127.0.0.1)."""
+"""The conformance kit on tier stacks: memory over file, file over a real Mooncake cluster (a
+master and a storage node on 127.0.0.1), and file over file handing down what it evicts.
+(A file-over-file write-through stack's behaviours are tested in test_tiered_stack.py.)"""
 
 from __future__ import annotations
 
@@ -16,21 +17,6 @@ class TestMemoryOverFile(BackendConformance):
     @pytest.fixture
     def backend_config(self, tmp_path) -> dict[str, Any]:
         return {"tiers": [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]}
-
-
-class TestFileOverFile(BackendConformance):
-    """A shared, checksummed stack: both tiers are kv_file (a local disk over a shared one)."""
-
-    backend = "tiered"
-
-    @pytest.fixture
-    def backend_config(self, tmp_path) -> dict[str, Any]:
-        return {
-            "tiers": [
-                {"backend": "file", "root": str(tmp_path / "near")},
-                {"backend": "file", "config": {"root": str(tmp_path / "far")}},
-            ]
-        }
 
 
 class TestFileOverMooncake(BackendConformance):
