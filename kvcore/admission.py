@@ -33,7 +33,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 __all__ = [
     "POLICIES",
@@ -76,6 +76,11 @@ class AdmissionPolicy(ABC):
     """What a store admits (see the module docstring). Subclasses are thread-safe."""
 
     name: PolicyName
+    #: whether decisions depend on which blocks are offered (not only on how many): a store
+    #: need not compute :func:`block_id` for a policy that ignores them
+    uses_ids: ClassVar[bool] = True
+    #: whether :meth:`read` feeds the policy (hits are then worth reporting)
+    uses_reads: ClassVar[bool] = False
 
     def __init__(self, capacity_blocks: int) -> None:
         self._lock = threading.Lock()
@@ -136,6 +141,7 @@ class AdmissionPolicy(ABC):
 
 class AdmitAll(AdmissionPolicy):
     name: PolicyName = "all"
+    uses_ids: ClassVar[bool] = False
 
     def _decide(self, block_ids: Sequence[int], room: int) -> list[bool]:
         return [True] * len(block_ids)
@@ -236,6 +242,7 @@ class AdaptiveAdmission(SecondHit):
     """
 
     name: PolicyName = "adaptive"
+    uses_reads: ClassVar[bool] = True
 
     def __init__(
         self,

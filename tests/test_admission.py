@@ -16,6 +16,7 @@ from kvcore import hookimpl
 from kvcore.admission import (
     BYTES_PER_ENTRY,
     AdaptiveAdmission,
+    AdmissionPolicy,
     AdmitAll,
     Doorkeeper,
     SecondHit,
@@ -80,6 +81,18 @@ def test_adaptive_follows_the_policy_that_hit_more_recently() -> None:
     assert marks.count("H") == 5
     stats = policy.stats()
     assert stats["admission_switches"] == 1 and stats["admission_following_second_hit"] == 1
+
+
+@pytest.mark.parametrize("policy_class", [AdmitAll, SecondHit, AdaptiveAdmission])
+def test_policies_declare_what_a_store_may_skip(policy_class: type[AdmissionPolicy]) -> None:
+    """``uses_reads``: the policy overrides ``read``; without ``uses_ids`` its verdicts depend
+    on the count offered alone (so a store may skip hashing keys for it)."""
+    overrides_read = policy_class.read is not AdmissionPolicy.read
+    assert policy_class.uses_reads == overrides_read
+    if not policy_class.uses_ids:
+        a, b = policy_class(8), policy_class(8)
+        for ids in ([1, 2, 3], [1, 1, 1], [7, 8], [9] * 20):
+            assert a.offer(ids, 0) == b.offer([0] * len(ids), 0)
 
 
 def test_offer_answers_a_leading_run_and_counts_every_block() -> None:

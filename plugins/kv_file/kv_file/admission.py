@@ -56,13 +56,17 @@ class StoreAdmission:
         self._size_from(request)
         known = self._index.by_name.__contains__
         stored = [all(map(known, block)) for block in names]  # as the index knows them
-        ids = self.block_ids(request, range(request.num_blocks))
+        policy = self.policy
+        if policy.uses_ids:
+            ids = self.block_ids(request, range(request.num_blocks))
+        else:  # the policy decides by count alone: no key is hashed
+            ids = [0] * request.num_blocks
         offered = [b for b, present in zip(ids, stored, strict=True) if not present]
-        if len(offered) < len(ids):
-            self.policy.read([b for b, present in zip(ids, stored, strict=True) if present])
+        if policy.uses_reads and len(offered) < len(ids):
+            policy.read([b for b, present in zip(ids, stored, strict=True) if present])
         if not offered:
             return len(ids)
-        taken = self.policy.offer(offered, self._room())
+        taken = policy.offer(offered, self._room())
         if taken == len(offered):
             return len(ids)
         new = 0
@@ -75,7 +79,7 @@ class StoreAdmission:
 
     def read(self, request: BlockRequest, blocks: list[int]) -> None:
         """Blocks ``blocks`` (indexes into ``request``) were read: references that hit."""
-        if blocks:
+        if blocks and self.policy.uses_reads:  # no key is hashed for a policy ignoring hits
             self.policy.read(self.block_ids(request, blocks))
 
     @staticmethod

@@ -37,6 +37,34 @@ def test_second_hit_admits_the_second_offer(tmp_path) -> None:
         store.close()
 
 
+def test_admitting_all_hashes_no_key_on_writes_or_reads(tmp_path, monkeypatch) -> None:
+    """``admission: all`` decides by count: the policy ids (a hash of each key) are not
+    computed on the write or the read path."""
+    import kv_file.admission
+
+    hashed: list[str] = []
+    real = kv_file.admission.block_id
+    monkeypatch.setattr(kv_file.admission, "block_id", lambda k: hashed.append(k) or real(k))
+    store = open_store(str(tmp_path / "s"), admission="all", capacity_bytes=40 * BLOCK)
+    try:
+        keys = [f"k{i:02d}" for i in range(6)]
+        assert admit(store, keys) == 6
+        assert write(store, keys) == 6
+        assert read_verified(store, keys) == 6
+        assert admit(store, keys) == 6  # stored already
+        assert hashed == []
+    finally:
+        store.close()
+    # the adaptive policy does use them (the same calls hash every key)
+    store = open_store(str(tmp_path / "a"), admission="adaptive", capacity_bytes=40 * BLOCK)
+    try:
+        assert admit(store, keys) == 6 and write(store, keys) == 6
+        assert read_verified(store, keys) == 6
+        assert len(hashed) >= 12
+    finally:
+        store.close()
+
+
 def test_adaptive_is_the_default_and_admits_everything_while_there_is_room(tmp_path) -> None:
     store = open_store(str(tmp_path / "s"), capacity_bytes=40 * BLOCK)
     try:
