@@ -523,6 +523,13 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             self._counters.add("pages_write_skipped", len(keys))
             return self._run(present, len(keys))
         t0 = time.monotonic()
+        offered = len(keys)
+        if len(host_indices) % offered == 0:  # else page_buffers below says what is wrong
+            admitted = self._admitted(tier, fmt, keys, rank, world_size)
+            if admitted == 0:
+                return [True] * offered
+            keys = keys[:admitted]
+            host_indices = host_indices[: admitted * (len(host_indices) // offered)]
         host, staging = page_buffers(
             pool, fmt, host_indices, len(keys), segmented_ok=self._segmented(tier)
         )
@@ -534,7 +541,26 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         self._counters.add("pages_written", len(keys))
         self._counters.add("pages_written_ok", done)
         self._record("backup", done, done * fmt.page_nbytes, time.monotonic() - t0)
-        return self._run(done, len(keys))
+        return self._run(done, len(keys)) + [True] * (offered - len(keys))
+
+    def _admitted(
+        self,
+        tier: _Tier,
+        fmt: PageFormat,
+        keys: list[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> int:
+        """How many leading pages of ``keys`` the store's admission policy takes, asked before
+        anything is staged (a refused page costs no copy). A refused page is not written and is
+        not a failure: it is reported as handled, so HiCache neither logs a failed backup nor
+        stops the operation's later batches (as vLLM's tier reports a refused chunk's job as a
+        success), and counted as ``pages_refused``."""
+        probe = self._request("set", tier, fmt, keys, rank=rank, world_size=world_size)
+        admitted = int(tier.backend.admit(probe))
+        if admitted < len(keys):
+            self._counters.add("pages_refused", len(keys) - admitted)
+        return admitted
 
     def _pages_of(
         self, tier: _Tier | None, fmt: PageFormat | None, pool: Any
@@ -596,7 +622,11 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             raise ValueError("batch_set needs one page tensor per key")
         if not self.identity.is_writer:
             return self._exists(keys) == len(keys)
-        pages = [v.contiguous().cpu() for v in values]  # views of the pool stay zero-copy
+        admitted = self._admitted(tier, fmt, keys)
+        if admitted == 0:
+            return True
+        keys = keys[:admitted]
+        pages = [v.contiguous().cpu() for v in values[:admitted]]  # pool views: zero-copy
         host = tensor_buffers(fmt, pages)
         done = self._outcome("set", tier.backend.write(self._request("set", tier, fmt, keys, host)))
         self._counters.add("pages_written", len(keys))
@@ -611,6 +641,12 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             return True
         if not self.identity.is_writer:
             return self._exists(keys) == len(keys)
+        if len(locations) == len(sizes) == len(keys):  # else pointer_buffers says what is wrong
+            admitted = self._admitted(tier, fmt, keys)
+            if admitted == 0:
+                return True
+            keys = keys[:admitted]
+            locations, sizes = locations[:admitted], sizes[:admitted]
         host = pointer_buffers(fmt, locations, sizes)
         done = self._outcome("set", tier.backend.write(self._request("set", tier, fmt, keys, host)))
         self._counters.add("pages_written", len(keys))

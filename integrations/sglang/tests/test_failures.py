@@ -131,3 +131,46 @@ def test_storage_metrics_report_pages_and_bandwidth(make_storage) -> None:
     second = storage.get_stats()  # SGLang drains them at each report
     assert second.backup_pgs == [] and second.prefetch_pgs == []
     assert second.kvcore["kv.calls.write"] == 1
+
+
+@pytest.mark.parametrize("backend_spec", ["file"], indirect=True)
+def test_pages_the_store_does_not_admit_are_refused_not_failed(make_storage) -> None:
+    """kv_file's admission applies to SGLang's backups: under ``second-hit`` a page's first
+    offer is refused before anything is staged (reported as handled, so HiCache goes on with
+    the operation's next batch; counted as refused, not written), its second is stored. The
+    same through the legacy calls (flat pages, raw addresses)."""
+    pool = filled_pool(5)
+    storage = make_storage(pool, extra={"backend_config": {"admission": "second-hit"}})
+    keys = page_keys(4)
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 4)) == [True] * 4
+    assert storage.batch_exists(keys) == 0  # refused: nothing written
+    stats = storage.get_stats().kvcore
+    assert stats["pages_refused"] == 4 and stats.get("pages_written", 0) == 0
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 4)) == [True] * 4  # second offer
+    assert storage.batch_exists(keys) == 4
+    assert storage.batch_get_v1(keys, page_indices(pool, 10, 4)) == [True] * 4
+    assert page_bytes(pool, 10, 4) == page_bytes(pool, 0, 4)
+    # a new page first in the batch: refused, and the run ends there (a leading run is written)
+    fresh = page_keys(3, seed=9)
+    assert storage.batch_set_v1([fresh[0], *keys[:2]], page_indices(pool, 4, 3)) == [True] * 3
+    assert storage.batch_exists([fresh[0]]) == 0
+    stats = storage.get_stats().kvcore
+    assert stats["pages_refused"] == 4 + 3 and stats["pages_written"] == 4
+
+    flat = [pool.get_data_page(i * pool.page_size, flat=True) for i in range(6, 8)]
+    legacy = page_keys(2, seed=11)
+    assert storage.batch_set(legacy, flat) is True  # first offer: refused, reported handled
+    assert storage.batch_exists(legacy) == 0
+    assert storage.batch_set(legacy, flat) is True
+    assert storage.batch_exists(legacy) == 2
+    ptrs, sizes = pool.get_page_buffer_meta(page_indices(pool, 8, 2))
+    half = len(ptrs) // 2
+    raw = page_keys(2, seed=13)
+    locations = [ptrs[:half], ptrs[half:]]
+    lengths = [sizes[:half], sizes[half:]]
+    assert storage.batch_set(raw, None, locations, lengths) is True
+    assert storage.batch_exists(raw) == 0
+    assert storage.batch_set(raw, None, locations, lengths) is True
+    assert storage.batch_exists(raw) == 2
+    stats = storage.get_stats().kvcore
+    assert stats["pages_refused"] == 7 + 2 + 2
