@@ -79,8 +79,6 @@ class AdmissionPolicy(ABC):
     #: whether decisions depend on which blocks are offered (not only on how many): a store
     #: need not compute :func:`block_id` for a policy that ignores them
     uses_ids: ClassVar[bool] = True
-    #: whether :meth:`read` feeds the policy (hits are then worth reporting)
-    uses_reads: ClassVar[bool] = False
 
     def __init__(self, capacity_blocks: int) -> None:
         self._lock = threading.Lock()
@@ -104,6 +102,12 @@ class AdmissionPolicy(ABC):
 
     def read(self, block_ids: Sequence[int]) -> None:  # noqa: B027 (most policies ignore it)
         """Blocks found and read: references that hit (they feed adaptive's simulations)."""
+
+    @property
+    def uses_reads(self) -> bool:
+        """Whether :meth:`read` feeds the policy (it overrides it): a store need not compute
+        the ids of blocks read for a policy that ignores them."""
+        return type(self).read is not AdmissionPolicy.read
 
     def resize(self, capacity_blocks: int) -> None:
         """The store's capacity in blocks changed (known once the block size is)."""
@@ -242,7 +246,6 @@ class AdaptiveAdmission(SecondHit):
     """
 
     name: PolicyName = "adaptive"
-    uses_reads: ClassVar[bool] = True
 
     def __init__(
         self,

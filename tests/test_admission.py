@@ -16,7 +16,6 @@ from kvcore import hookimpl
 from kvcore.admission import (
     BYTES_PER_ENTRY,
     AdaptiveAdmission,
-    AdmissionPolicy,
     AdmitAll,
     Doorkeeper,
     SecondHit,
@@ -83,16 +82,19 @@ def test_adaptive_follows_the_policy_that_hit_more_recently() -> None:
     assert stats["admission_switches"] == 1 and stats["admission_following_second_hit"] == 1
 
 
-@pytest.mark.parametrize("policy_class", [AdmitAll, SecondHit, AdaptiveAdmission])
-def test_policies_declare_what_a_store_may_skip(policy_class: type[AdmissionPolicy]) -> None:
-    """``uses_reads``: the policy overrides ``read``; without ``uses_ids`` its verdicts depend
-    on the count offered alone (so a store may skip hashing keys for it)."""
-    overrides_read = policy_class.read is not AdmissionPolicy.read
-    assert policy_class.uses_reads == overrides_read
-    if not policy_class.uses_ids:
-        a, b = policy_class(8), policy_class(8)
-        for ids in ([1, 2, 3], [1, 1, 1], [7, 8], [9] * 20):
-            assert a.offer(ids, 0) == b.offer([0] * len(ids), 0)
+def test_a_policy_blind_to_ids_decides_by_count_and_only_adaptive_uses_reads() -> None:
+    """What a store may skip: the ids of a policy without ``uses_ids`` (its verdicts depend on
+    the count offered alone) and the reads of one that does not override ``read``."""
+    for policy_class in (AdmitAll, SecondHit, AdaptiveAdmission):
+        if not policy_class.uses_ids:
+            a, b = policy_class(8), policy_class(8)
+            for ids in ([1, 2, 3], [1, 1, 1], [7, 8], [9] * 20):
+                assert a.offer(ids, 0) == b.offer([0] * len(ids), 0)
+    assert [p(8).uses_reads for p in (AdmitAll, SecondHit, AdaptiveAdmission)] == [
+        False,
+        False,
+        True,
+    ]
 
 
 def test_offer_answers_a_leading_run_and_counts_every_block() -> None:

@@ -524,8 +524,10 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             return self._run(present, len(keys))
         t0 = time.monotonic()
         offered = len(keys)
+        # built once: asked of the admission policy, then sliced to what it admits and written
+        request = self._request("set", tier, fmt, keys, rank=rank, world_size=world_size)
         if len(host_indices) % offered == 0:  # else page_buffers below says what is wrong
-            admitted = self._admitted(tier, fmt, keys, rank, world_size)
+            admitted = self._admitted(tier, request)
             if admitted == 0:
                 return [True] * offered
             keys = keys[:admitted]
@@ -536,30 +538,21 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         if staging is not None:
             staging.gather()
             self._counters.add("pages_staged", len(keys))
-        request = self._request("set", tier, fmt, keys, host, rank=rank, world_size=world_size)
-        done = self._outcome("set", tier.backend.write(request))
+        done = self._outcome("set", tier.backend.write(request.slice(0, len(keys), host=host)))
         self._counters.add("pages_written", len(keys))
         self._counters.add("pages_written_ok", done)
         self._record("backup", done, done * fmt.page_nbytes, time.monotonic() - t0)
         return self._run(done, len(keys)) + [True] * (offered - len(keys))
 
-    def _admitted(
-        self,
-        tier: _Tier,
-        fmt: PageFormat,
-        keys: list[str],
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> int:
+    def _admitted(self, tier: _Tier, request: kvcore.BlockRequest) -> int:
         """How many leading pages of ``keys`` the store's admission policy takes, asked before
         anything is staged (a refused page costs no copy). A refused page is not written and is
         not a failure: it is reported as handled, so HiCache neither logs a failed backup nor
         stops the operation's later batches (as vLLM's tier reports a refused chunk's job as a
         success), and counted as ``pages_refused``."""
-        probe = self._request("set", tier, fmt, keys, rank=rank, world_size=world_size)
-        admitted = int(tier.backend.admit(probe))
-        if admitted < len(keys):
-            self._counters.add("pages_refused", len(keys) - admitted)
+        admitted = int(tier.backend.admit(request))
+        if admitted < request.num_blocks:
+            self._counters.add("pages_refused", request.num_blocks - admitted)
         return admitted
 
     def _pages_of(
@@ -622,13 +615,14 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             raise ValueError("batch_set needs one page tensor per key")
         if not self.identity.is_writer:
             return self._exists(keys) == len(keys)
-        admitted = self._admitted(tier, fmt, keys)
+        request = self._request("set", tier, fmt, keys)
+        admitted = self._admitted(tier, request)
         if admitted == 0:
             return True
         keys = keys[:admitted]
         pages = [v.contiguous().cpu() for v in values[:admitted]]  # pool views: zero-copy
         host = tensor_buffers(fmt, pages)
-        done = self._outcome("set", tier.backend.write(self._request("set", tier, fmt, keys, host)))
+        done = self._outcome("set", tier.backend.write(request.slice(0, admitted, host=host)))
         self._counters.add("pages_written", len(keys))
         self._counters.add("pages_written_ok", done)
         return done == len(keys)
@@ -641,14 +635,15 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             return True
         if not self.identity.is_writer:
             return self._exists(keys) == len(keys)
+        request = self._request("set", tier, fmt, keys)
         if len(locations) == len(sizes) == len(keys):  # else pointer_buffers says what is wrong
-            admitted = self._admitted(tier, fmt, keys)
+            admitted = self._admitted(tier, request)
             if admitted == 0:
                 return True
             keys = keys[:admitted]
             locations, sizes = locations[:admitted], sizes[:admitted]
         host = pointer_buffers(fmt, locations, sizes)
-        done = self._outcome("set", tier.backend.write(self._request("set", tier, fmt, keys, host)))
+        done = self._outcome("set", tier.backend.write(request.slice(0, len(keys), host=host)))
         self._counters.add("pages_written", len(keys))
         self._counters.add("pages_written_ok", done)
         return done == len(keys)
