@@ -51,7 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import Report, emit  # noqa: E402
 
-VLLM_PYTHON = REPO / "integrations" / "vllm" / ".venv" / "bin" / "python"
+VLLM_VENV = REPO / "integrations" / "vllm" / ".venv"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 
 
 def _python_with_vllm() -> None:
@@ -61,7 +62,8 @@ def _python_with_vllm() -> None:
     # found, not imported: importing vLLM starts threads, and the network namespace below
     # must be entered before any thread exists
     if not (importlib.util.find_spec("vllm") and importlib.util.find_spec("kvcore_vllm")):
-        if VLLM_PYTHON.exists() and Path(sys.executable).resolve() != VLLM_PYTHON.resolve():
+        # venvs' pythons are symlinks to one interpreter: compare the environments, not them
+        if VLLM_PYTHON.exists() and Path(sys.prefix).resolve() != VLLM_VENV.resolve():
             os.execv(str(VLLM_PYTHON), [str(VLLM_PYTHON), __file__, *sys.argv[1:]])
         sys.exit(
             "bench_vllm needs vLLM and kvcore-vllm: run integrations/vllm/scripts/test.sh once "

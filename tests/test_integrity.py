@@ -105,3 +105,40 @@ def test_backends_that_verify_their_own_objects_get_no_digests(tmp_path):
     assert be.query(digests) == 0  # kv_file checks its own checksums: nothing beside
     tm.close()
     be.close()
+
+
+class _QueriesSeen(MemoryBackend):
+    """Records the parts of every query it answers."""
+
+    queries: list[tuple[str, ...]]
+
+    @hookimpl
+    def kvcore_query(self, request):
+        self.queries.append(request.parts)
+        return MemoryBackend.kvcore_query(self, request)
+
+
+def test_a_lookup_asks_the_backend_once_for_blocks_and_digests_together():
+    """One round trip per lookup (a network store pays per call): the digest is asked as one
+    more part of each block, and a block counts only with all its parts and its digest."""
+    layout = lay()
+    tm = manager(layout, cache_of(layout, np.uint16, seed=5), backend=_QueriesSeen)
+    plugin = tm._test_backend.plugin
+    plugin.queries = []
+    ks = keys(4, seed=5)
+    assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": [0, 1, 2, 3]}).result().ok
+    plugin.queries.clear()
+    assert tm.query({"task_id": "q", "keys": ks}) == 4
+    assert plugin.queries == [("k", "v", DIGEST_PART)]
+    # block 2's digest lost (its parts still stored): the run ends before it
+    objects = plugin._objects
+    del objects[next(n for n in objects if f"/{ks[2]}/{DIGEST_PART}/" in n)]
+    plugin.queries.clear()
+    assert tm.query({"task_id": "q2", "keys": ks}) == 2
+    assert plugin.queries == [("k", "v", DIGEST_PART)]
+    # and block 1's v part lost: the run ends before it, digest or not
+    del objects[next(n for n in objects if f"/{ks[1]}/v/" in n)]
+    assert tm.query({"task_id": "q3", "keys": ks}) == 1
+    assert tm.query({"task_id": "q4", "keys": []}) == 0
+    tm.close()
+    tm._test_backend.close()

@@ -20,9 +20,10 @@ __all__ = ["parse_goal", "plot_report", "require_matplotlib", "unit_of"]
 #: figure-name suffixes and the unit they stand for, most telling first
 UNITS = {"_gbps": "GB/s", "_ms": "ms", "_us": "µs", "_s": "s"}
 #: names of baseline figures in the benchmarks' reports (drawn grey): the raw store or client,
-#: a plain copy, a stage measured alone, a call made directly, stages run at once by hand
+#: a device's measured limit, a plain copy, a stage measured alone, a call made directly,
+#: stages run at once by hand
 BASELINE = re.compile(
-    r"^(raw|memcpy|np_copyto|gather|scatter|backend)_|_(direct|alone|baseline|by_hand)_"
+    r"^(raw|limit|memcpy|np_copyto|gather|scatter|backend)_|_(direct|alone|baseline|by_hand)_"
     r"|serial_combination|_side_by_side_"
 )
 _GOAL = re.compile(r"^\s*(<=|>=|<|>|==)\s*([0-9.]+)")

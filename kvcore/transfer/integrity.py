@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import xxhash
 
 from kvcore.backend import Backend
-from kvcore.keys import NameRows, names_in_scope
+from kvcore.keys import NameRows, name_columns, names_in_scope
 from kvcore.metrics import OnceLogger
 from kvcore.requests import BlockRequest, HostBuffers, Outcome
 
@@ -98,10 +99,25 @@ class VerifiedBlocks:
         return b"".join(out)
 
     def query(self, request: BlockRequest) -> Outcome:
-        """Leading blocks whose parts and digest are all stored."""
-        return _with_digests(
-            self.backend.query(request),
-            lambda n: self.backend.query(self._digests(request.slice(0, n))),
+        """Leading blocks whose parts and digest are all stored: one query of the backend,
+        the digest asked as one more part of each block (a query needs names, no buffers)."""
+        if request.num_blocks == 0:
+            return self.backend.query(request)
+        digests = self._digests(request)
+        parts = len(request.parts)
+        names = NameRows(
+            [*name_columns(request.object_names, parts), digests.object_names.column(0)],
+            request.num_blocks,
+        )
+        sizes = request.part_nbytes
+        return self.backend.query(
+            replace(
+                request,
+                object_names=names,
+                parts=(*request.parts, DIGEST_PART),
+                host=None,
+                part_nbytes=None if sizes is None else (*sizes, self.size),
+            )
         )
 
     def write(self, request: BlockRequest) -> Outcome:

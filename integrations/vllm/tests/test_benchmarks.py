@@ -29,6 +29,9 @@ def test_bench_vllm_tier_reports_median_and_spread(tmp_path: Path) -> None:
                        tmp_path, timeout=300)  # fmt: skip
     check_report(report)
     assert report["goals"]
+    # both tiers' loads against the device's limit, measured on the same files in the run
+    assert {"fs_load_cold_vs_limit", "kvcore_load_cold_vs_limit"} <= set(report["limits"])
+    assert report["figures"]["limit_load_cold_gbps"]["n"] == 2
 
 
 def test_bench_vllm_decode_ab_carries_its_aa_control(tmp_path: Path) -> None:
