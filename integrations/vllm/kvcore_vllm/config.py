@@ -6,11 +6,13 @@ Every field is checked by pydantic and unknown keys are refused, so a typo in an
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcore.schemas import interval_field, timeout_field
+
+_Settings = TypeVar("_Settings", bound=BaseModel)
 
 __all__ = [
     "ConnectorSettings",
@@ -28,8 +30,8 @@ class SettingsError(ValueError):
     """The connector's extra config is invalid; the message names every bad key."""
 
 
-class ConnectorSettings(BaseModel):
-    """What ``kv_connector_extra_config`` may hold (only ``backend`` is required)."""
+class _StoreSettings(BaseModel):
+    """What the connector and the tier both take: the backend and the scope of its names."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,16 +42,35 @@ class ConnectorSettings(BaseModel):
     namespace: str = Field(
         default="default",
         min_length=1,
-        description="user scope: engines share blocks only within one namespace",
+        description="user scope: engines share what they store only within one namespace",
     )
+    weight_version: str = Field(
+        default="", description="ends every object name; bump it when the weights change"
+    )
+
+
+def _validated(
+    model: type[_Settings], settings: dict[str, Any], source: str, what: str
+) -> _Settings:
+    """``settings`` as ``model``; :class:`SettingsError` naming every bad key under ``source``."""
+    try:
+        return model.model_validate(dict(settings))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(root)"
+            problems.append(f"  {source}.{where}: {err['msg']}")
+        raise SettingsError(f"invalid {what} config:\n" + "\n".join(problems)) from None
+
+
+class ConnectorSettings(_StoreSettings):
+    """What ``kv_connector_extra_config`` may hold (only ``backend`` is required)."""
+
     model_id: str | None = Field(
         default=None,
         min_length=1,
         description="model identity in every key (default: vLLM's model name or path, plus "
         "its revision); set it when the same weights are served from different paths",
-    )
-    weight_version: str = Field(
-        default="", description="ends every object name; bump it when the weights change"
     )
     load_timeout_s: float = timeout_field(
         10.0, "a load that has not finished by then is recomputed"
@@ -81,43 +102,22 @@ class ConnectorSettings(BaseModel):
 
 def load_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
     """Validate vLLM's extra config; raise :class:`SettingsError` naming each bad key."""
-    try:
-        return ConnectorSettings.model_validate(dict(extra or {}))
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(root)"
-            problems.append(f"  {SOURCE}.{where}: {err['msg']}")
-        raise SettingsError("invalid KVCoreConnector config:\n" + "\n".join(problems)) from None
+    return _validated(ConnectorSettings, extra or {}, SOURCE, "KVCoreConnector")
 
 
 #: Where the tier's settings come from, for error messages.
 TIER_SOURCE = "kv_connector_extra_config.secondary_tiers[type=kvcore]"
 
 
-class TierSettings(BaseModel):
+class TierSettings(_StoreSettings):
     """One kvcore entry of ``secondary_tiers`` (``type`` and ``module_path`` are vLLM's;
     only ``backend`` is required)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: str = Field(min_length=1, description="kvcore backend name: file, mooncake, ...")
-    backend_config: dict[str, Any] = Field(
-        default_factory=dict, description="the backend's own config (see its README)"
-    )
-    namespace: str = Field(
-        default="default",
-        min_length=1,
-        description="user scope: engines share chunks only within one namespace",
-    )
     model_id: str | None = Field(
         default=None,
         min_length=1,
         description="model identity in every key (default: vLLM's model name); set it when the "
         "same weights are served under different names",
-    )
-    weight_version: str = Field(
-        default="", description="ends every object name; bump it when the weights change"
     )
     load_timeout_s: float = timeout_field(
         10.0, "a promotion job not finished by then fails (its chunks are recomputed)"
@@ -156,13 +156,4 @@ class TierSettings(BaseModel):
 
 def load_tier_settings(settings: dict[str, Any]) -> TierSettings:
     """Validate a kvcore tier's settings; raise :class:`SettingsError` naming each bad key."""
-    try:
-        return TierSettings.model_validate(dict(settings))
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(root)"
-            problems.append(f"  {TIER_SOURCE}.{where}: {err['msg']}")
-        raise SettingsError(
-            "invalid kvcore secondary tier config:\n" + "\n".join(problems)
-        ) from None
+    return _validated(TierSettings, settings, TIER_SOURCE, "kvcore secondary tier")
