@@ -25,9 +25,9 @@ looked up in one batch, as vLLM's asynchronous lookup batches a step's keys.
 
 Goals (issue 22): kvcore >= 1.0x fs for stores and loads, with checksums on. The fs tier reads
 exactly the bytes the raw limit reads, the same way; a tier that verifies what it reads can
-only tie it within the noise. Ratios are per
-repetition; medians and ranges over ``--reps``. One JSON object with ``--json``. Needs vLLM:
-run with integrations/vllm/.venv/bin/python; another Python re-executes itself with that one.
+only tie it within the noise. Ratios are per repetition; medians and ranges over ``--reps``.
+One JSON object with ``--json``. Needs vLLM: run with integrations/vllm/.venv/bin/python;
+another Python re-executes itself with that one.
 """
 
 from __future__ import annotations
@@ -132,18 +132,22 @@ def raw_loads(paths: list[str], tensor: torch.Tensor, o_direct: bool) -> float:
     flags = os.O_RDONLY | (os.O_DIRECT if o_direct else 0)
     order = itertools.count()
     start = threading.Barrier(LIMIT_THREADS + 1)
+    errors: list[BaseException] = []
 
     def reader() -> None:
         start.wait()
-        for i in order:
-            if i >= len(paths):
-                return
-            fd = os.open(paths[i], flags)
-            try:
-                got = os.preadv(fd, [region[i * size : (i + 1) * size]], 0)
-            finally:
-                os.close(fd)
-            assert got == size, f"{paths[i]}: read {got} of {size} bytes"
+        try:
+            for i in order:
+                if i >= len(paths):
+                    return
+                fd = os.open(paths[i], flags)
+                try:
+                    got = os.preadv(fd, [region[i * size : (i + 1) * size]], 0)
+                finally:
+                    os.close(fd)
+                assert got == size, f"{paths[i]}: read {got} of {size} bytes"
+        except BaseException as exc:  # raised in the caller: a failed read is no measurement
+            errors.append(exc)
 
     threads = [threading.Thread(target=reader) for _ in range(LIMIT_THREADS)]
     for t in threads:
@@ -152,7 +156,10 @@ def raw_loads(paths: list[str], tensor: torch.Tensor, o_direct: bool) -> float:
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
 
 
 def run_once(contender: str, rep: int, args, work: str, tensor: torch.Tensor) -> dict:
