@@ -43,24 +43,23 @@ class VerifiedBlocks:
         self.size = _DIGEST_BYTES * parts
         self._warn = OnceLogger(log)
 
-    def _digests(self, request: BlockRequest, host: HostBuffers | None = None) -> BlockRequest:
-        """The request of the blocks' digest objects, named in the scope the request's own
+    def _digest_names(self, request: BlockRequest) -> NameRows:
+        """The names of the blocks' digest objects (one part), in the scope the request's own
         names were built in (a weight version changed since must not split a block from its
-        digest)."""
-        names: NameRows | tuple = ()
-        if request.num_blocks:
-            namespace = self.backend.context.namespace
-            prefix = f"{namespace}/{request.block_keys[0]}/{request.parts[0]}"
-            first = request.object_names[0][0]
-            assert first.startswith(prefix), "names not built by Backend.request"
-            scope = first[len(prefix) :]
-            names = names_in_scope(
-                request.block_keys, (DIGEST_PART,), namespace=namespace, scope=scope
-            )
+        digest). The request has at least one block."""
+        namespace = self.backend.context.namespace
+        prefix = f"{namespace}/{request.block_keys[0]}/{request.parts[0]}"
+        first = request.object_names[0][0]
+        assert first.startswith(prefix), "names not built by Backend.request"
+        scope = first[len(prefix) :]
+        return names_in_scope(request.block_keys, (DIGEST_PART,), namespace=namespace, scope=scope)
+
+    def _digests(self, request: BlockRequest, host: HostBuffers | None = None) -> BlockRequest:
+        """The request of the blocks' digest objects (see :meth:`_digest_names`)."""
         return BlockRequest(
             task_id=request.task_id,
             block_keys=request.block_keys,
-            object_names=names,
+            object_names=self._digest_names(request) if request.num_blocks else (),
             parts=(DIGEST_PART,),
             deadline=request.deadline,
             start_block=request.start_block,
@@ -103,10 +102,9 @@ class VerifiedBlocks:
         the digest asked as one more part of each block (a query needs names, no buffers)."""
         if request.num_blocks == 0:
             return self.backend.query(request)
-        digests = self._digests(request)
         parts = len(request.parts)
         names = NameRows(
-            [*name_columns(request.object_names, parts), digests.object_names.column(0)],
+            [*name_columns(request.object_names, parts), self._digest_names(request).column(0)],
             request.num_blocks,
         )
         sizes = request.part_nbytes
