@@ -22,6 +22,11 @@ backend failed rather than missed; ``batch_set`` gives 0 for stored objects, els
 :data:`FAILED`. kvcore counts leading runs, so every object of a block past the first miss is
 reported as not found even if it happens to exist.
 
+``batch_set`` and ``set`` ask the store's admission policy first (kv_file's ``admission``:
+``adaptive`` by default): blocks it does not take are not written. A refused object is not a
+failure (nothing went wrong, and nothing should be retried): it is answered 0, as a stored one,
+and counted as ``blocks_refused`` in :meth:`KVCoreStore.stats`.
+
 Failures never raise into FastDeploy: a backend error is a counted miss (kvcore's facade), and
 only malformed calls (lists of different lengths, sizes that contradict the cache layout)
 raise ``ValueError`` naming the argument.
@@ -84,6 +89,7 @@ class KVCoreStore:
             backend.config.default_timeout_s if io_timeout_s is None else io_timeout_s
         )
         self._owned = False
+        self._counters = kvcore.Counters()
 
     @classmethod
     def open(
@@ -243,8 +249,9 @@ class KVCoreStore:
             self.backend.close()
 
     def stats(self) -> dict[str, float]:
-        """kvcore's counters for this backend (for FastDeploy's metrics or a log line)."""
-        return self.backend.stats()
+        """kvcore's counters for this backend and the adapter's own (``blocks_refused``), for
+        FastDeploy's metrics or a log line."""
+        return {"blocks_refused": 0.0, **self.backend.stats(), **self._counters.snapshot()}
 
     # -- internals -------------------------------------------------------------------------
 
@@ -302,8 +309,7 @@ class KVCoreStore:
         names = tuple(tuple(keys[j * n + i] for j in range(len(parts))) for i in range(n))
         ptrs = tuple(tuple(int(locations[j * n + i]) for j in range(len(parts))) for i in range(n))
         request = self._request(names, parts, host=HostBuffers(ptrs, tuple(nbytes)))
-        done = self.backend.read(request) if op == "read" else self.backend.write(request)
-        return _per_key(op, done, n, parts, nbytes)
+        return self._run(op, request, nbytes)
 
     def _single(self, op: str, key: str, location: int, size: int) -> int:
         part = part_of(key)
@@ -315,8 +321,20 @@ class KVCoreStore:
         request = self._request(
             ((key,),), (part,), host=HostBuffers(((int(location),),), (int(size),))
         )
-        done = self.backend.read(request) if op == "read" else self.backend.write(request)
-        return _per_key(op, done, 1, (part,), [int(size)])[0]
+        return self._run(op, request, [int(size)])[0]
+
+    def _run(self, op: str, request: BlockRequest, nbytes: Sequence[int]) -> list[int]:
+        """Read, or write what the store admits; the answers per key in FastDeploy's order."""
+        n = request.num_blocks
+        if op == "read":
+            return _read_answers(self.backend.read(request), n, nbytes)
+        admitted = int(self.backend.admit(request))
+        if admitted < n:
+            self._counters.add("blocks_refused", n - admitted)
+            assert request.host is not None
+            request = request.slice(0, admitted, host=request.host.slice(0, admitted))
+        written = int(self.backend.write(request)) if admitted else 0
+        return _write_answers(written, admitted, n, len(request.parts))
 
     def _parts_for(self, total: int) -> tuple[str, ...]:
         """The runs a key list holds: K and V, plus both scales when the cache has them."""
@@ -330,13 +348,17 @@ class KVCoreStore:
         return parts
 
 
-def _per_key(
-    op: str, done: Outcome, n: int, parts: Sequence[str], nbytes: Sequence[int]
-) -> list[int]:
-    """Per-key answers in FastDeploy's key order (part by part), from a leading block count."""
-    miss = FAILED if (op == "write" or done.failure is not None) else NOT_FOUND
-    out = []
-    for j in range(len(parts)):
-        hit = nbytes[j] if op == "read" else 0
-        out.extend(hit if i < int(done) else miss for i in range(n))
-    return out
+def _read_answers(done: Outcome, n: int, nbytes: Sequence[int]) -> list[int]:
+    """``batch_get``'s answers in FastDeploy's key order (part by part): the bytes read for the
+    ``done`` leading blocks, :data:`NOT_FOUND` past them (:data:`FAILED` if the backend
+    failed)."""
+    miss = FAILED if done.failure is not None else NOT_FOUND
+    return [size if i < done else miss for size in nbytes for i in range(n)]
+
+
+def _write_answers(written: int, admitted: int, n: int, nparts: int) -> list[int]:
+    """``batch_set``'s answers in FastDeploy's key order: 0 for the ``written`` leading blocks
+    and for the blocks past ``admitted`` (refused: not a failure), :data:`FAILED` for an
+    admitted block that was not stored."""
+    row = [0 if i < written or i >= admitted else FAILED for i in range(n)]
+    return row * nparts

@@ -132,6 +132,37 @@ def test_clear_drops_the_namespace(open_store: Callable[..., KVCoreStore]) -> No
     assert other.query(names["k"], names["v"]) == 1
 
 
+def test_batch_set_writes_only_what_the_store_admits(
+    open_store: Callable[..., KVCoreStore],
+) -> None:
+    """kv_file's admission policy decides what FastDeploy's stores write: with ``second-hit``
+    a block is written the second time it is offered. A refused block is answered 0 (not a
+    failure: FastDeploy has nothing to retry) and counted."""
+    store = open_store("file", **LAYOUT, config={"admission": "second-hit"})
+    names = fastdeploy_names(["a", "b", "c"], 0)
+    src, locations, sizes = _regions(store, 2, ("k", "v"), fill=True)
+    keys = names["k"][:2] + names["v"][:2]
+
+    assert store.batch_set(keys, locations, sizes) == [0, 0, 0, 0]
+    assert store.query(names["k"][:2], names["v"][:2]) == 0, "first offer: nothing written"
+    assert store.stats()["blocks_refused"] == 2
+
+    assert store.batch_set(keys, locations, sizes) == [0, 0, 0, 0]
+    assert store.query(names["k"][:2], names["v"][:2]) == 2, "second offer: both written"
+    dst, out_locations, _ = _regions(store, 2, ("k", "v"), fill=False)
+    kb = store.layout.part_bytes("k")
+    assert store.batch_get(keys, out_locations, sizes) == [kb] * 4
+    assert dst["v"][1].tobytes() == src["v"][1].tobytes()
+
+    # stored blocks are admitted as they are; a new block behind them is refused alone
+    _, locations, sizes = _regions(store, 3, ("k", "v"), fill=True)
+    assert store.batch_set(names["k"] + names["v"], locations, sizes) == [0] * 6
+    assert store.query(names["k"], names["v"]) == 2
+    assert store.set(names["k"][2], locations[2], sizes[2]) == 0  # c's second offer
+    assert store.exists([names["k"][2]]) == {names["k"][2]: True}
+    assert store.stats()["blocks_refused"] == 3
+
+
 @pytest.mark.parametrize(
     ("call", "named"),
     [
