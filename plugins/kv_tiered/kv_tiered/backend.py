@@ -70,6 +70,7 @@ class TieredBackend:
             self.tiers.store,
             self.tiers.remove_from,
             self.tiers.part_bytes,
+            self._peers.before_call,
             max_blocks=config.backlog_blocks,
             threads=config.mover_threads,
             timeout_s=config.lower_timeout_s,

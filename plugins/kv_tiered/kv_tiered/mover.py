@@ -55,6 +55,9 @@ class Mover:
     :param store: what reads and writes tier ``i`` for a request (the tier, or it with block
         digests beside).
     :param part_bytes: bytes of each part of a request's objects.
+    :param apply_peer_changes: brings the tiers up to what other processes changed (their
+        removals and clears reach this process's private tiers); called after a copy is
+        written and before it is checked against its source.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class Mover:
         store: Callable[[int, BlockRequest], Any],
         remove: Callable[[int, BlockRequest], Any],
         part_bytes: Callable[[BlockRequest], Sequence[int] | None],
+        apply_peer_changes: Callable[[], None] = lambda: None,
         *,
         max_blocks: int,
         threads: int,
@@ -71,6 +75,7 @@ class Mover:
         self._store = store  # tier index, request -> what reads and writes that tier
         self._remove = remove  # tier index, request -> removes its blocks (and digests)
         self._part_bytes = part_bytes
+        self._apply_peer_changes = apply_peer_changes
         self._max_blocks = max_blocks
         self._timeout_s = timeout_s
         self._counters = counters
@@ -207,7 +212,11 @@ class Mover:
         # sharing the tiers) must not live on in the targets: whoever removed it may already
         # have removed it there. So the copies of blocks the source no longer holds are
         # removed again (an eviction in the source meanwhile costs that block's lower copy: a
-        # later miss, never a block that was removed coming back).
+        # later miss, never a block that was removed coming back). A private source (this
+        # process's memory) learns of a peer's removal or clear of the shared tiers only when
+        # the peers' changes are applied: applied here, after the write, so a clear that ran
+        # while this copy was queued or running is never undone by the copy landing after it.
+        self._apply_peer_changes()
         still = int(self._store(copy.source, part).query(part))
         if still < got:
             gone = part.slice(still, got)

@@ -11,10 +11,14 @@ whoever makes it, and applies them before it answers a call.
   Evictions do not: an evicted block's copy is still the block.
 - A block a peer removed from a shared tier is not served from the tiers below it, and is
   removed there, until someone stores it again.
+- The stack's calls and its background copies both apply what peers did (a copy written into
+  a shared tier is checked against its source after that, see :mod:`kv_tiered.mover`), so
+  taking a tier's news and acting on it happens under one lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 
@@ -47,6 +51,8 @@ class PeerChanges:
                 self._followed.append((j, sub, private_above))
         #: first-part names of blocks peers removed from a followed tier with tiers below
         self._removed: OrderedDict[str, None] = OrderedDict()
+        #: held while news is taken and applied, and while ``_removed`` is read or changed
+        self._lock = threading.Lock()
 
     def before_call(self) -> None:
         """Before a call asks the tiers: a shared tier under a private one is asked first to
@@ -66,33 +72,37 @@ class PeerChanges:
     def not_removed(self, i: int, request: BlockRequest, run: int) -> int:
         """The part of tier ``i``'s leading ``run`` that no peer removed (the rest is removed
         from tier ``i`` and those below it)."""
-        removed = self._removed
-        if not i or not run or not removed:
+        if not i or not run or not self._removed:
             return run
         names = request.object_names
-        for k in range(run):
-            if names[k][0] in removed:
-                stale = request.slice(k, run)
-                for j in range(i, len(self._tiers)):
-                    self._tiers.remove_from(j, stale)
-                self._counters.add("removed_by_peers_hidden_blocks", run - k)
-                return k
-        return run
+        with self._lock:
+            removed = self._removed
+            first = next((k for k in range(run) if names[k][0] in removed), run)
+        if first < run:
+            stale = request.slice(first, run)
+            for j in range(i, len(self._tiers)):
+                self._tiers.remove_from(j, stale)
+            self._counters.add("removed_by_peers_hidden_blocks", run - first)
+        return first
 
     def stored_again(self, request: BlockRequest) -> None:
         """This stack stores ``request``'s blocks: their copies are good again."""
         if self._removed:
-            for names in request.object_names:
-                self._removed.pop(names[0], None)
+            with self._lock:
+                for names in request.object_names:
+                    self._removed.pop(names[0], None)
 
     def close(self) -> None:
         for _, sub, _ in self._followed:
             sub.close()
 
     def _take(self, j: int, sub: ev.Subscription) -> None:
-        events = sub.drain()
-        if events:
-            self._apply(j, events)
+        # drained and applied as one step: a thread that finds the queue empty knows that
+        # whatever was in it has been acted on
+        with self._lock:
+            events = sub.drain()
+            if events:
+                self._apply(j, events)
 
     def _apply(self, below: int, events: list[ev.StoreEvent]) -> None:
         tiers = self._tiers

@@ -213,6 +213,38 @@ def test_a_private_tier_follows_removals_in_the_shared_tier_below(tmp_path) -> N
         theirs.close()
 
 
+@pytest.mark.parametrize("change", ["clear", "remove"])
+def test_a_copy_queued_before_a_peers_change_does_not_undo_it(tmp_path, change: str) -> None:
+    # memory (this process) over file (shared), write-through: this stack's copy of a write
+    # into the file tier is still queued when another process clears the file tier (or
+    # removes blocks from it). The copy runs after that, and the blocks must not come back.
+    tiers = [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]
+    layout = small_layout()
+    ours = kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": layout})
+    theirs = kvcore.open_backend("file", {"root": str(tmp_path / "s")}, context={"layout": layout})
+    h, other = Harness(ours, layout), Harness(theirs, layout)
+    try:
+        seq = h.new_sequence(3)
+        assert h.write(seq) == 3
+        flush(h)  # in both tiers
+        mover = ours.plugin._mover
+        with mover._cond:  # the workers wait: the next write's copy stays queued
+            assert h.write(seq) == 3  # offered again (a copy is queued)
+            assert mover.backlog_blocks == 3
+            if change == "clear":
+                assert other.backend.clear() >= 3
+            else:
+                assert other.backend.remove(other.request(seq, 1, 2)) == 2
+        flush(h)
+        kept = 0 if change == "clear" else 1
+        assert other.query(seq) == kept, f"the copy brought blocks back after the {change}"
+        assert h.query(seq) == kept
+        assert h.backend.stats()["backend_lower_undone_blocks"] == 3 - kept
+    finally:
+        ours.close()
+        theirs.close()
+
+
 @pytest.mark.parametrize(
     ("tiers", "message"),
     [
