@@ -213,9 +213,10 @@ class Mover:
         # have removed it there. So the copies of blocks the source no longer holds are
         # removed again (an eviction in the source meanwhile costs that block's lower copy: a
         # later miss, never a block that was removed coming back). A private source (this
-        # process's memory) learns of a peer's removal or clear of the shared tiers only when
-        # the peers' changes are applied: applied here, after the write, so a clear that ran
-        # while this copy was queued or running is never undone by the copy landing after it.
+        # process's memory) learns that a peer removed a block from a shared tier (by a
+        # removal or a clear) only when the peers' changes are applied: applied here, after
+        # the write, so such a removal made while this copy was queued or running is never
+        # undone by the copy landing after it.
         self._apply_peer_changes()
         still = int(self._store(copy.source, part).query(part))
         if still < got:
