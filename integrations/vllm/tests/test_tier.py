@@ -10,8 +10,9 @@ import subprocess
 import sys
 import threading
 import time
-from unittest.mock import MagicMock
+import uuid
 
+import numpy as np
 import pytest
 import torch
 from kvcore_vllm.config import SettingsError
@@ -31,6 +32,7 @@ from tier_helpers import (
     stored,
 )
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -47,10 +49,16 @@ def _metric(stats, name: str) -> float:
 
 @pytest.mark.parametrize("backend", ["file", "memory"])
 def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(backend, tmp_path) -> None:
-    tensor = torch.zeros((4, ROW), dtype=torch.int8)
-    region = MagicMock()
-    region.create_kv_memoryview.return_value = memoryview(tensor.numpy())
+    # vLLM's own primary-tier memory, as its scheduler maps it (a /dev/shm region, no rank)
+    region = SharedOffloadRegion(
+        engine_id=f"kvcore-test-{uuid.uuid4().hex}",
+        num_chunks=4,
+        rank=None,
+        kv_bytes_per_chunk=ROW,
+        cpu_page_size=ROW,
+    )
     primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
+    tensor = torch.from_numpy(np.asarray(primary.get_kv_memoryview()))  # the region's bytes
     tier, _ = make_tier(backend, str(tmp_path), tensor)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
     end = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())

@@ -12,7 +12,6 @@ returns.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,6 +47,5 @@ def test_the_clear_test_waits_for_no_copy_and_asserts_nothing_unseen(
         def open_harness(layout: Any = None, *, config: Any = None, **context: Any) -> Harness:
             return open_(config, layout, **context)
 
-        opener: Callable[..., Harness] = open_harness
-        kit.test_clear_empties_the_namespace_for_every_rank_and_no_other(opener)
+        kit.test_clear_empties_the_namespace_for_every_rank_and_no_other(open_harness)
     assert submitted[0] >= 3, "the test wrote through fewer instances than it should"

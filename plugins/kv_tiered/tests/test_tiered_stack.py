@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kv_tiered.mover import Copy
 
 import kvcore
-from kvcore.testing import Harness, blocks_equal, small_layout
+from kvcore.testing import Harness, blocks_equal, harness_opener, small_layout
 
 
 def open_stack(tmp_path, strict: bool = True, **config: Any) -> Harness:
@@ -193,56 +194,53 @@ def test_remove_and_clear_reach_every_tier(tmp_path) -> None:
         h.backend.close()
 
 
-def test_a_private_tier_follows_removals_in_the_shared_tier_below(tmp_path) -> None:
-    # memory (this process) over file (shared): another process removes a block from the
-    # file tier; this stack must not keep serving its memory copy
-    tiers = [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]
-    layout = small_layout()
-    ours = kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": layout})
-    theirs = kvcore.open_backend("file", {"root": str(tmp_path / "s")}, context={"layout": layout})
-    h, other = Harness(ours, layout), Harness(theirs, layout)
-    try:
-        seq = h.new_sequence(3)
-        assert h.write(seq) == 3
-        flush(h)
-        assert other.backend.remove(other.request(seq, 1, 2)) == 2
-        assert h.query(seq) == 1
-        assert h.backend.stats()["backend_invalidations"] == 2 * len(layout.parts)
-    finally:
-        ours.close()
-        theirs.close()
+@pytest.fixture
+def memory_over_file(tmp_path) -> Iterator[tuple[Harness, Harness]]:
+    """A stack of memory (this process) over file (shared, write-through), and another
+    process's kv_file on that shared directory."""
+    root = str(tmp_path / "s")
+    tiers = [{"backend": "memory"}, {"backend": "file", "root": root}]
+    with (
+        harness_opener("tiered", {"tiers": tiers}) as stack,
+        harness_opener("file", {"root": root}) as peer,
+    ):
+        yield stack(), peer()
+
+
+def test_a_private_tier_follows_removals_in_the_shared_tier_below(memory_over_file) -> None:
+    # another process removes a block from the file tier; this stack must not keep serving
+    # its memory copy
+    h, other = memory_over_file
+    seq = h.new_sequence(3)
+    assert h.write(seq) == 3
+    flush(h)
+    assert other.backend.remove(other.request(seq, 1, 2)) == 2
+    assert h.query(seq) == 1
+    assert h.backend.stats()["backend_invalidations"] == 2 * len(h.layout.parts)
 
 
 @pytest.mark.parametrize("change", ["clear", "remove"])
-def test_a_copy_queued_before_a_peers_change_does_not_undo_it(tmp_path, change: str) -> None:
-    # memory (this process) over file (shared), write-through: this stack's copy of a write
-    # into the file tier is still queued when another process clears the file tier (or
-    # removes blocks from it). The copy runs after that, and the blocks must not come back.
-    tiers = [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]
-    layout = small_layout()
-    ours = kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": layout})
-    theirs = kvcore.open_backend("file", {"root": str(tmp_path / "s")}, context={"layout": layout})
-    h, other = Harness(ours, layout), Harness(theirs, layout)
-    try:
-        seq = h.new_sequence(3)
-        assert h.write(seq) == 3
-        flush(h)  # in both tiers
-        mover = ours.plugin._mover
-        with mover._cond:  # the workers wait: the next write's copy stays queued
-            assert h.write(seq) == 3  # offered again (a copy is queued)
-            assert mover.backlog_blocks == 3
-            if change == "clear":
-                assert other.backend.clear() >= 3
-            else:
-                assert other.backend.remove(other.request(seq, 1, 2)) == 2
-        flush(h)
-        kept = 0 if change == "clear" else 1
-        assert other.query(seq) == kept, f"the copy brought blocks back after the {change}"
-        assert h.query(seq) == kept
-        assert h.backend.stats()["backend_lower_undone_blocks"] == 3 - kept
-    finally:
-        ours.close()
-        theirs.close()
+def test_a_copy_queued_before_a_peers_change_does_not_undo_it(memory_over_file, change) -> None:
+    # this stack's copy of a write into the file tier is still queued when another process
+    # clears the file tier (or removes blocks from it). The copy runs after that, and the
+    # blocks must not come back.
+    h, other = memory_over_file
+    seq = h.new_sequence(3)
+    assert h.write(seq) == 3
+    flush(h)  # in both tiers
+    mover = h.backend.plugin._mover
+    with mover._cond:  # the workers wait: the next write's copy stays queued
+        assert h.write(seq) == 3  # offered again (a copy is queued)
+        assert mover.backlog_blocks == 3
+        if change == "clear":
+            assert other.backend.clear() >= 3
+        else:
+            assert other.backend.remove(other.request(seq, 1, 2)) == 2
+    flush(h)
+    kept = 0 if change == "clear" else 1
+    assert other.query(seq) == kept, f"the copy brought blocks back after the {change}"
+    assert h.query(seq) == kept
+    assert h.backend.stats()["backend_lower_undone_blocks"] == 3 - kept
 
 
 @pytest.mark.parametrize(
