@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from kvcore_vllm.config import SettingsError
-from kvcore_vllm.tier import KVCoreTier
+from kvcore_vllm.tier import PART, KVCoreTier
 from tier_helpers import (
     CTX,
     aligned_tensor,
@@ -38,6 +38,8 @@ from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
     TieringOffloadingManager,
 )
+
+import kvcore
 
 ROW = 64 << 10
 
@@ -300,6 +302,54 @@ def test_events_report_evictions_and_other_processes_stores(tmp_path) -> None:
     finally:
         tier.shutdown()
         other.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_chunks_move_from_and_into_the_primary_tiers_own_memory(
+    backend, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No staging copy: the region is registered with the backend once, and every store and
+    load hands the backend the primary tier's own chunk addresses. (The backend's calls are
+    recorded by delegating wrappers: every call still runs on the real backend.)"""
+    registered: list[tuple[int, int]] = []
+    real_register = kvcore.Backend.register_buffer
+
+    def record_register(self: kvcore.Backend, ptr: int, nbytes: int) -> None:
+        registered.append((ptr, nbytes))
+        real_register(self, ptr, nbytes)
+
+    monkeypatch.setattr(kvcore.Backend, "register_buffer", record_register)
+    tensor = aligned_tensor(random=True)
+    tier, _ = make_tier(backend, str(tmp_path), tensor)
+    chunk_bytes = tensor.shape[1] * tensor.element_size()
+    base = tensor.data_ptr()
+    seen: list[tuple[int, ...]] = []
+    real_write, real_read = tier.backend.write, tier.backend.read
+
+    def record(call):
+        def recorded(request):
+            if request.parts == (PART,):  # not the block digests kept beside (memory)
+                seen.extend(request.host.ptrs)
+            return call(request)
+
+        return recorded
+
+    monkeypatch.setattr(tier.backend, "write", record(real_write))
+    monkeypatch.setattr(tier.backend, "read", record(real_read))
+    try:
+        assert registered == [(base, tensor.numel() * tensor.element_size())]
+        expected = tensor[[1, 3]].clone()
+        tier.submit_store(make_job(1, [key(1), key(3)], [1, 3]))
+        assert [r.success for r in drain(tier)] == [True]
+        tensor[[4, 6]] = 0
+        tier.submit_load(make_job(2, [key(1), key(3)], [4, 6], promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        assert torch.equal(tensor[[4, 6]], expected)
+        chunk_ptrs = [base + c * chunk_bytes for c in (1, 3, 4, 6)]
+        assert [row[0] for row in seen] == chunk_ptrs, "a buffer other than the chunk's own"
+        assert len(registered) == 1, "registered again per job"
+    finally:
+        tier.shutdown()
 
 
 def test_shutdown_leaves_no_thread_or_open_store_file(tmp_path) -> None:
