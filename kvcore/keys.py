@@ -22,6 +22,7 @@ __all__ = [
     "KeyScope",
     "NameRows",
     "ObjectName",
+    "ScopedKeys",
     "block_hashes",
     "name_columns",
     "names_in_scope",
@@ -88,6 +89,47 @@ def block_hashes(
         digest = hashlib.sha256(digest + data[i * stride : (i + 1) * stride]).digest()
         keys.append(digest.hex())
     return keys
+
+
+class ScopedKeys:
+    """Block keys for an engine that names its blocks itself, by chained digests that already
+    commit to everything that makes a block's KV what it is (vLLM's block hashes: the tokens,
+    LoRA adapter, multimodal items, prompt embeddings and ``cache_salt``, each tagged by kind).
+
+    A key is the scope's digest (the first 128 bits of :func:`root_hash`, hex) followed by the
+    engine's digest in hex. So two scopes never share a key, one scope maps an engine digest to
+    the same key in every process, and a key, or an object name built from it, gives the
+    engine's digest back (:meth:`digest`) with no table to keep: an event about an object
+    another process stored names the engine's block.
+
+    Only digests the engine computes the same way in every process may be keyed this way
+    (vLLM: a cryptographic ``prefix_caching_hash_algo``, or a shared ``PYTHONHASHSEED``).
+
+    .. versionadded:: 0.3
+    """
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, scope: KeyScope) -> None:
+        self.prefix = root_hash(scope).hex()[:32]
+
+    def key(self, digest: bytes) -> str:
+        """The key of the block the engine names ``digest``."""
+        return self.prefix + digest.hex()
+
+    def keys(self, digests: Sequence[bytes]) -> list[str]:
+        prefix = self.prefix
+        return [prefix + d.hex() for d in digests]
+
+    def digest(self, key: str) -> bytes | None:
+        """The engine's digest of ``key``; None for a key of another scope (or not of this
+        form)."""
+        if not key.startswith(self.prefix) or len(key) == len(self.prefix):
+            return None
+        try:
+            return bytes.fromhex(key[len(self.prefix) :])
+        except ValueError:
+            return None
 
 
 def object_name(

@@ -140,18 +140,29 @@ class _Block:
     token_ids: list[int]
     lora_id: int | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None  # as vLLM's own events carry them
     ranks: set[int]
 
 
 class SchedulerEvents:
-    """The scheduler's half: vLLM's names for the blocks, and the events to publish."""
+    """The scheduler's half: vLLM's names for the blocks, and the events to publish.
+
+    A block's vLLM hash is read from its own key (:meth:`RequestKeys.block_hash`): a key is
+    made of the hash of exactly one request's block, so an event never names a block by a
+    hash remembered from another request (another salt, adapter or image).
+    """
 
     def __init__(
-        self, world_size: int, block_size: int, max_known_blocks: int = DEFAULT_KNOWN_BLOCKS
+        self,
+        world_size: int,
+        block_size: int,
+        request_keys: Any,
+        max_known_blocks: int = DEFAULT_KNOWN_BLOCKS,
     ) -> None:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self._convert = maybe_convert_block_hash
+        self._keys = request_keys
         self.world_size = world_size
         self.block_size = block_size
         self.max_known = max_known_blocks
@@ -160,36 +171,49 @@ class SchedulerEvents:
         self._out: list[KVCacheEvent] = []
         self.unmapped = 0
 
+    def _hash(self, key: str) -> Any:
+        return self._convert(self._keys.block_hash(key))
+
     def remember(self, request: Any, keys: Sequence[str], first_block: int) -> None:
         """Blocks ``first_block ..`` of ``request`` (kvcore ``keys``) are being saved."""
-        hashes = getattr(request, "block_hashes", None) or []
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            to_event_extra_keys,
+        )
+
         tokens = request.all_token_ids
         bs = self.block_size
         lora = getattr(request, "lora_request", None)
+        parent = (
+            self._hash(self._keys.keys(request, first_block - 1, first_block)[0])
+            if first_block > 0
+            else None
+        )
         for offset, key in enumerate(keys):
             i = first_block + offset
-            if i >= len(hashes) or key in self._stored:
-                continue
-            self._pending[key] = _Block(
-                block_hash=self._convert(hashes[i]),
-                parent_hash=self._convert(hashes[i - 1]) if i > 0 else None,
-                token_ids=list(tokens[i * bs : (i + 1) * bs]),
-                lora_id=lora.adapter_id if lora is not None else None,
-                lora_name=lora.name if lora is not None else None,
-                ranks=set(),
-            )
-            self._pending.move_to_end(key)
+            block_hash = self._hash(key)
+            if key not in self._stored:
+                extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+                self._pending[key] = _Block(
+                    block_hash=block_hash,
+                    parent_hash=parent,
+                    token_ids=list(tokens[i * bs : (i + 1) * bs]),
+                    lora_id=lora.adapter_id if lora is not None else None,
+                    lora_name=lora.name if lora is not None else None,
+                    extra_keys=to_event_extra_keys([extra]),
+                    ranks=set(),
+                )
+                self._pending.move_to_end(key)
+            parent = block_hash
         while len(self._pending) > self.max_known:
             self._pending.popitem(last=False)
 
     def known(self, request: Any, keys: Sequence[str], first_block: int) -> None:
         """Blocks found in the store (stored by another engine, or before a restart): their
         hashes, so their removal can be told."""
-        hashes = getattr(request, "block_hashes", None) or []
-        for offset, key in enumerate(keys):
-            i = first_block + offset
-            if i < len(hashes) and key not in self._stored:
-                self._remember_stored(key, self._convert(hashes[i]))
+        for key in keys:
+            if key not in self._stored:
+                self._remember_stored(key, self._hash(key))
 
     def receive(self, events: Any) -> None:
         """The workers' records of one step (a :class:`BlockEvents`)."""
@@ -234,6 +258,7 @@ class SchedulerEvents:
                 lora_id=block.lora_id,
                 medium=MEDIUM_STORAGE,
                 lora_name=block.lora_name,
+                extra_keys=block.extra_keys,
                 group_idx=0,
             )
         )

@@ -28,7 +28,7 @@ from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import backend_context, engine_world
 from kvcore_vllm.events import SchedulerEvents, events_enabled
-from kvcore_vllm.keys import KeyChain, key_scope
+from kvcore_vllm.keys import RequestKeys, hashes_shared, key_scope
 from kvcore_vllm.layout import cache_layout
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet
@@ -42,8 +42,7 @@ log = logging.getLogger("vllm.kvcore_vllm.scheduler")
 class _Tracked:
     """A request the connector follows from admission to finish."""
 
-    request: Any  # vllm.v1.request.Request (its token list grows as tokens are generated)
-    chain: KeyChain
+    request: Any  # vllm.v1.request.Request (its token list and block hashes grow)
     saved_upto: int = 0  # blocks 0 .. saved_upto - 1 were handed to the workers to save
     has_saves: bool = False
 
@@ -58,6 +57,17 @@ class SchedulerSide:
         self.layout = cache_layout(kv_cache_config)
         self.block_size = self.layout.block_size
         self.scope = key_scope(vllm_config, settings, self.layout)
+        self.keys = RequestKeys(
+            self.scope, self.block_size, _hash_block_size(vllm_config, kv_cache_config)
+        )
+        #: why this engine's blocks cannot be named for another process (None: they can)
+        self.unshareable = hashes_shared(vllm_config)
+        if self.unshareable is not None:
+            log.warning(
+                "KVCoreConnector shares nothing: %s, so no key names a block for another "
+                "process (every lookup a miss, nothing saved); use sha256 or set PYTHONHASHSEED",
+                self.unshareable,
+            )
         self.world_size = engine_world(vllm_config)
         self.counters = CounterSet()
         self.handles = [
@@ -81,7 +91,7 @@ class SchedulerSide:
         self._lookups_paused_until = 0.0
         #: vLLM's KV events of the store (only when the engine publishes events)
         self.events = (
-            SchedulerEvents(self.world_size, self.block_size)
+            SchedulerEvents(self.world_size, self.block_size, self.keys)
             if events_enabled(vllm_config)
             else None
         )
@@ -112,11 +122,24 @@ class SchedulerSide:
     def _track(self, request: Any) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            tracked = _Tracked(request, KeyChain(self.scope, self.block_size))
+            tracked = _Tracked(request)
             self._tracked[request.request_id] = tracked
         else:
             tracked.request = request
         return tracked
+
+    def _keyable(self, request: Any, blocks: int, op: str) -> int:
+        """How many of ``request``'s first ``blocks`` blocks have a key this connector may
+        use; a request it cannot key is refused (counted by reason), never guessed at."""
+        if self.unshareable is not None:
+            self.counters.add(**{f"{op}_refused_unshared_hashes": 1})
+            return 0
+        keyed = min(blocks, self.keys.blocks_keyed(request))
+        if keyed == 0 and blocks > 0:
+            # vLLM computes block hashes for every request once a connector is configured;
+            # a request without them (a vLLM that did not) cannot be keyed
+            self.counters.add(**{f"{op}_refused_unhashed": 1})
+        return keyed
 
     def _tokens(self, request: Any, num_blocks: int) -> list[int] | None:
         if not self.token_addressed:
@@ -183,8 +206,11 @@ class SchedulerSide:
         self._hits.pop(request.request_id, None)
         if limit <= start or not self.loads_enabled:
             return 0, False
-        chain = self._track(request).chain
-        keys = chain.upto(request.all_token_ids, limit)[start:]
+        self._track(request)
+        limit = self._keyable(request, limit, "lookup")
+        if limit <= start:
+            return 0, False
+        keys = self.keys.keys(request, start, limit)
         found = self._lookup(request, keys, start)
         if found:
             self._hits[request.request_id] = (start, found)
@@ -206,7 +232,7 @@ class SchedulerSide:
             )
             n = min(n, found)
         block_ids = list(blocks.get_block_ids()[0])
-        keys = tracked.chain.upto(request.all_token_ids, start + n)[start:]
+        keys = self.keys.keys(request, start, start + n)
         run = BlockRun(
             req_id=request.request_id,
             start_block=start,
@@ -275,12 +301,16 @@ class SchedulerSide:
             full = min(full, request.num_prompt_tokens // self.block_size)
         if full <= tracked.saved_upto:
             return None
+        # a block vLLM has not hashed yet (its last token not known) is saved later
+        full = self._keyable(request, full, "save")
+        if full <= tracked.saved_upto:
+            return None
         block_ids = block_ids_of()
         full = min(full, len(block_ids))
         first = tracked.saved_upto
         if full <= first:
             return None
-        keys = tracked.chain.upto(tokens, full)[first:]
+        keys = self.keys.keys(request, first, full)
         tracked.saved_upto = full
         tracked.has_saves = True
         if self.events is not None:
@@ -326,3 +356,13 @@ class SchedulerSide:
     def close(self) -> None:
         for handle in self.handles:
             handle.close()
+
+
+def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The granularity of ``request.block_hashes`` (vLLM's ``hash_block_size``)."""
+    size = getattr(kv_cache_config, "hash_block_size", None)
+    if size:
+        return int(size)
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])

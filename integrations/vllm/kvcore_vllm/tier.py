@@ -16,7 +16,8 @@ moves whole chunks between the primary tier's memory and its store. Selected in
   with the backend once. A backend that keeps no checksum of its own (``memory``, Mooncake)
   gets kvcore's block digests (:class:`kvcore.transfer.integrity.VerifiedBlocks`), so a
   corrupted object is a miss and never reaches the primary tier.
-- Keys: a chunk's vLLM key (block hash and group) in a kvcore key scoped to the model, the
+- Keys: a chunk's vLLM key (block hash and group) in a kvcore key scoped to the model and its
+  K/V-changing settings (RoPE, overrides, quantization, dtypes: ``keys.model_settings``), the
   primary tier's format (vLLM's own run fields: dtype, tokens per hash, chunk size, parallel
   layout), the chunk size and the weight version (:class:`kvcore_vllm.keys.ChunkKeys`).
 - Jobs run on this tier's threads, loads apart from stores; ``get_finished_jobs`` reports
@@ -60,7 +61,7 @@ from kvcore.requests import HostBuffers
 from kvcore.threads import thread_pool
 from kvcore.transfer.integrity import VerifiedBlocks
 from kvcore_vllm.config import load_tier_settings
-from kvcore_vllm.keys import ChunkKeys, chunk_scope
+from kvcore_vllm.keys import ChunkKeys, chunk_scope, tier_engine_config
 
 __all__ = ["KVCoreTier"]
 
@@ -120,7 +121,13 @@ class KVCoreTier(SecondaryTierManager):
         self._chunk_bytes = int(primary_kv_view.strides[0])
         self._num_chunks = int(primary_kv_view.shape[0])
         self._region_bytes = self._num_chunks * self._chunk_bytes
-        self.keys = ChunkKeys(chunk_scope(offloading_spec, cfg, self._chunk_bytes))
+        engine_config = tier_engine_config()
+        if engine_config is None:
+            log.warning(
+                "kvcore tier: the engine's model settings are not visible here (no vLLM config "
+                "in scope): chunks are keyed for this process alone, never shared with another"
+            )
+        self.keys = ChunkKeys(chunk_scope(offloading_spec, cfg, self._chunk_bytes, engine_config))
         context: dict[str, Any] = {"namespace": cfg.namespace}
         if cfg.weight_version:
             context["weight_version"] = cfg.weight_version

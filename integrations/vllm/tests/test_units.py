@@ -20,7 +20,7 @@ import torch
 from conftest import BLOCK_SIZE
 from kvcore_vllm.backends import BackendHandle
 from kvcore_vllm.config import ConnectorSettings, SettingsError, load_settings
-from kvcore_vllm.keys import KeyChain, engine_object_names, key_scope
+from kvcore_vllm.keys import RequestKeys, engine_block_keys, engine_object_names, key_scope
 from kvcore_vllm.layout import (
     FORM_JOINED,
     FORM_SPLIT,
@@ -83,40 +83,57 @@ def test_a_root_that_cannot_hold_a_store_is_a_settings_error(tmp_path: Path) -> 
 # -- keys ----------------------------------------------------------------------------------
 
 _KEYS_SCRIPT = """
-import kvcore
-from kvcore_vllm.keys import KeyChain
-chain = KeyChain(kvcore.KeyScope(model="m", namespace="n", extra={"kv_dtype": "bfloat16"}), 32)
-print(",".join(chain.upto(list(range(1, 200)), 6)))
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from kvcore_vllm.keys import engine_block_keys
+args = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, block_size=32, max_model_len=2048,
+    kv_transfer_config={"kv_connector": "KVCoreConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"backend": "memory", "namespace": "n"}})
+config = args.create_engine_config()
+print("KEYS " + json.dumps([engine_block_keys(config, list(range(1, 200)), cache_salt=salt)
+                            for salt in (None, "tenant-a")]))
 """
 
 
-def test_keys_are_the_same_in_fresh_processes_whatever_the_hash_seed() -> None:
+def test_keys_are_the_same_in_fresh_processes(model_dir: Path) -> None:
+    """vLLM's block hashes (sha256, vLLM's fixed seed) name a block alike in every process,
+    whatever Python's own hash seed; a salt gives every block another key."""
+    import json
+
     outputs = []
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
+    for _ in range(2):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
         proc = subprocess.run(
-            [sys.executable, "-c", _KEYS_SCRIPT],
+            [sys.executable, "-c", _KEYS_SCRIPT, str(model_dir)],
             env=env,
             capture_output=True,
             text=True,
             check=True,
         )
-        outputs.append(proc.stdout.strip())
+        line = [x for x in proc.stdout.splitlines() if x.startswith("KEYS ")][-1]
+        outputs.append(json.loads(line[5:]))
     assert outputs[0] == outputs[1]
-    assert len(outputs[0].split(",")) == 6
+    plain, salted = outputs[0]
+    assert len(plain) == 6 and set(plain).isdisjoint(salted)
 
 
-def test_key_chain_grows_like_one_computation() -> None:
-    scope = kvcore.KeyScope(model="m", namespace="n")
-    tokens = list(range(1, 300))
-    chain = KeyChain(scope, 32)
-    chain.upto(tokens, 2)
-    chain.upto(tokens, 5)
-    assert chain.upto(tokens, 9) == kvcore.block_hashes(tokens[: 9 * 32], 32, scope)
-    other = KeyChain(kvcore.KeyScope(model="m", namespace="other"), 32).upto(tokens, 9)
-    assert set(other).isdisjoint(chain.keys)
-    with pytest.raises(ValueError, match="token_ids has 299 tokens; 10 blocks need 320"):
-        chain.upto(tokens, 10)
+def test_a_block_is_named_by_the_hash_at_its_last_boundary() -> None:
+    """With vLLM hashing at 16 tokens and blocks of 32, block i is keyed by hash 2i + 1 (that
+    hash covers the whole prefix), as vLLM's BlockHashListWithBlockSize names it."""
+
+    class _Req:
+        request_id = "r"
+        block_hashes = [bytes([i]) * 32 for i in range(7)]
+
+    keys = RequestKeys(kvcore.KeyScope(model="m"), 32, 16)
+    assert keys.blocks_keyed(_Req) == 3
+    got = keys.keys(_Req, 0, 3)
+    assert [keys.block_hash(k) for k in got] == [bytes([i]) * 32 for i in (1, 3, 5)]
+    other = RequestKeys(kvcore.KeyScope(model="m", namespace="other"), 32, 16)
+    assert set(other.keys(_Req, 0, 3)).isdisjoint(got)
+    assert other.block_hash(got[0]) is None  # another scope's key names no block here
+    with pytest.raises(ValueError, match="4 blocks asked, vLLM hashed 3"):
+        keys.keys(_Req, 0, 4)
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +293,7 @@ def test_a_save_in_flight_holds_its_request(
     )
     worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
     worker.register_kv_caches({name: _joined_tensor() for name in LAYERS})
-    keys = KeyChain(kvcore.KeyScope(model="m"), BLOCK_SIZE).upto(list(range(1, 200)), 4)
+    keys = engine_block_keys(vllm_config, list(range(1, 200)))[:4]
     save = StepMetadata(saves=[BlockRun("req-1", 0, keys, [4, 5, 6, 7])])
     try:
         cluster.master.pause()
@@ -314,9 +331,8 @@ def test_kv_role_decides_restoring_and_storing(
     import copy
 
     import numpy as np
+    from kvcore_vllm.keys import hashed_request
     from kvcore_vllm.scheduler import SchedulerSide
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
 
     config = copy.deepcopy(vllm_config)
     config.kv_transfer_config.kv_role = role
@@ -326,7 +342,8 @@ def test_kv_role_decides_restoring_and_storing(
     tokens = [(7 * i) % 500 + 1 for i in range(100)]  # 3 full blocks and 4 tokens
     backend = side.handles[0].get()
     assert backend is not None
-    keys = KeyChain(side.scope, BLOCK_SIZE).upto(tokens, 3)
+    request = hashed_request(config, "r1", tokens, max_tokens=4)
+    keys = side.keys.keys(request, 0, 3)
     part = side.layout.part_bytes("k")
     arrays = [np.zeros(part, np.uint8) for _ in range(6)]
     host = kvcore.HostBuffers(
@@ -335,7 +352,6 @@ def test_kv_role_decides_restoring_and_storing(
     )
     assert backend.write(backend.request("fill", keys, host=host)) == 3
 
-    request = Request("r1", tokens, SamplingParams(max_tokens=4), None)
     found = side.get_num_new_matched_tokens(request, 0)
     assert found == ((3 * BLOCK_SIZE, False) if restores else (0, False))
     side.update_state_after_alloc(request, None, 0)
