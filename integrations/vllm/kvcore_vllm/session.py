@@ -10,7 +10,8 @@ an engine without the connector), ``via`` (``"name"``: the registered name, or
 or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_size``,
 ``tensor_parallel_size``, ``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``env`` (variables set before vLLM
 starts), ``kv_transfer_config`` (instead of ``connector``: any other connector, raw),
-``disable_hybrid_kv_cache_manager``, ``kv_events_endpoint`` (vLLM publishes its KV events
+``disable_hybrid_kv_cache_manager``, ``enable_lora`` (with ``max_lora_rank``, ``max_loras``),
+``hf_overrides``, ``kv_events_endpoint`` (vLLM publishes its KV events
 there over ZMQ, the connector's included), ``steps``.
 
 Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
@@ -129,6 +130,12 @@ def start_engine(spec: dict[str, Any]) -> Any:
         # what vLLM does by itself for a connector without HMA support: a connector-less
         # engine set this way differs from the connector's engine by the connector only
         kwargs["disable_hybrid_kv_cache_manager"] = True
+    if spec.get("enable_lora"):
+        kwargs["enable_lora"] = True
+        kwargs["max_lora_rank"] = spec.get("max_lora_rank", 8)
+        kwargs["max_loras"] = spec.get("max_loras", 2)
+    if spec.get("hf_overrides"):
+        kwargs["hf_overrides"] = spec["hf_overrides"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("kv_events_endpoint"):
@@ -181,12 +188,34 @@ def parse_metrics(lines: list[str]) -> dict[str, float]:
 
 
 def _prompt(item: Any, history: dict[str, tuple[list[int], list[int]]]) -> list[int]:
-    """A token list, or ``{"after": NAME, "extra": [...]}``: a follow-up turn of step NAME's
-    first prompt (its prompt, its output, then ``extra``)."""
+    """A token list; ``{"after": NAME, "extra": [...]}``: a follow-up turn of step NAME's
+    first prompt (its prompt, its output, then ``extra``); or ``{"tokens": [...]}`` with a
+    request's ``cache_salt`` and ``lora`` (see :func:`_request_fields`)."""
     if isinstance(item, dict):
+        if "tokens" in item:
+            return [int(t) for t in item["tokens"]]
         prompt, output = history[item["after"]]
         return [*prompt, *output, *item.get("extra", [])]
     return [int(t) for t in item]
+
+
+def _request_fields(item: Any, loras: dict[str, int]) -> tuple[dict[str, Any], Any]:
+    """A prompt's ``cache_salt`` (in the prompt dict, as vLLM takes it) and LoRA adapter
+    (``{"name", "path"}``: a ``LoRARequest``; ids are given in order of first use)."""
+    if not isinstance(item, dict):
+        return {}, None
+    fields = {"cache_salt": item["cache_salt"]} if item.get("cache_salt") else {}
+    lora = item.get("lora")
+    if not lora:
+        return fields, None
+    from vllm.lora.request import LoRARequest
+
+    lora_id = loras.setdefault(lora["name"], len(loras) + 1)
+    return fields, LoRARequest(lora["name"], lora_id, lora["path"])
+
+
+#: LoRA ids this process gave adapters, by name
+_LORAS: dict[str, int] = {}
 
 
 def _generate(
@@ -201,9 +230,14 @@ def _generate(
         detokenize=False,
     )
     token_lists = [_prompt(p, history) for p in step["prompts"]]
-    prompts = [{"prompt_token_ids": p} for p in token_lists]
+    fields = [_request_fields(p, _LORAS) for p in step["prompts"]]
+    prompts = [{"prompt_token_ids": p, **f} for p, (f, _) in zip(token_lists, fields, strict=True)]
+    lora_requests = [lora for _, lora in fields]
+    kwargs: dict[str, Any] = {}
+    if any(lora is not None for lora in lora_requests):
+        kwargs["lora_request"] = lora_requests
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, **kwargs)
     seconds = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     history[step.get("name", "generate")] = (token_lists[0], tokens[0])
