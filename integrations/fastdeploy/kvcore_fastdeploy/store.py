@@ -46,7 +46,7 @@ from kvcore_fastdeploy.layout import layout_from_fastdeploy
 from kvcore_fastdeploy.names import part_of
 from kvcore_fastdeploy.settings import fastdeploy_backend_config, parse_backend_spec
 
-__all__ = ["FAILED", "NOT_FOUND", "KVCoreStore"]
+__all__ = ["FAILED", "NOT_FOUND", "KVCoreStore", "store_namespace"]
 
 log = logging.getLogger("kvcore_fastdeploy")
 
@@ -59,6 +59,23 @@ DEFAULT_QUERY_TIMEOUT_S = 1.0
 
 _PART_RUNS = {2: ("k", "v"), 4: ("k", "v", "k_scale", "v_scale")}
 _SCALE_DTYPE_BY_SIZE = {4: "float32", 2: "bfloat16"}
+
+
+def store_namespace(model_id: str, layout: kvcore.CacheLayout, tp_size: int) -> str:
+    """The kvcore namespace of a FastDeploy deployment: its model id, its TP degree and its
+    cache's format (dtype, block size, heads per rank, head size, layers).
+
+    FastDeploy's object names carry the block hash, the TP *rank* and the weight version, not
+    the TP degree or the dtype: a rank-0 object of a TP=2 deployment and of a TP=1 one share a
+    name, and so do bfloat16 and float16 blocks of one size. Kept apart here, under one model
+    id they are different objects. (Mooncake's ``key_scheme="as_is"``, for sharing objects
+    with FastDeploy's own stores, stores the names alone: there FastDeploy's naming rules.)
+    """
+    fmt = (
+        f"tp{int(tp_size)}.{layout.dtype.value}.b{layout.block_size}.h{layout.num_heads}"
+        f".d{layout.head_dim}.l{layout.total_layers}"
+    )
+    return f"{model_id}.{fmt}"
 
 
 class KVCoreStore:
@@ -111,7 +128,8 @@ class KVCoreStore:
     ) -> KVCoreStore:
         """Open ``kvcore:<name>`` for one rank of a FastDeploy deployment.
 
-        ``namespace`` is FastDeploy's model id (its file store's subdirectory), the cache
+        ``namespace`` is FastDeploy's model id (its file store's subdirectory; the store's
+        namespace adds the TP degree and the cache's format, see :func:`store_namespace`), the cache
         arguments are the transfer manager's own, and the backend config comes from
         FastDeploy's environment (:func:`fastdeploy_backend_config`) updated by ``config``.
         ``scale_item_bytes`` (FastDeploy's own ``scale_item_bytes``, 4 or 2), when given,
@@ -140,7 +158,7 @@ class KVCoreStore:
                 "rank": tp_rank,
                 "world_size": tp_size,
                 "device_id": device_id,
-                "namespace": namespace,
+                "namespace": store_namespace(namespace, layout, tp_size),
             },
         )
         try:

@@ -13,6 +13,9 @@ Importing this module imports neither SGLang nor torch.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,8 +29,55 @@ __all__ = [
     "SGLANG_KEY_PREFIXES",
     "StorageIdentity",
     "StorageSettings",
+    "model_settings",
     "safe_namespace",
 ]
+
+log = logging.getLogger("kvcore_sglang.settings")
+
+#: SGLang server arguments that change K/V values for the same model name (the model's path and
+#: revision, dtypes, quantization, config overrides such as RoPE, how weights are loaded)
+MODEL_SETTING_ARGS = (
+    "model_path",
+    "revision",
+    "dtype",
+    "kv_cache_dtype",
+    "quantization",
+    "quantization_param_path",
+    "json_model_override_args",
+    "load_format",
+    "model_impl",
+    "weight_version",
+)
+
+#: Where this process cannot know the engine's settings: a value no other process has
+_THIS_PROCESS = f"unknown, process {os.getpid()} {os.urandom(8).hex()}"
+
+
+def model_settings() -> dict[str, str] | None:
+    """The engine's K/V-changing settings (:data:`MODEL_SETTING_ARGS`) from the server
+    arguments SGLang publishes in its scheduler process; None where none are published."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except Exception:  # not published (a storage built outside SGLang's scheduler)
+        return None
+    return {name: str(getattr(args, name, None)) for name in MODEL_SETTING_ARGS}
+
+
+def _identity_tag(model: str, settings: dict[str, str] | None) -> str:
+    """A short digest of the model and its settings, ending every namespace: pages of
+    another model, or of the same model with settings that change K/V, are never read."""
+    if settings is None:
+        log.warning(
+            "kvcore storage: SGLang's server arguments are not published in this process, so "
+            "the model's settings are unknown: pages are keyed for this process alone"
+        )
+        settings = {"settings": _THIS_PROCESS}
+    text = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
+    return "m" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 #: Keys of the extra config that belong to SGLang (its dynamic loader, and knobs its cache
 #: controllers and built-in backends read), not to this adapter.
@@ -163,6 +213,8 @@ class StorageIdentity:
       parallelism each DCP shard is its own object (rank = DCP rank).
     - Pipeline stages hold different layers and attention-CP ranks disjoint slices of a page:
       both go into the namespace.
+    - The model and every server argument that changes its K/V (:data:`MODEL_SETTING_ARGS`)
+      end the namespace as a digest, also when the operator names the namespace.
     - TP-sharded side state (Mamba) is named per TP rank even for MLA models.
     """
 
@@ -200,8 +252,11 @@ class StorageIdentity:
             writer = bool(storage_config.is_storage_writer)
         else:
             rank, world, writer = int(storage_config.tp_rank), int(storage_config.tp_size), True
+        # the model and its settings end the namespace whatever the operator named it: a
+        # namespace shared by two models or two RoPE settings must not share pages
+        suffix += "." + _identity_tag(model, model_settings())
         return cls(
-            namespace=safe_namespace(base) + suffix,
+            namespace=safe_namespace(safe_namespace(base) + suffix),
             rank=rank,
             world_size=world,
             tp_rank=int(storage_config.tp_rank),

@@ -4,6 +4,7 @@ the attach with the offending key named."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from kvcore_sglang import EXTRA_CONFIG
@@ -25,7 +26,10 @@ def test_the_dynamic_backend_builds_the_kvcore_storage(tmp_path) -> None:
         storage.register_mem_pool_host(mha_host_pool())
         backend = storage._kv.backend
         assert backend.name == "file"
-        assert backend.context.namespace == "sglang-test-model.mha-tm-bfloat16"
+        # the model and a digest of it and its settings, then the page format
+        assert re.fullmatch(
+            r"sglang-test-model\.m[0-9a-f]{16}\.mha-tm-bfloat16", backend.context.namespace
+        )
         # the layout makes kvcore's part size equal to SGLang's page part
         assert backend.context.layout.part_bytes("k") == storage._kv_format.part_nbytes[0]
     finally:

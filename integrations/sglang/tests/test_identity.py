@@ -45,8 +45,8 @@ def test_pipeline_stages_and_models_are_apart(make_storage) -> None:
     assert make_storage(pool, pp_rank=1, pp_size=2).batch_exists(keys) == 0
     assert make_storage(pool, pp_rank=0, pp_size=1).batch_exists(keys) == 0
     other_model = make_storage(pool, pp_rank=0, pp_size=2, model_name="other/model")
-    # the test's namespace is explicit: the model only separates the default namespaces
-    assert other_model.batch_exists(keys) == 2
+    # the test's namespace is explicit, and the model still separates it
+    assert other_model.batch_exists(keys) == 0
     a = make_storage(pool, extra={"namespace": None}, model_name="org/a")
     b = make_storage(pool, extra={"namespace": None}, model_name="org/b")
     assert a.batch_set_v1(keys, page_indices(pool, 0, 2)) == [True, True]

@@ -113,6 +113,7 @@ class WorkerSide:
             "rank": self.rank,
             "world_size": self.world_size,
             "namespace": self.settings.namespace,
+            "weight_version": self.settings.weight_version,
             "default_timeout_s": self.settings.save_timeout_s,
             # a full write queue must answer at once: the forward pass never waits on storage
             "submit_wait_s": 0.0,

@@ -169,3 +169,10 @@ def clear_store(engine: Any) -> int:
         return int(backend.clear())
     finally:
         backend.close()
+
+
+def now() -> float:
+    """The wall clock (to compare with the time stamps of vLLM's event batches)."""
+    import time
+
+    return time.time()

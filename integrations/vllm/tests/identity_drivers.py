@@ -234,7 +234,7 @@ class EngineDriver(IdentityDriver):
     name = "vllm connector (real CPU engines)"
     request_axes = frozenset({"cache_salt", "lora"})
     prompt_tokens = 3 * 32 + 20  # 3 full blocks restorable
-    max_tokens = 6
+    max_tokens = 12
 
     def __init__(
         self,

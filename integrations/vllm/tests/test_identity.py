@@ -24,7 +24,8 @@ from kvcore_vllm.session import write_model
 
 from kvcore.testing.identity import check_identity, run_identity_kit
 
-ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}
+#: RoPE settings far from the model's (theta 10000): tokens change, so the check is not vacuous
+ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
 
 
 def _config(model_dir: Path, **overrides: Any) -> Any:
@@ -176,4 +177,5 @@ def test_real_engines_keep_tenants_adapters_rope_and_weights_apart(
     ):
         case = by_name[name]
         stored_tokens = store.step(case.stored.id)["tokens"][0]
-        assert stored_tokens != driver.runs[f"baseline-{engine}"].step(case.probe.id)["tokens"][0]
+        probe_tokens = driver.runs[f"baseline-{engine}"].step(case.probe.id)["tokens"][0]
+        assert stored_tokens != probe_tokens, f"{name}: the variant changes no token"

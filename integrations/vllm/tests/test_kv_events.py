@@ -166,3 +166,140 @@ def test_store_events_name_the_engines_blocks_and_follow_evictions_and_clears(
     assert checked == 2 * ((600 + 40 - 1) // BLOCK_SIZE)
     # after the clear, every block announced stored and not removed before is removed
     assert set(announced) <= removed_by(float("inf")), "blocks left by the clear, no event"
+
+
+def _per_block(events: list, medium: str) -> list[dict]:
+    """Every ``BlockStored`` of ``medium`` as one record per block (vLLM batches blocks)."""
+    out = []
+    for e in events:
+        if not isinstance(e, BlockStored) or e.medium != medium:
+            continue
+        parent = e.parent_block_hash
+        for j, h in enumerate(e.block_hashes):
+            extra = e.extra_keys[j] if e.extra_keys and j < len(e.extra_keys) else None
+            out.append(
+                {
+                    "hash": h,
+                    "parent": parent,
+                    "tokens": list(e.token_ids[j * e.block_size : (j + 1) * e.block_size]),
+                    "lora": e.lora_name,
+                    "extra": tuple(extra) if extra else (),
+                }
+            )
+            parent = h
+    return out
+
+
+def _router_chain(gpu: list[dict], tokens: list[int], lora: str | None, salt: str | None):
+    """What a router that indexes the engine's events alone takes for a request's prefix: the
+    chain of GPU blocks from the root whose tokens, adapter and extra keys (the salt on the
+    first block, the adapter's name on every block, as vLLM publishes them) are the request's."""
+    chain, parent = [], None
+    for i in range(len(tokens) // BLOCK_SIZE):
+        want = [*([lora] if lora else []), *([salt] if salt and i == 0 else [])]
+        found = [
+            b["hash"]
+            for b in gpu
+            if b["parent"] == parent
+            and b["tokens"] == tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+            and b["lora"] == lora
+            and list(b["extra"]) == want
+        ]
+        if not found:
+            break
+        assert len(set(found)) == 1, f"block {i}: the engine's events name it {set(found)}"
+        parent = found[0]
+        chain.append(parent)
+    return chain
+
+
+def test_storage_events_place_each_block_under_its_own_requests_prefix(
+    model_dir: Path, prompts: Prompts, tmp_path: Path
+) -> None:
+    """The same tokens served plain, under a tenant's salt and with a LoRA adapter: a router
+    indexing only the engine's published events (GPU and STORAGE) finds each request's stored
+    blocks under that request's own chain, and never under a variant's."""
+    from identity_drivers import write_lora_adapter
+
+    lora_dir = str(write_lora_adapter(tmp_path / "adapter", model_dir, seed=3))
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sub = Subscriber(endpoint)
+    tiny = [[5, 6, 7]]
+    connector = {"backend": "file", "backend_config": {"root": str(tmp_path / "s")}}
+    variants = {
+        "plain": {"tokens": prompts.a},
+        "salted": {"tokens": prompts.a, "cache_salt": "tenant-b"},
+        "adapter": {"tokens": prompts.a, "lora": {"name": "adapter-a", "path": lora_dir}},
+    }
+
+    def settle(name: str) -> list[dict]:
+        return [
+            {"op": "sleep", "seconds": 1.0},
+            {"op": "generate", "name": f"{name}1", "prompts": tiny, "max_tokens": 2},
+            {"op": "sleep", "seconds": 1.0},
+            {"op": "generate", "name": f"{name}2", "prompts": tiny, "max_tokens": 2},
+            {"op": "sleep", "seconds": 0.5, "name": f"{name}-done"},
+        ]
+
+    steps: list[dict] = []
+    for name, prompt in variants.items():
+        steps += [
+            {"op": "reset_prefix_cache"},
+            {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 4},
+            *settle(f"after-{name}"),
+            {"op": "call", "name": f"{name}-at", "target": "engine_helpers:now"},
+        ]
+    try:
+        run = run_engine(
+            {
+                "model": str(model_dir),
+                "connector": connector,
+                "in_process": True,
+                "enable_lora": True,
+                "kv_events_endpoint": endpoint,
+                "steps": steps,
+            },
+            tmp_path,
+            "identity-events",
+        )
+    finally:
+        sub.close()
+    assert run.step("salted")["num_cached_tokens"] == [0]  # not plain's blocks
+    assert run.step("adapter")["num_cached_tokens"] == [0]
+    events = [e for _, e in sub.events]
+    gpu = _per_block(events, MEDIUM_GPU)
+    storage = _per_block(events, MEDIUM_STORAGE)
+    saved = (600 - 1) // BLOCK_SIZE  # full prompt blocks stored (4 generated tokens: none more)
+    chains = {
+        name: _router_chain(
+            gpu,
+            prompts.a,
+            (v.get("lora") or {}).get("name"),
+            v.get("cache_salt"),
+        )
+        for name, v in variants.items()
+    }
+    for name, chain in chains.items():
+        assert len(chain) >= saved, f"{name}: the router finds {len(chain)} GPU blocks"
+    stored_by = {b["hash"]: b for b in storage}
+    for name, chain in chains.items():
+        mine = set(chain[:saved])
+        assert mine <= set(stored_by), f"{name}: stored blocks missing under its own prefix"
+        for other, other_chain in chains.items():
+            if other != name:
+                assert not mine & set(other_chain), f"{name} and {other} share a block hash"
+        for i, h in enumerate(chain[:saved]):  # as the engine's own event says the block
+            block = stored_by[h]
+            assert block["parent"] == (chain[i - 1] if i else None)
+            assert block["tokens"] == prompts.a[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+    assert stored_by[chains["salted"][0]]["extra"] == ("tenant-b",)
+    assert stored_by[chains["adapter"][3]]["lora"] == "adapter-a"
+    # before the variants ran, storage held the plain request's blocks alone
+    at = run.step("plain-at")["result"]
+    early = {
+        h
+        for ts, e in sub.events
+        if ts <= at and isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE
+        for h in e.block_hashes
+    }
+    assert early and early <= set(chains["plain"])
