@@ -379,8 +379,13 @@ def chunk_scope(
         extra.update({f"model.{k}": v for k, v in model_settings(vllm_config).items()})
     else:
         extra["model.settings"] = _THIS_PROCESS
+    model = (
+        model_identity(vllm_config, settings)
+        if vllm_config is not None
+        else settings.model_id or str(fields.get("model_name", ""))
+    )
     return kvcore.KeyScope(
-        model=settings.model_id or str(fields.get("model_name", "")),
+        model=model,
         namespace=settings.namespace,
         weight_version=settings.weight_version,
         extra=extra,

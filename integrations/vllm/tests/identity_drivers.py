@@ -316,3 +316,61 @@ class EngineDriver(IdentityDriver):
                     baseline=tuple(want["tokens"][0]),
                 )
         return out
+
+
+# -- the secondary tier --------------------------------------------------------------------------
+
+
+class TierDriver(SchedulerDriver):
+    """``KVCoreTier`` over kv_file with vLLM's chunk keys of real requests: vLLM's offloading
+    keys a chunk (``blocks_per_chunk`` 1) by the request's block hash and the KV cache group
+    (``make_offload_key``). Chunks are stored by store jobs, as the tiering manager submits
+    them; a fresh tier of each configuration answers the probes with its asynchronous lookups,
+    as the manager asks them. A configuration's model settings reach the tier as the engine's
+    current vLLM config."""
+
+    name = "vllm secondary tier (KVCoreTier, vLLM's chunk keys)"
+
+    def _tier(self, engine: str, tensor: Any) -> Any:
+        from tier_helpers import make_tier, offloading_spec
+        from vllm.config import set_current_vllm_config
+
+        config = self._config(engine)
+        extra = config.kv_transfer_config.kv_connector_extra_config
+        settings = {"weight_version": extra["weight_version"]} if "weight_version" in extra else {}
+        with set_current_vllm_config(config):
+            tier, _ = make_tier("file", str(self.root), tensor, spec=offloading_spec(), **settings)
+        return tier
+
+    def chunk_keys(self, request: Request, engine: str) -> list[bytes]:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        vreq = self.vllm_request(request, self._config(engine))
+        full = vreq.num_tokens // self.block_size
+        return [make_offload_key(h, 0) for h in vreq.block_hashes[:full]]
+
+    def serve(self, stored: Sequence[Request], probes: Sequence[Request]) -> Mapping[str, Served]:
+        from tier_helpers import aligned_tensor, drain, lookup_and_wait, make_job
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+        tensor = aligned_tensor(random=True)
+        tier = self._tier("base", tensor)
+        for job_id, request in enumerate(stored):
+            ks = self.chunk_keys(request, "base")
+            tier.submit_store(make_job(job_id, ks, list(range(len(ks)))))
+            assert all(r.success for r in drain(tier))
+        tier.shutdown()
+        out: dict[str, Served] = {}
+        for engine in sorted({p.engine for p in probes}):
+            reader = self._tier(engine, tensor)
+            for probe in (p for p in probes if p.engine == engine):
+                ks = self.chunk_keys(probe, engine)
+                found = lookup_and_wait(reader, ks, ReqContext(req_id=probe.id))
+                hits = 0
+                for result in found:
+                    if result is not LookupResult.HIT:
+                        break
+                    hits += 1
+                out[probe.id] = Served(hits * self.block_size, len(ks) * self.block_size)
+            reader.shutdown()
+        return out

@@ -131,6 +131,20 @@ def test_hashes_seeded_per_process_share_nothing_and_say_so(
 # -- real engines --------------------------------------------------------------------------------
 
 
+def sharpen_attention(model: Path, factor: float = 24.0) -> None:
+    """Scale the random model's query and key projections: at its initial scale attention is
+    near uniform and positions barely matter, so other RoPE settings would change no token and
+    the RoPE case would prove nothing."""
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in tensors:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def test_real_engines_keep_tenants_adapters_rope_and_weights_apart(
     model_dir: Path, tmp_path: Path, lora_dirs: dict[str, str]
 ) -> None:
@@ -138,6 +152,7 @@ def test_real_engines_keep_tenants_adapters_rope_and_weights_apart(
     connector: every pair of the kit on restored tokens *and* generated tokens."""
     own_model = tmp_path / "model"
     shutil.copytree(model_dir, own_model)  # its weights change for the weight-version case
+    sharpen_attention(own_model)
     swapped = write_model(tmp_path / "weights-v2", "tiny", seed=7)
 
     def new_weights() -> None:
@@ -179,3 +194,43 @@ def test_real_engines_keep_tenants_adapters_rope_and_weights_apart(
         stored_tokens = store.step(case.stored.id)["tokens"][0]
         probe_tokens = driver.runs[f"baseline-{engine}"].step(case.probe.id)["tokens"][0]
         assert stored_tokens != probe_tokens, f"{name}: the variant changes no token"
+
+
+# -- the secondary tier --------------------------------------------------------------------------
+
+
+def test_the_tiers_chunk_keys_pass_the_identity_kit(
+    configs: dict[str, Any], tmp_path: Path, lora_dirs: dict[str, str]
+) -> None:
+    from identity_drivers import TierDriver
+
+    driver = TierDriver(configs, tmp_path / "store", lora_dirs)
+    report = check_identity(driver)
+    print(report.summary())
+    assert report.pairs == 1 + 4 * 4 + 1 + 6
+
+
+def test_a_tier_that_cannot_see_the_engines_settings_shares_with_no_other_process(
+    tmp_path: Path,
+) -> None:
+    """Without a vLLM config in scope the tier keys chunks for its own process: another
+    process (another scope marker) never finds them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from tier_helpers import make_tier;"
+        "tier, _ = make_tier('file', sys.argv[2]); print('PREFIX', tier.keys.prefix)"
+    )
+    prefixes = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        prefixes.append([x for x in proc.stdout.splitlines() if x.startswith("PREFIX")][-1])
+        assert "keyed for this process alone" in proc.stderr + proc.stdout
+    assert prefixes[0] != prefixes[1]
