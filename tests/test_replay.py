@@ -5,6 +5,7 @@ determinism, and the command's report and plot."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,7 @@ def prefixes(tmp_path: Path) -> Path:
         ("[1, 2]", r"line 2: a request must be a JSON object"),
         ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": 3}', "'hash_ids'"),
         ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}',
-         r"hash_ids\[1\] must be an integer >= 0"),
+         r"hash_ids\[1\] must be an integer in \[0, 2\*\*63\)"),
         ('{"timestamp": 1, "output_length": 1, "hash_ids": [1]}', "'input_length'"),
         ('{"timestamp": "x", "input_length": 5, "output_length": 1, "hash_ids": [1]}',
          "'timestamp'"),
@@ -62,6 +63,74 @@ def test_a_malformed_line_is_an_error_naming_the_line(tmp_path: Path, line: str,
     with pytest.raises(TraceError, match=message) as err:
         load_trace(path)
     assert f"{path}, line 2" in str(err.value)
+
+
+def _cli_in_child(args: list[str], timeout: float = 60.0) -> tuple[int, str, int]:
+    """``kvcore`` in a fresh process: exit code, stderr, and the child's peak RSS (KiB)."""
+    import resource
+    import subprocess
+    import sys
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore", *args], capture_output=True, text=True, timeout=timeout
+    )
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return proc.returncode, proc.stderr, max(peak, before)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        ("dev_zero", "a device, not a regular file"),
+        ("fifo", "a FIFO, not a regular file"),
+        ("directory", "a directory, not a regular file"),
+        ("million_ids", "line 2: longer than 1048576 bytes"),
+        ("many_ids", "line 2: 'hash_ids' holds 20000 ids; a request may hold 16384"),
+        ("long_line", "line 2: longer than 1048576 bytes"),
+        ("digits", "line 2: a number of 5000 digits"),
+        ("nesting", "line 2: JSON nested too deeply"),
+        ("huge_id", r"hash_ids\[0\] must be an integer in \[0, 2\*\*63\)"),
+    ],
+)
+def test_a_hostile_trace_is_refused_with_exit_2_in_bounded_memory(
+    tmp_path: Path, make: str, message: str
+) -> None:
+    """Each of these crashed (MemoryError, ValueError, RecursionError: exit 70) or hung (a
+    FIFO without a writer); now each is exit 2, one line naming the file (and line, field),
+    with the child's peak RSS under 200 MiB (/dev/zero grew to 2.9 GiB in 7 s before)."""
+    import os
+
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+    path = tmp_path / "t.jsonl"
+    if make == "dev_zero":
+        path = Path("/dev/zero")
+    elif make == "fifo":
+        os.mkfifo(path)
+    elif make == "directory":
+        path = tmp_path
+    elif make == "million_ids":
+        ids = ",".join(str(i) for i in range(1_000_000))
+        path.write_text(good + f'{{"timestamp": 0, "input_length": 5, "output_length": 1, '
+                        f'"hash_ids": [{ids}]}}\n')  # fmt: skip
+    elif make == "many_ids":
+        ids = ",".join("7" for _ in range(20_000))
+        path.write_text(good + f'{{"timestamp": 0, "input_length": 5, "output_length": 1, '
+                        f'"hash_ids": [{ids}]}}\n')  # fmt: skip
+    elif make == "long_line":
+        path.write_text(good + "[" + " " * (2 << 20) + "]\n")
+    elif make == "digits":
+        path.write_text(good + '{"timestamp": 0, "hash_ids": [' + "7" * 5000 + "]}\n")
+    elif make == "nesting":
+        path.write_text(good + "[" * 200_000 + "]" * 200_000 + "\n")
+    elif make == "huge_id":
+        path.write_text(good.replace("[1]", f"[{2**63}]"))
+    code, err, peak_kib = _cli_in_child(["replay", str(path), "--simulate"])
+    assert code == 2, err[-2000:]
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and str(path) in lines[0], err[-2000:]
+    assert re.search(message, lines[0]), lines[0]
+    assert peak_kib < 200 << 10, f"peak RSS {peak_kib} KiB"
 
 
 def test_an_empty_or_missing_trace_is_an_error(tmp_path: Path):

@@ -4,18 +4,45 @@ One JSON object per line: ``timestamp`` (ms), ``input_length`` and ``output_leng
 (tokens) and ``hash_ids``: one id per block of the prompt, ``tokens_per_block`` tokens each
 (512 in the published traces), equal ids meaning the same prefix block. Requests are replayed
 in file order.
+
+A trace is input from anywhere, so reading it is bounded: only a regular file is read (a FIFO,
+a device such as ``/dev/zero`` or a directory is refused before anything is read, so nothing
+hangs), a line is at most :data:`MAX_LINE_BYTES`, a request at most :data:`MAX_REQUEST_BLOCKS`
+hash ids (what an I/O replay allocates a cache for), a trace at most :data:`MAX_TRACE_BLOCKS`
+ids in all, a number at most 19 digits and a hash id below 2**63. Whatever breaks a rule is a
+:class:`TraceError` naming the file, the line and the field. The published conversation trace
+(12,031 requests, 288,500 ids, longest request 247 ids, longest line 2 KiB) is far inside them.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Trace", "TraceError", "TraceRequest", "load_trace"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_REQUEST_BLOCKS",
+    "MAX_TRACE_BLOCKS",
+    "Trace",
+    "TraceError",
+    "TraceRequest",
+    "load_trace",
+]
 
 #: tokens per block in the published Mooncake traces
 MOONCAKE_BLOCK_TOKENS = 512
+#: the longest line read (500 times the published trace's longest)
+MAX_LINE_BYTES = 1 << 20
+#: hash ids of one request: 8 M tokens at 512 per block (66 times the published trace's
+#: longest request); an I/O replay's cache holds the longest request, 256 MiB at 16 KiB blocks
+MAX_REQUEST_BLOCKS = 16_384
+#: hash ids of a whole trace (58 times the published trace): about 1 GiB of requests in memory
+MAX_TRACE_BLOCKS = 1 << 24
+#: numbers of more digits are refused before Python converts them (hash ids are below 2**63)
+_MAX_DIGITS = 19
 
 
 class TraceError(ValueError):
@@ -63,11 +90,25 @@ def _int_field(obj: dict, name: str, where: str) -> int:
     return value
 
 
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise _TooLong(f"a number of {len(text)} digits")
+    return int(text)
+
+
+class _TooLong(ValueError):
+    pass
+
+
 def _parse(line: str, where: str) -> TraceRequest:
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except _TooLong as exc:
+        raise TraceError(f"{where}: {exc} (at most {_MAX_DIGITS})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: a request must be a JSON object, got {type(obj).__name__}")
     stamp = obj.get("timestamp")
@@ -75,10 +116,14 @@ def _parse(line: str, where: str) -> TraceRequest:
         raise TraceError(f"{where}: 'timestamp' must be a number, got {stamp!r}")
     ids = obj.get("hash_ids")
     if not isinstance(ids, list):
-        raise TraceError(f"{where}: 'hash_ids' must be a list of integers, got {ids!r}")
+        raise TraceError(f"{where}: 'hash_ids' must be a list of integers, got {ids!r}"[:300])
+    if len(ids) > MAX_REQUEST_BLOCKS:
+        raise TraceError(
+            f"{where}: 'hash_ids' holds {len(ids)} ids; a request may hold {MAX_REQUEST_BLOCKS}"
+        )
     for k, b in enumerate(ids):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise TraceError(f"{where}: hash_ids[{k}] must be an integer >= 0, got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 2**63:
+            raise TraceError(f"{where}: hash_ids[{k}] must be an integer in [0, 2**63), got {b!r}")
     return TraceRequest(
         float(stamp),
         _int_field(obj, "input_length", where),
@@ -99,17 +144,47 @@ def load_trace(
         raise TraceError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
     path = Path(path)
     requests: list[TraceRequest] = []
+    blocks = 0
     try:
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if limit is not None and len(requests) >= limit:
-                    break
-                if line.strip():
-                    requests.append(_parse(line, f"{path}, line {number}"))
+        # O_NONBLOCK: opening a FIFO without a writer returns at once (and is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else (
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "something else"
+        )  # fmt: skip
+        raise TraceError(f"{path}: {kind}, not a regular file: a trace must be a file")
+    with open(fd, "rb") as f:
+        number = 0
+        while limit is None or len(requests) < limit:
+            try:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:
+                raise TraceError(
+                    f"cannot read trace {str(path)!r}: {exc.strerror or exc}"
+                ) from None
+            if not raw:
+                break
+            number += 1
+            where = f"{path}, line {number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{where}: longer than {MAX_LINE_BYTES} bytes")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{where}: not UTF-8 text ({exc.reason})") from None
+            if not line.strip():
+                continue
+            request = _parse(line, where)
+            blocks += len(request.hash_ids)
+            if blocks > MAX_TRACE_BLOCKS:
+                raise TraceError(
+                    f"{where}: the trace holds more than {MAX_TRACE_BLOCKS} hash ids in all"
+                )
+            requests.append(request)
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
     return Trace(tuple(requests), tokens_per_block, str(path))

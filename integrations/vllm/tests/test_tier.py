@@ -23,6 +23,7 @@ from tier_helpers import (
     backend_settings,
     damage,
     drain,
+    engine_config,
     key,
     lookup_and_wait,
     make_job,
@@ -158,24 +159,33 @@ def test_the_module_path_form_selects_the_tier(tmp_path) -> None:
     tier.shutdown()
 
 
-def test_keys_are_scoped_and_the_same_in_every_process(tmp_path) -> None:
-    a, _ = make_tier("memory", "", spec=offloading_spec(model="model-a"))
-    b, _ = make_tier("memory", "", spec=offloading_spec(model="model-b"))
-    tp2, _ = make_tier("memory", "", spec=offloading_spec(tp_size=2))
-    wv, _ = make_tier("memory", "", weight_version="7")
+def test_keys_are_scoped_and_the_same_in_every_process(tmp_path, model_dir) -> None:
+    """Built where the engine's config is visible (as in an engine), a chunk's name depends on
+    the model, the TP layout, the weights and the model's settings, and is the same in every
+    process whatever PYTHONHASHSEED."""
+    with engine_config(model_dir):
+        a, _ = make_tier("memory", "", spec=offloading_spec(model="model-a"))
+        b, _ = make_tier("memory", "", spec=offloading_spec(model="model-b"))
+        tp2, _ = make_tier("memory", "", spec=offloading_spec(tp_size=2))
+        wv, _ = make_tier("memory", "", weight_version="7")
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
+    with engine_config(model_dir, hf_overrides=rope):
+        other_rope, _ = make_tier("memory", "", spec=offloading_spec(model="model-a"))
+    tiers = (a, b, tp2, wv, other_rope)
     try:
-        names = {t: object_names(t, key(5))[0] for t in (a, b, tp2, wv)}
-        assert len(set(names.values())) == 4, names  # model, TP layout, weights: all apart
+        names = {t: object_names(t, key(5))[0] for t in tiers}
+        assert len(set(names.values())) == 5, names  # model, TP, weights, RoPE: all apart
         assert a.keys.offload_key(names[a]) == key(5)
         assert a.keys.offload_key(names[b]) is None  # another scope: never this tier's chunk
         code = (
-            "import sys; sys.path.insert(0, sys.argv[1]); from tier_helpers import *; "
-            "t, _ = make_tier('memory', '', spec=offloading_spec(model='model-a')); "
+            "import sys; sys.path.insert(0, sys.argv[1]); from tier_helpers import *\n"
+            "with engine_config(sys.argv[2]):\n"
+            "    t, _ = make_tier('memory', '', spec=offloading_spec(model='model-a'))\n"
             "print(object_names(t, key(5))[0]); t.shutdown()"
         )
         for seed in ("0", "12345"):
             out = subprocess.run(
-                [sys.executable, "-c", code, os.path.dirname(__file__)],
+                [sys.executable, "-c", code, os.path.dirname(__file__), str(model_dir)],
                 capture_output=True,
                 text=True,
                 env={**os.environ, "PYTHONHASHSEED": seed},
@@ -183,7 +193,7 @@ def test_keys_are_scoped_and_the_same_in_every_process(tmp_path) -> None:
             )
             assert out.stdout.strip().splitlines()[-1] == names[a], out.stderr[-2000:]
     finally:
-        for t in (a, b, tp2, wv):
+        for t in tiers:
             t.shutdown()
 
 

@@ -8,8 +8,10 @@ tests here do the same, so the tier sees exactly what vLLM's tests give vLLM's t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import time
+from collections.abc import Iterator
 from typing import Any
 from unittest.mock import MagicMock
 
@@ -188,3 +190,16 @@ def damage(tier: KVCoreTier, k: OffloadKey, how: str = "truncate") -> None:
         data = bytearray(plugin._objects[name])
         data[-100] ^= 0x01
         plugin._objects[name] = bytes(data)
+
+
+@contextlib.contextmanager
+def engine_config(model_dir: Any, **engine_args: Any) -> Iterator[Any]:
+    """A real ``VllmConfig`` of ``model_dir`` as vLLM's current config: what a tier built in an
+    engine sees (its model settings go into the chunk keys' scope)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = {"model": str(model_dir), "skip_tokenizer_init": True, "max_model_len": 2048}
+    config = EngineArgs(**{**args, **engine_args}).create_engine_config()
+    with set_current_vllm_config(config):
+        yield config
