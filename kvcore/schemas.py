@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+import typing
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -20,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -292,6 +295,18 @@ class _EnvironSource(EnvSettingsSource):
         return {name.lower(): value for name, value in self._environ.items()}
 
 
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type takes a bool (``bool``, ``Any``, a union or literal holding one)."""
+    if annotation in (bool, Any, object) or annotation is None:
+        return True
+    if isinstance(annotation, str):  # an unresolved forward reference: do not judge it
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in args)
+    return any(_admits_bool(a) for a in args if a is not type(None))
+
+
 class EnvConfig(StrictModel):
     """A config whose fields operators can override with environment variables.
 
@@ -304,6 +319,24 @@ class EnvConfig(StrictModel):
     """
 
     env_prefix: ClassVar[str] = ""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number field takes numbers: ``True`` is not a size or a rate (Python's bool is an
+        int), and a subnormal float (below 2.2e-308) means nothing as a setting.
+
+        .. versionadded:: 0.3
+        """
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or not isinstance(value, (bool, float)):
+            return value
+        if isinstance(value, bool) and not _admits_bool(field.annotation):
+            raise ValueError("must be a number, not a boolean")
+        if isinstance(value, float) and 0 < abs(value) < sys.float_info.min:
+            raise ValueError(f"{value!r} is a subnormal number: too small to be a setting")
+        return value
+
     #: names accepted from the environment besides the fields (moved into place by a
     #: validator), with whether their value is a plain string
     env_extra_fields: ClassVar[tuple[str, ...]] = ()

@@ -61,3 +61,22 @@ def test_environment_overrides_config_and_parses_json():
     assert (cfg.root, cfg.capacity_bytes, cfg.tags) == ("/from-env", 42, ["a", "b"])
     with pytest.raises(ValidationError, match="capacity_bytes"):
         _Cfg.load({}, environ={"KVCORE_TESTCFG_CAPACITY_BYTES": "lots"})
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"capacity_bytes": True}, "capacity_bytes: must be a number, not a boolean"),
+        ({"admission_doorkeeper": True}, "admission_doorkeeper: must be a number, not a boolean"),
+        ({"admission_doorkeeper": 1e-300}, "admission_doorkeeper: Input should be greater"),
+        ({"admission_sample_rate": 5e-324}, "admission_sample_rate: 5e-324 is a subnormal"),
+        ({"high_watermark": False}, "high_watermark: must be a number, not a boolean"),
+    ],
+)
+def test_config_numbers_are_numbers(tmp_path, config, message) -> None:
+    """Python's bool is an int and 5e-324 a float: both were accepted as sizes and rates (a
+    1-byte store, a doorkeeper of one id). Every backend config refuses them, naming the field."""
+    with pytest.raises(kvcore.ConfigError, match=message):
+        kvcore.check_backend_config("file", {"root": str(tmp_path), **config})
+    # booleans stay booleans where a field takes one
+    kvcore.check_backend_config("file", {"root": str(tmp_path), "direct_reads": True})

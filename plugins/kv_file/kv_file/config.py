@@ -89,14 +89,14 @@ class FileConfig(kvcore.BackendConfig):
     )
     admission_doorkeeper: float = Field(
         default=2.0,
-        gt=0,
+        ge=1 / 64,
         le=64,
         description="second-hit and adaptive remember this many times the store's capacity "
         "in blocks of recently offered block ids",
     )
     admission_sample_rate: float = Field(
         default=1 / 16,
-        gt=0,
+        ge=1 / 4096,
         le=1,
         description="adaptive: the fraction of block ids its simulations follow",
     )
