@@ -16,6 +16,7 @@ from typing import Any
 import pluggy
 
 from kvcore import events as ev
+from kvcore.errors import describe
 from kvcore.keys import object_names
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
@@ -223,7 +224,7 @@ class Backend:
                 raise
             self._log_failure("clear", exc, None)
             self.metrics.observe("clear", time.monotonic() - t0, calls=1, errors=1)
-            return Outcome(0, f"{type(exc).__name__}: {exc}")
+            return Outcome(0, describe(exc))
         if result is None:
             result = 0
         if not _is_count(result) or result < 0:
@@ -431,7 +432,7 @@ class Backend:
                 raise
             self._log_failure(op, exc, request)
             self.metrics.observe(op, time.monotonic() - t0, calls=1, errors=1, blocks=n)
-            return Outcome(0, f"{type(exc).__name__}: {exc}")
+            return Outcome(0, describe(exc))
         t1 = time.monotonic()
         if result is None and op in ("flush", "remove"):
             result = 0
@@ -484,13 +485,12 @@ class Backend:
         kind = type(exc).__name__
         self._failures.warning(
             (op, type(exc)),
-            "backend %r %s failed%s: %s: %s; counted as a miss (further %s errors of this "
+            "backend %r %s failed%s: %s; counted as a miss (further %s errors of this "
             "kind are logged at debug level)",
             self.name,
             op,
             where,
-            kind,
-            exc,
+            describe(exc),
             kind,
             exc_info=exc,
         )

@@ -11,6 +11,7 @@ __all__ = [
     "DuplicateBackendError",
     "KVCoreError",
     "UnknownBackendError",
+    "describe",
 ]
 
 
@@ -46,3 +47,18 @@ class ConfigError(KVCoreError, ValueError):
             # a model-level check names its fields in its message
             lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         return cls(f"invalid {what}:\n" + "\n".join(lines))
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, whatever its ``__str__`` does: a backend's exception
+    whose message cannot be built must still be reported as the failure it is, never escape the
+    code reporting it.
+
+    .. versionadded:: 0.3
+    """
+    kind = type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception as inner:  # the message itself failed
+        text = f"<message not shown: its __str__ raised {type(inner).__name__}>"
+    return f"{kind}: {text}" if text else kind

@@ -20,6 +20,8 @@ class _Misbehaving(MemoryBackend):
     def kvcore_query(self, request):
         if self.behaviour == "raise":
             raise ConnectionError("store unreachable")
+        if self.behaviour == "unprintable":
+            raise _Unprintable()
         if self.behaviour == "too_many":
             return request.num_blocks + 1
         if self.behaviour == "not_int":
@@ -27,6 +29,13 @@ class _Misbehaving(MemoryBackend):
         if self.behaviour == "slow":
             time.sleep(0.2)
         return MemoryBackend.kvcore_query(self, request)
+
+
+class _Unprintable(Exception):
+    """An SDK's exception whose message cannot be built."""
+
+    def __str__(self) -> str:
+        raise ValueError("cannot format this message")
 
 
 LAYOUT = kvcore.CacheLayout(num_layers=2, num_heads=1, block_size=4, head_dim=8)
@@ -49,6 +58,18 @@ def test_exception_is_a_counted_miss_logged_once(caplog):
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 1
     stats = be.stats()
     assert stats["errors.query"] == 2 and stats["calls.query"] == 2
+
+
+def test_an_exception_whose_message_cannot_be_built_is_still_a_counted_miss(caplog):
+    """Its __str__ raising escaped the facade to the caller as a ValueError."""
+    be = _open("unprintable")
+    with caplog.at_level(logging.WARNING, logger="kvcore.backend"):
+        got = be.query(be.request("task-8", ["a"]))
+    assert got == 0
+    assert got.failure == "_Unprintable: <message not shown: its __str__ raised ValueError>"
+    assert got.kind == "backend_error"
+    assert "_Unprintable" in caplog.records[0].getMessage()
+    assert be.stats()["errors.query"] == 1
 
 
 @pytest.mark.parametrize("behaviour", ["too_many", "not_int"])

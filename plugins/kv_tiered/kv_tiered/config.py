@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -65,3 +66,36 @@ class TieredConfig(kvcore.BackendConfig):
         30.0,
         "seconds a background write-through copy may take (promotions keep the read's deadline)",
     )
+
+    @model_validator(mode="after")
+    def _tiers_are_distinct_and_installed(self) -> TieredConfig:
+        """Every tier names an installed backend with a valid config (errors name
+        ``tiers[i]``), no two tiers share a root (one directory would hold both tiers' objects
+        and their capacity accounting), and the stack's environment variable does not reach a
+        nested stack (it would apply to it too, and recurse)."""
+        variable = self.env_variable("tiers")
+        roots: dict[str, int] = {}
+        for i, spec in enumerate(self.tiers):
+            where = f"tiers[{i}] ({spec.backend})"
+            if spec.backend == "tiered" and os.environ.get(variable):
+                raise ValueError(
+                    f"{where}: a nested stack while {variable} is set: the variable would "
+                    "set the nested stack's tiers too; give the stacks their tiers in their "
+                    "configs"
+                )
+            try:
+                checked = kvcore.check_backend_config(spec.backend, spec.config)
+            except kvcore.UnknownBackendError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            except kvcore.ConfigError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            root = getattr(checked, "root", None)
+            if isinstance(root, str) and root:
+                real = os.path.realpath(root)
+                if real in roots:
+                    raise ValueError(
+                        f"{where}: root {root!r} is also tiers[{roots[real]}]'s: two tiers on "
+                        "one root would share its objects and its capacity"
+                    )
+                roots[real] = i
+        return self

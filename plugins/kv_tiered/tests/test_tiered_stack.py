@@ -247,7 +247,12 @@ def test_a_copy_queued_before_a_peers_change_does_not_undo_it(memory_over_file, 
     ("tiers", "message"),
     [
         ([], "tiers"),
-        ([{"backend": "nosuch"}], "no kvcore backend named 'nosuch'"),
+        ([{"backend": "nosuch"}], r"tiers\[0\] \(nosuch\): no kvcore backend named 'nosuch'"),
+        ([{"backend": "memory"}, {"backend": "nosuch"}], r"tiers\[1\] \(nosuch\): no kvcore"),
+        ([{"backend": "file", "root": "/tmp/kv-one"}, {"backend": "file", "root": "/tmp/kv-one/"}],
+         r"tiers\[1\] \(file\): root '/tmp/kv-one/?' is also tiers\[0\]'s"),
+        ([{"backend": "memory"}, {"backend": "file", "capacity_bytes": True}],
+         r"(?s)tiers\[1\] \(file\).*capacity_bytes: must be a number, not a boolean"),
         ([{"backend": "memory"}, {"backend": "file", "capacity_bytes": "lots"}],
          r"(?s)tiers\[1\] \(file\).*capacity_bytes"),
         ([{"root": "/tmp/x"}], "backend"),
@@ -256,6 +261,23 @@ def test_a_copy_queued_before_a_peers_change_does_not_undo_it(memory_over_file, 
 def test_a_bad_stack_is_refused_naming_the_tier(tiers, message) -> None:
     with pytest.raises(kvcore.KVCoreError, match=message):
         kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": small_layout()})
+
+
+def test_the_stacks_variable_never_reaches_a_nested_stack(tmp_path, monkeypatch) -> None:
+    """KVCORE_TIERED_TIERS applied to a nested stack too, which then opened itself again: a
+    9 KB RecursionError that never named the variable."""
+    import json
+
+    nested = {"backend": "tiered", "tiers": [{"backend": "file", "root": str(tmp_path / "b")}]}
+    tiers = [{"backend": "file", "root": str(tmp_path / "a")}, nested]
+    monkeypatch.setenv("KVCORE_TIERED_TIERS", json.dumps(tiers))
+    with pytest.raises(kvcore.ConfigError) as err:
+        kvcore.open_backend("tiered", {"tiers": [{"backend": "memory"}]})
+    assert "tiers[1] (tiered): a nested stack while KVCORE_TIERED_TIERS is set" in str(err.value)
+    assert len(str(err.value)) < 1000
+    monkeypatch.delenv("KVCORE_TIERED_TIERS")
+    stack = kvcore.open_backend("tiered", {"tiers": tiers}, context={"layout": small_layout()})
+    stack.close()  # without the variable, a nested stack opens
 
 
 def test_the_stack_declares_what_every_tier_honours(tmp_path) -> None:
