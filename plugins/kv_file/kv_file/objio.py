@@ -272,15 +272,28 @@ def _read_direct(fd: int, buffers: list[memoryview], direct: DirectReads) -> int
 
 
 def _preadv_all(fd: int, buffers: list[memoryview]) -> int:
-    """Read the file from its start into ``buffers`` in order, ``IOV_MAX`` at a time; the
-    bytes read (fewer only at the end of the file)."""
+    """Read the file from its start into ``buffers`` in order, ``IOV_MAX`` at a time, through
+    short reads; the bytes read (fewer only at the end of the file).
+
+    A read short of the file's end is continued, not taken for a short file: the kernel copies
+    up to a buffer it cannot write (an engine's bad pointer) and returns the count, and the next
+    read raises that error (EFAULT), which is the caller's failure, never the object's
+    corruption (a good object would be removed).
+    """
     done = 0
-    for lo in range(0, len(buffers), _IOV_MAX):
-        chunk = buffers[lo : lo + _IOV_MAX]
-        got = os.preadv(fd, chunk, done)
+    pending = [b for b in buffers if len(b)]
+    while pending:
+        got = os.preadv(fd, pending[:_IOV_MAX], done)
+        if got == 0:
+            break  # the end of the file
         done += got
-        if got < sum(len(b) for b in chunk):
-            break
+        k = 0
+        while k < len(pending) and got >= len(pending[k]):
+            got -= len(pending[k])
+            k += 1
+        pending = pending[k:]
+        if got:
+            pending[0] = pending[0][got:]
     return done
 
 

@@ -83,3 +83,32 @@ def test_a_store_without_a_layout_answers_queries(tmp_path) -> None:
     assert bare.query(bare.request("q", ["a", "b"])) == 1
     bare.close()
     with_layout.close()
+
+
+def test_a_read_into_memory_it_cannot_write_is_a_failure_never_corruption(tmp_path) -> None:
+    """An engine's bad pointer (here: the last page of a V buffer made read-only): the kernel
+    reads up to it and stops. That short read was taken for a torn file, reported as checksum
+    corruption, and the good object removed."""
+    import ctypes
+    import mmap
+
+    from kv_file_testutil import read_verified
+
+    store = open_store(str(tmp_path / "s"))
+    assert write(store, ["a"]) == 1
+    part = LAYOUT.part_bytes("k")
+    region = mmap.mmap(-1, 2 * part)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    assert libc.mprotect(ctypes.c_void_p(base + 2 * part - page), page, mmap.PROT_READ) == 0
+    host = kvcore.HostBuffers(ptrs=((base, base + part),), nbytes=(part, part))
+    got = store.read(store.request("bad-pointer", ["a"], host=host))
+    assert got == 0
+    assert "Bad address" in (got.failure or ""), got.failure
+    assert got.kind != "corrupt" and "corrupt" not in (got.failure or "").lower()
+    stats = store.stats()
+    assert stats.get("backend_corrupt_objects", 0) == 0, stats
+    assert query(store, ["a"]) == 1, "the good object was removed"
+    assert read_verified(store, ["a"]) == 1
+    store.close()
