@@ -286,6 +286,10 @@ class MooncakeBackend:
         if store is None:
             return
         self._regions.clear()
+        # the region table holds the client's bound methods: drop them, so the client (its
+        # segments, buffers and threads) is freed once its close returns, not whenever the
+        # cyclic garbage collector next runs (16 opens and closes kept 250 MB before)
+        self._regions = RegionTable(_closed_client, _closed_client)
         _close_store(store, self._probes, self.config.close_timeout_s)
 
     # -- Mooncake calls ----------------------------------------------------------------------
@@ -554,6 +558,12 @@ def _chunks(
 
 
 # -- closing ----------------------------------------------------------------------------------
+
+
+def _closed_client(ptr: int) -> int:
+    """What registering or unregistering memory with a closed client does: nothing."""
+    return 0
+
 
 _closing: list[threading.Thread] = []
 _CLOSE_AT_EXIT_S = 30.0
