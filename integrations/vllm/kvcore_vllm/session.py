@@ -11,7 +11,7 @@ or ``"mp"``), ``in_process`` (run the engine core inside this process), ``block_
 ``tensor_parallel_size``, ``max_model_len``, ``kv_cache_bytes``, ``log_stats``, ``env`` (variables set before vLLM
 starts), ``kv_transfer_config`` (instead of ``connector``: any other connector, raw),
 ``disable_hybrid_kv_cache_manager``, ``enable_lora`` (with ``max_lora_rank``, ``max_loras``),
-``hf_overrides``, ``kv_events_endpoint`` (vLLM publishes its KV events
+``enable_prompt_embeds``, ``hf_overrides``, ``kv_events_endpoint`` (vLLM publishes its KV events
 there over ZMQ, the connector's included), ``steps``.
 
 Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
@@ -134,6 +134,8 @@ def start_engine(spec: dict[str, Any]) -> Any:
         kwargs["enable_lora"] = True
         kwargs["max_lora_rank"] = spec.get("max_lora_rank", 8)
         kwargs["max_loras"] = spec.get("max_loras", 2)
+    if spec.get("enable_prompt_embeds"):
+        kwargs["enable_prompt_embeds"] = True
     if spec.get("hf_overrides"):
         kwargs["hf_overrides"] = spec["hf_overrides"]
     if spec.get("max_num_batched_tokens"):
@@ -190,7 +192,7 @@ def parse_metrics(lines: list[str]) -> dict[str, float]:
 def _prompt(item: Any, history: dict[str, tuple[list[int], list[int]]]) -> list[int]:
     """A token list; ``{"after": NAME, "extra": [...]}``: a follow-up turn of step NAME's
     first prompt (its prompt, its output, then ``extra``); or ``{"tokens": [...]}`` with a
-    request's ``cache_salt`` and ``lora`` (see :func:`_request_fields`)."""
+    request's ``cache_salt``, ``lora`` and ``embeds`` (see :func:`_request_fields`)."""
     if isinstance(item, dict):
         if "tokens" in item:
             return [int(t) for t in item["tokens"]]
@@ -200,11 +202,21 @@ def _prompt(item: Any, history: dict[str, tuple[list[int], list[int]]]) -> list[
 
 
 def _request_fields(item: Any, loras: dict[str, int]) -> tuple[dict[str, Any], Any]:
-    """A prompt's ``cache_salt`` (in the prompt dict, as vLLM takes it) and LoRA adapter
-    (``{"name", "path"}``: a ``LoRARequest``; ids are given in order of first use)."""
+    """A prompt's ``cache_salt`` (in the prompt dict, as vLLM takes it), prompt embeddings
+    (``{"seed", "hidden", "scale"}``: random rows, one per token, given instead of the token
+    ids) and LoRA adapter (``{"name", "path"}``: a ``LoRARequest``; ids are given in order of
+    first use)."""
     if not isinstance(item, dict):
         return {}, None
-    fields = {"cache_salt": item["cache_salt"]} if item.get("cache_salt") else {}
+    fields: dict[str, Any] = {"cache_salt": item["cache_salt"]} if item.get("cache_salt") else {}
+    embeds = item.get("embeds")
+    if embeds:
+        # prompt embeddings instead of token ids: one row per token, random from a seed
+        import torch
+
+        generator = torch.Generator().manual_seed(int(embeds["seed"]))
+        rows = torch.randn(len(item["tokens"]), int(embeds["hidden"]), generator=generator)
+        fields["prompt_embeds"] = (rows * float(embeds.get("scale", 1.0))).to(torch.bfloat16)
     lora = item.get("lora")
     if not lora:
         return fields, None
@@ -231,7 +243,10 @@ def _generate(
     )
     token_lists = [_prompt(p, history) for p in step["prompts"]]
     fields = [_request_fields(p, _LORAS) for p in step["prompts"]]
-    prompts = [{"prompt_token_ids": p, **f} for p, (f, _) in zip(token_lists, fields, strict=True)]
+    prompts = [
+        f if "prompt_embeds" in f else {"prompt_token_ids": p, **f}
+        for p, (f, _) in zip(token_lists, fields, strict=True)
+    ]
     lora_requests = [lora for _, lora in fields]
     kwargs: dict[str, Any] = {}
     if any(lora is not None for lora in lora_requests):

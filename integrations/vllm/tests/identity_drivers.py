@@ -223,6 +223,10 @@ def engine_prompt(request: Request, lora_dirs: Mapping[str, str]) -> dict[str, A
         prompt["cache_salt"] = request.cache_salt
     if request.lora:
         prompt["lora"] = {"name": request.lora, "path": lora_dirs[request.lora]}
+    if request.prompt_embeds:
+        # the same name, the same embeddings: rows drawn from a seed of the name
+        seed = int.from_bytes(request.prompt_embeds.encode()[-4:], "big")
+        prompt["embeds"] = {"seed": seed, "hidden": 128, "scale": 0.05}
     return prompt
 
 
@@ -251,6 +255,8 @@ class EngineDriver(IdentityDriver):
         self.engines = engines  # configuration -> {"spec": {...}, "connector": {...}}
         self.engine_variants = {k: k for k in engines if k != "base"}
         self.runs: dict[str, Any] = {}
+        if engines["base"].get("spec", {}).get("enable_prompt_embeds"):
+            self.request_axes = self.request_axes | {"prompt_embeds"}
 
     def _spec(self, engine: str, connector: bool) -> dict[str, Any]:
         conf = self.engines[engine]
