@@ -67,7 +67,9 @@ class Request:
 
     ``mm`` and ``prompt_embeds`` name an item (an image, a set of embeddings): two requests
     with the same name carry the same item, with different names different items behind the
-    same token ids (an image's placeholder tokens, embeddings' dummy ids).
+    same token ids (an image's placeholder tokens, embeddings' dummy ids). Cases are kept apart
+    by their tokens, so a driver whose item replaces the tokens (embeddings given instead of
+    token ids) derives it from the name *and* the tokens.
     """
 
     id: str

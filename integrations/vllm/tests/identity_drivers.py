@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -224,8 +225,10 @@ def engine_prompt(request: Request, lora_dirs: Mapping[str, str]) -> dict[str, A
     if request.lora:
         prompt["lora"] = {"name": request.lora, "path": lora_dirs[request.lora]}
     if request.prompt_embeds:
-        # the same name, the same embeddings: rows drawn from a seed of the name
-        seed = int.from_bytes(request.prompt_embeds.encode()[-4:], "big")
+        # the embeddings stand in for the tokens: drawn from a seed of the name *and* the
+        # case's tokens, so one name gives the same embeddings within a case and others in
+        # another case (which must not see this case's blocks)
+        seed = zlib.crc32(repr((request.prompt_embeds, request.tokens)).encode())
         prompt["embeds"] = {"seed": seed, "hidden": 128, "scale": 0.05}
     return prompt
 

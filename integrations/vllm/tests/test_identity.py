@@ -8,7 +8,8 @@
 - On real CPU engines (the newcomer's experience): tenant B never restores tenant A's blocks,
   a request without the adapter never restores the adapter's KV and generates exactly the
   tokens of an engine without the connector, and both restore their own blocks in a fresh
-  engine; other RoPE settings and other weights (new weight version) restore nothing.
+  engine; prompt embeddings of the same length are kept apart and the same ones shared;
+  other RoPE settings and other weights (new weight version) restore nothing.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def test_real_engines_keep_tenants_adapters_rope_and_weights_apart(
         shutil.copy(swapped / "model.safetensors", own_model / "model.safetensors")
 
     engines = {
-        "base": {},
+        "base": {"spec": {"enable_prompt_embeds": True}},
         "rope": {"spec": {"hf_overrides": ROPE, "enable_lora": False}},
         "weight_version": {
             "spec": {"enable_lora": False},
@@ -185,8 +186,13 @@ def test_real_engines_keep_tenants_adapters_rope_and_weights_apart(
         576
     ]
     # not vacuous: the adapter, the RoPE settings and the new weights each change the tokens
+    assert report.pairs == 1 + 3 * 4 + 1 + 2  # salt, LoRA, prompt embeddings; RoPE, weights
+    assert driver.runs["read-base"].step(by_name["prompt_embeds-same"].probe.id)[
+        "num_cached_tokens"
+    ] == [576]
     for name, engine in (
         ("lora-stored-probe-without", "base"),
+        ("prompt_embeds-other", "base"),
         ("rope-other-engine", "rope"),
         ("weight_version-other-engine", "weight_version"),
     ):
