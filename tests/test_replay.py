@@ -66,17 +66,28 @@ def test_a_malformed_line_is_an_error_naming_the_line(tmp_path: Path, line: str,
 
 
 def _cli_in_child(args: list[str], timeout: float = 60.0) -> tuple[int, str, int]:
-    """``kvcore`` in a fresh process: exit code, stderr, and the child's peak RSS (KiB)."""
-    import resource
+    """``kvcore`` in a fresh process: exit code, stderr, and that child's own peak RSS (KiB,
+    from ``wait4``: RUSAGE_CHILDREN would be the largest of every child this process ran)."""
+    import os
+    import signal
     import subprocess
     import sys
+    import tempfile
+    import threading
 
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvcore", *args], capture_output=True, text=True, timeout=timeout
-    )
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return proc.returncode, proc.stderr, max(peak, before)
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcore", *args], stdout=subprocess.DEVNULL, stderr=err
+        )
+        timer = threading.Timer(timeout, lambda: os.kill(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        err.seek(0)
+        return proc.returncode, err.read(), usage.ru_maxrss
 
 
 @pytest.mark.parametrize(
