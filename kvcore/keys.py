@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -19,6 +20,7 @@ from pydantic import Field
 from kvcore.schemas import StrictModel
 
 __all__ = [
+    "THIS_PROCESS_ONLY",
     "KeyScope",
     "NameRows",
     "ObjectName",
@@ -89,6 +91,14 @@ def block_hashes(
         digest = hashlib.sha256(digest + data[i * stride : (i + 1) * stride]).digest()
         keys.append(digest.hex())
     return keys
+
+
+#: A scope value no other process has: what an adapter puts in its scope where it cannot know
+#: part of the identity (a setting its engine does not show it), so its blocks are shared with
+#: no other process rather than with one whose KV may differ.
+#:
+#: .. versionadded:: 0.3
+THIS_PROCESS_ONLY = f"unknown, process {os.getpid()} {os.urandom(8).hex()}"
 
 
 class ScopedKeys:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvcore.keys import THIS_PROCESS_ONLY
 from kvcore.schemas import timeout_field
 
 __all__ = [
@@ -50,9 +50,6 @@ MODEL_SETTING_ARGS = (
     "weight_version",
 )
 
-#: Where this process cannot know the engine's settings: a value no other process has
-_THIS_PROCESS = f"unknown, process {os.getpid()} {os.urandom(8).hex()}"
-
 
 def model_settings() -> dict[str, str] | None:
     """The engine's K/V-changing settings (:data:`MODEL_SETTING_ARGS`) from the server
@@ -74,7 +71,7 @@ def _identity_tag(model: str, settings: dict[str, str] | None) -> str:
             "kvcore storage: SGLang's server arguments are not published in this process, so "
             "the model's settings are unknown: pages are keyed for this process alone"
         )
-        settings = {"settings": _THIS_PROCESS}
+        settings = {"settings": THIS_PROCESS_ONLY}
     text = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
     return "m" + hashlib.sha256(text.encode()).hexdigest()[:16]
 

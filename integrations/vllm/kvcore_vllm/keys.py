@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvcore
-from kvcore.keys import ScopedKeys, parse_object_name
+from kvcore.keys import THIS_PROCESS_ONLY, ScopedKeys, parse_object_name
 from kvcore_vllm.config import ConnectorSettings, TierSettings
 from kvcore_vllm.context import engine_world
 
@@ -55,9 +55,6 @@ KEY_FORMAT = "3"
 
 #: hf_config entries that do not change K/V: where the files were read from, and by which
 #: transformers release
-#: A scope field no other process has: for what this process cannot key for others
-_THIS_PROCESS = f"unknown, process {os.getpid()} {os.urandom(8).hex()}"
-
 _CONFIG_NOISE = frozenset({"_name_or_path", "name_or_path", "transformers_version"})
 
 
@@ -378,7 +375,7 @@ def chunk_scope(
     if vllm_config is not None:
         extra.update({f"model.{k}": v for k, v in model_settings(vllm_config).items()})
     else:
-        extra["model.settings"] = _THIS_PROCESS
+        extra["model.settings"] = THIS_PROCESS_ONLY
     model = (
         model_identity(vllm_config, settings)
         if vllm_config is not None
