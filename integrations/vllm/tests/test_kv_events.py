@@ -62,6 +62,17 @@ class Subscriber:
         self._ctx.term()
 
 
+def settle_steps(name: str, tiny: list[list[int]]) -> list[dict]:
+    """Steps that let the workers' saves land and vLLM publish their events: the engine
+    publishes only when it steps, so it steps on prompts with no full block (nothing saved)."""
+    return [
+        {"op": "sleep", "seconds": 1.0},
+        {"op": "generate", "name": f"{name}1", "prompts": tiny, "max_tokens": 2},
+        {"op": "sleep", "seconds": 1.0},
+        {"op": "generate", "name": f"{name}2", "prompts": tiny, "max_tokens": 2},
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,12 +96,7 @@ def test_store_events_name_the_engines_blocks_and_follow_evictions_and_clears(
     }
 
     def settle(name: str) -> list[dict]:
-        return [
-            {"op": "sleep", "seconds": 1.0},
-            {"op": "generate", "name": f"{name}1", "prompts": tiny, "max_tokens": 2},
-            {"op": "sleep", "seconds": 1.0},
-            {"op": "generate", "name": f"{name}2", "prompts": tiny, "max_tokens": 2},
-        ]
+        return settle_steps(name, tiny)
 
     try:
         run = run_engine(
@@ -233,13 +239,7 @@ def test_storage_events_place_each_block_under_its_own_requests_prefix(
     }
 
     def settle(name: str) -> list[dict]:
-        return [
-            {"op": "sleep", "seconds": 1.0},
-            {"op": "generate", "name": f"{name}1", "prompts": tiny, "max_tokens": 2},
-            {"op": "sleep", "seconds": 1.0},
-            {"op": "generate", "name": f"{name}2", "prompts": tiny, "max_tokens": 2},
-            {"op": "sleep", "seconds": 0.5, "name": f"{name}-done"},
-        ]
+        return settle_steps(name, tiny)
 
     steps: list[dict] = []
     for name, prompt in variants.items():
@@ -247,6 +247,7 @@ def test_storage_events_place_each_block_under_its_own_requests_prefix(
             {"op": "reset_prefix_cache"},
             {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 4},
             *settle(f"after-{name}"),
+            {"op": "sleep", "seconds": 0.5},
             {"op": "call", "name": f"{name}-at", "target": "engine_helpers:now"},
         ]
     try:

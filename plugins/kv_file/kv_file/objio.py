@@ -287,13 +287,7 @@ def _preadv_all(fd: int, buffers: list[memoryview]) -> int:
         if got == 0:
             break  # the end of the file
         done += got
-        k = 0
-        while k < len(pending) and got >= len(pending[k]):
-            got -= len(pending[k])
-            k += 1
-        pending = pending[k:]
-        if got:
-            pending[0] = pending[0][got:]
+        pending = _past(pending, got)
     return done
 
 
@@ -301,14 +295,19 @@ def _writev_all(fd: int, buffers: list[memoryview]) -> None:
     """Write ``buffers`` in order, ``IOV_MAX`` at a time, through short writes (rare, legal)."""
     pending = list(buffers)
     while pending:
-        n = os.writev(fd, pending[:_IOV_MAX])
-        k = 0
-        while k < len(pending) and n >= len(pending[k]):
-            n -= len(pending[k])
-            k += 1
-        pending = pending[k:]
-        if n:
-            pending[0] = pending[0][n:]
+        pending = _past(pending, os.writev(fd, pending[:_IOV_MAX]))
+
+
+def _past(pending: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of ``pending`` once a vectored call moved its first ``n`` bytes."""
+    k = 0
+    while k < len(pending) and n >= len(pending[k]):
+        n -= len(pending[k])
+        k += 1
+    rest = pending[k:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 def _address(view: memoryview) -> int:
