@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -180,9 +180,9 @@ class Backend:
         n = self._call("admit", self._pm.hook.kvcore_admit, request, {"request": request})
         return Outcome(request.num_blocks) if n.failure is not None else n
 
-    def evict_to(self, sink: Callable[[list[tuple[str, memoryview]]], None] | None) -> bool:
-        """Have the backend hand what it evicts to ``sink`` (see ``kvcore_evict_to``); False
-        for backends that cannot."""
+    def evict_to(self, sink: Callable[..., Collection[str] | None] | None) -> bool:
+        """Have the backend offer what it evicts to ``sink`` before it leaves (see
+        ``kvcore_evict_to``); False for backends that cannot."""
         if not self.implements("kvcore_evict_to"):
             return False
         answer = self._lifecycle("evict_to", self._pm.hook.kvcore_evict_to, sink=sink)

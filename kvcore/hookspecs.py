@@ -162,24 +162,31 @@ def kvcore_admit(request: BlockRequest) -> int:
 
 
 @hookspec(firstresult=True)
-def kvcore_evict_to(sink: Callable[[list[tuple[str, memoryview]]], None] | None) -> bool:
-    """Hand every object the store evicts to ``sink`` before its bytes are gone.
+def kvcore_evict_to(sink: Callable[..., Collection[str] | None] | None) -> bool:
+    """Offer every object the store evicts to ``sink`` before it leaves the store.
 
-    For a store in front of another (kv_tiered's ``write-back-on-evict``): the lower tier
-    receives exactly what the upper one drops. Events (:func:`kvcore_watch`) say *that* an
-    object was evicted; by the time a subscriber reads one, its bytes are deleted.
+    For a store in front of another (kv_tiered): the lower tier receives exactly what the
+    upper one drops, and a block the lower tier could not take stays in the upper one, so no
+    block is ever in neither (a crash included). Events (:func:`kvcore_watch`) say *that* an
+    object was evicted; by the time a subscriber reads one, its bytes are gone.
 
-    :param sink: called with ``[(object name, payload), ...]`` for each batch of evictions of
-        this opened backend, after the objects left the store and before their bytes are
-        freed; each payload is the object's verified bytes, valid only during the call (the
-        sink copies what it keeps, and must not call back into the backend). None: stop.
-        An exception from the sink is counted and logged, never raised into the write that
-        evicted.
+    :param sink: called as ``sink(objects, deadline)`` (:mod:`kvcore.evictions`) by the write
+        that evicts, with ``objects`` ``[(object name, payload), ...]`` still in the store:
+        each payload is the object's verified bytes, valid only during the call (the sink
+        copies what it keeps, and must not call back into the backend); ``deadline`` is the
+        write's (a ``time.monotonic()`` instant, or None). It returns the names it stored;
+        only those leave the store, the others stay (and the write takes only what still
+        fits). A block's parts (K and V, scales) are offered in one call. An exception from
+        the sink is counted and logged (nothing leaves), never raised into the write. None:
+        stop. :func:`kvcore.evictions.sink_caller` calls a sink of either version.
     :return: True if the backend will call ``sink``; False or None if it cannot.
 
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.3
+    .. versionchanged:: 0.4 objects are offered *before* they leave, with the write's
+       deadline, and only those the sink returns leave. A 0.3 sink (one argument, returning
+       None: all taken) is still called as before.
     """
 
 

@@ -39,6 +39,7 @@ from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, writ
 from kv_file.paths import StoreDir, discard, name_digest
 from kvcore import BlockRequest, Outcome, leading_run
 from kvcore import events as ev
+from kvcore.evictions import EvictionSink, sink_caller
 from kvcore.keys import name_columns
 from kvcore.threads import start_thread, thread_pool, usable_cpus
 
@@ -149,7 +150,7 @@ class FileBackend:
         if config.rescan_interval_s > 0:
             self._rescanner = start_thread(self._rescan_loop, "kv_file-rescan")
         self._watch_stop: threading.Event | None = None
-        self._evict_sink: Callable[[list[tuple[str, memoryview]]], None] | None = None
+        self._evict_sink: EvictionSink | None = None
         log.info(
             "kv_file store at %s: %d objects, %d of %d bytes, fsync=%s",
             self._dir.path,
@@ -298,7 +299,9 @@ class FileBackend:
                 planned[k] = (raw, digest, size, named)
         order = list(planned)
         # skipped objects are being stored again: most recently used, for every process
-        admitted = catalog.admit([planned[k][2] for k in order], touched=pinned)
+        admitted = catalog.admit(
+            [planned[k][2] for k in order], touched=pinned, deadline=request.deadline
+        )
         for k in order[admitted:]:
             before[k] = "write_refused"
             del planned[k]
@@ -448,11 +451,12 @@ class FileBackend:
         return {"write_gbps": gb / (t1 - t0), "read_gbps": gb / (t2 - t1)}
 
     @kvcore.hookimpl
-    def kvcore_evict_to(self, sink: Callable[[list[tuple[str, memoryview]]], None] | None) -> bool:
-        """Evicted objects are read back from their retired files (verified) and handed to
-        ``sink`` by the write that evicted them, before the files are deleted."""
-        self._evict_sink = sink
-        self._catalog.on_retired = None if sink is None else self._hand_over
+    def kvcore_evict_to(self, sink: EvictionSink | None) -> bool:
+        """Objects a write evicts are read back from their files, verified, and offered to
+        ``sink`` by that write, before they leave; only those the sink took are evicted (see
+        :meth:`Catalog._admit_handing_over`)."""
+        self._evict_sink = None if sink is None else sink_caller(sink)
+        self._catalog.hand_over = None if sink is None else self._hand_over
         return True
 
     @kvcore.hookimpl
@@ -621,27 +625,37 @@ class FileBackend:
                 moved.append((digest, temp))
         return moved
 
-    def _hand_over(self, retired: list[tuple[int, str | None, int, str]]) -> None:
-        """Read evicted objects back from their retired files, verified, and give them to the
-        sink of ``kvcore_evict_to`` (see there)."""
+    def _hand_over(
+        self, victims: list[tuple[int, str | None, int, str]], deadline: float | None
+    ) -> set[int]:
+        """Read victims from their files, verified, and offer them to the sink of
+        ``kvcore_evict_to``; returns the digests that may leave: those it took, and those
+        with nothing left to hand over (gone meanwhile, or corrupt)."""
         sink = self._evict_sink
         if sink is None:
-            return
+            return set()
         objects: list[tuple[str, memoryview]] = []
-        for digest, name, size, path in retired:
+        offered: dict[str, int] = {}
+        nothing_to_keep: set[int] = set()
+        for digest, name, size, path in victims:
             raw = encode_name(name) if name is not None else read_name(path)
             if raw is None:
+                nothing_to_keep.add(digest)
                 continue
             payload = size - header_size(len(raw))
             buffer = memoryview(bytearray(max(payload, 0)))
             outcome = read_object(path, raw, [buffer], digest=digest, expected_len=payload)
             if outcome is ReadOutcome.OK:
-                objects.append((raw.decode("utf-8", "surrogatepass"), buffer))
-            else:
-                self._counters.add("evict_handover_unreadable")
-        if objects:
-            sink(objects)
-            self._counters.add("evict_handed_over", len(objects))
+                text = raw.decode("utf-8", "surrogatepass")
+                objects.append((text, buffer))
+                offered[text] = digest
+            else:  # evicted or removed by another process meanwhile, or corrupt
+                if outcome is not ReadOutcome.MISSING:
+                    self._counters.add("evict_handover_unreadable")
+                nothing_to_keep.add(digest)
+        taken = {offered[n] for n in sink(objects, deadline) if n in offered} if objects else set()
+        self._counters.add("evict_handed_over", len(taken))
+        return taken | nothing_to_keep
 
     # -- plumbing --------------------------------------------------------------------------
 

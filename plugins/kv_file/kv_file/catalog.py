@@ -75,9 +75,13 @@ class Catalog:
             store_dir.path, self.token, lambda: store_dir.meta_temp_path("journal")
         )
         self.report: Callable[..., None] | None = None
-        #: called with ``[(digest, name, size, temp path)]`` of each eviction's retired files
-        #: before they are deleted (outside the lock): a backend hands their bytes over there
-        self.on_retired: Callable[[list[tuple[int, str | None, int, str]]], None] | None = None
+        #: where victims go before they leave (see :meth:`_admit_handing_over`): called with
+        #: ``[(digest, name, size, object path)]`` and the write's deadline, outside the lock;
+        #: returns the digests it took
+        self.hand_over: (
+            Callable[[list[tuple[int, str | None, int, str]], float | None], set[int]] | None
+        ) = None
+        self._leaving: set[int] = set()  # victims this process is handing over now
         self.evictions = 0  # objects this process evicted
         self._compacted_size = 0  # journal bytes after its last rewrite
         with self._exclusive():
@@ -220,23 +224,21 @@ class Catalog:
 
     # -- changes this process makes -----------------------------------------------------------
 
-    def admit(self, sizes: list[int], touched: Sequence[int] = ()) -> int:
+    def admit(
+        self, sizes: list[int], touched: Sequence[int] = (), deadline: float | None = None
+    ) -> int:
         """Reserve bytes for writes of ``sizes`` (in order), evicting LRU objects first as
         needed; returns how many (a leading run) were admitted. ``touched``: objects the write
-        skips as already stored, now most recently used."""
+        skips as already stored, now most recently used. With :attr:`hand_over` set, victims
+        are handed over before they leave (see :meth:`_admit_handing_over`), by ``deadline``.
+        """
+        if self.hand_over is not None:
+            return self._admit_handing_over(sizes, touched, deadline)
         retired: list[tuple[int, str]] = []
-        known: dict[int, tuple[str | None, int]] = {}
         with self._exclusive():
             victims, admitted = self.index.plan_admission(self.journal.reserved(), sizes)
             victim_bytes = 0
             if victims:
-                if self.on_retired is not None:
-                    with self.index.lock:
-                        known = {
-                            d: (e.name, e.size)
-                            for d in victims
-                            if (e := self.index.lru.get(d)) is not None
-                        }
                 # Renamed away from their names under the lock (a rename costs a fraction of
                 # an unlink, which frees the pages); their bytes stay reserved until the
                 # temp files are deleted, after the lock (a crash leaves stale temps, which the
@@ -248,20 +250,75 @@ class Catalog:
             records += [Record(Kind.TOUCHED, d, origin=self.token) for d in touched]
             self._commit(records)
             self.journal.reserve(sum(sizes[:admitted]) + victim_bytes)
-        if victims:
-            hand_over = self.on_retired
-            if hand_over is not None and retired:
-                try:
-                    hand_over([(d, *known[d], path) for d, path in retired if d in known])
-                except Exception as exc:  # the eviction goes on: its bytes are lost, counted
-                    self._counters.add("evict_handover_errors")
-                    log.warning("kv_file: handing evicted objects over failed: %s", exc)
-            for _, path in retired:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+        self._delete_retired(retired, victim_bytes)
+        return admitted
+
+    def _admit_handing_over(
+        self, sizes: list[int], touched: Sequence[int], deadline: float | None
+    ) -> int:
+        """:meth:`admit` for a store in front of another: each victim reaches the receiver
+        before it leaves this store, so no crash can lose it.
+
+        Under the lock, the victims are chosen (marked as leaving, so no other write of this
+        process chooses them too) and the write's bytes reserved. Outside it, the victims are
+        handed over from their files, which are still in place (another process may read
+        them meanwhile, or evict them too: the receiver may get a block twice, never zero
+        times). Under the lock again, only the victims the receiver took are retired and
+        recorded as evicted; what it did not take (it failed, or ran out of time) stays, and
+        the write keeps only the leading run that still fits: a full store with nowhere to
+        put its victims refuses writes rather than lose blocks.
+        """
+        hand_over = self.hand_over
+        assert hand_over is not None
+        with self._exclusive():
+            victims, admitted = self.index.plan_admission(
+                self.journal.reserved(), sizes, self._leaving
+            )
+            self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in touched])
+            self.journal.reserve(sum(sizes[:admitted]))
+            if not victims:
+                return admitted
+            known = {
+                d: (e.name, e.size) for d in victims if (e := self.index.lru.get(d)) is not None
+            }
+            self._leaving.update(victims)
+        taken: set[int] = set()
+        try:
+            offered = [(d, *known[d], self._dir.object_path(d)) for d in victims if d in known]
+            taken = hand_over(offered, deadline)
+        except Exception as exc:  # nothing leaves: the write takes what fits without it
+            self._counters.add("evict_handover_errors")
+            log.warning("kv_file: handing evicted objects over failed: %s", exc)
+        retired: list[tuple[int, str]] = []
+        victim_bytes = 0
+        with self._exclusive():
+            self._leaving.difference_update(victims)
+            leave = [d for d in victims if d in taken and self.index.size_of(d) is not None]
+            if leave:
+                victim_bytes = sum(self.index.size_of(d) or 0 for d in leave)
+                retired = self._retire_files(leave)
+                self.evictions += len(leave)
+                self._commit([Record(Kind.EVICTED, d, origin=self.token) for d in leave])
+                self.journal.reserve(victim_bytes)
+            kept = len(victims) - len(leave)
+            if kept:
+                self._counters.add("evict_kept_not_handed_over", kept)
+                over = self.index.files_bytes + self.journal.reserved() - self.index.capacity
+                while admitted and over > 0:
+                    admitted -= 1
+                    over -= sizes[admitted]
+                    self.journal.reserve(-sizes[admitted])
+        self._delete_retired(retired, victim_bytes)
+        return admitted
+
+    def _delete_retired(self, retired: list[tuple[int, str]], victim_bytes: int) -> None:
+        """Delete evicted objects' retired files (outside the lock) and give their bytes back."""
+        for _, path in retired:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if victim_bytes:
             with self.journal.mutex:  # given back by the next locked section of this process
                 self._unreserve += victim_bytes
-        return admitted
 
     def stored(self, files: Sequence[tuple[int, int, bytes | None]]) -> set[int]:
         """Written files ``(digest, size, name)`` are in place: their reservations become

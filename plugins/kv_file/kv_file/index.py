@@ -16,10 +16,28 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Entry", "Index"]
+from kvcore.keys import parse_object_name
+
+__all__ = ["Entry", "Index", "block_of"]
+
+
+def block_of(name: str | None) -> str | None:
+    """The block an object belongs to, for names kvcore built (its name without the part):
+    the objects of one block (K and V, scales) are evicted together, since a block missing one
+    part is no block. None for other names (and unknown ones): such an object is its own unit.
+    """
+    if name is None:
+        return None
+    fields = parse_object_name(name)
+    if fields is None:
+        return None
+    return (
+        f"{fields.namespace}/{fields.block_key}/r{fields.rank}of{fields.world_size}/"
+        f"w{fields.weight_version}"
+    )
 
 
 @dataclass(slots=True)
@@ -28,6 +46,7 @@ class Entry:
     name: str | None = None  # learned on first use; None for files found by a scan
     stamp: int = 0  # when it was indexed, so a scan that started earlier cannot drop it
     logged_touch: float = 0.0  # when this process last put a read of it in the journal
+    block: str | None = None  # see block_of
 
 
 class Index:
@@ -40,6 +59,7 @@ class Index:
         self.lock = threading.Lock()
         self.lru: OrderedDict[int, Entry] = OrderedDict()  # oldest first
         self.by_name: dict[str, int] = {}
+        self.blocks: dict[str, set[int]] = {}  # block_of(name) -> the digests of its parts
         self.files_bytes = 0  # bytes of the indexed files
         self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit here
         self._stamps = itertools.count(1)
@@ -83,6 +103,7 @@ class Index:
             if digest is not None:
                 entry = self.lru.get(digest)
                 if entry is not None and entry.name == name:
+                    self._unblock(digest, entry)
                     entry.name = None
 
     def named(self) -> list[tuple[int, str]]:
@@ -107,14 +128,15 @@ class Index:
             old = self.lru.pop(digest, None)
             if old is not None:  # replaced in place (a concurrent writer of the same name)
                 self.files_bytes -= old.size
+                self._unblock(digest, old)
                 if old.name is not None and old.name != name:
                     self.by_name.pop(old.name, None)
                 if name is None:
                     name = old.name
-            self.lru[digest] = Entry(size, name, self.stamp())
+            entry = self.lru[digest] = Entry(size, None, self.stamp())
             self.files_bytes += size
             if name is not None:
-                self.by_name[name] = digest
+                self._name(entry, digest, name)
             if pin:
                 self._pinned[digest] += 1
             return old
@@ -127,6 +149,7 @@ class Index:
                 return None
             self.touched.pop(digest, None)
             self.files_bytes -= entry.size
+            self._unblock(digest, entry)
             if entry.name is not None:
                 self.by_name.pop(entry.name, None)
             return entry
@@ -155,6 +178,7 @@ class Index:
             old = list(self.lru.items())
             self.lru.clear()
             self.by_name.clear()
+            self.blocks.clear()
             self.touched.clear()
             self.files_bytes = 0
             return old
@@ -185,40 +209,72 @@ class Index:
                 else:
                     del self._pinned[digest]
 
-    def plan_admission(self, in_flight: int, sizes: list[int]) -> tuple[list[int], int]:
+    def plan_admission(
+        self, in_flight: int, sizes: list[int], leaving: frozenset[int] | set[int] = frozenset()
+    ) -> tuple[list[int], int]:
         """What admitting writes of ``sizes`` (in order) takes, with ``in_flight`` bytes
         reserved by writes already running: the LRU victims to evict first, and how many of
         the sizes fit then (a leading run).
 
         Eviction is as if the objects were written one by one: whenever the next one would
         pass the high watermark, LRU objects no write of this process holds (pinned) are
-        evicted down to the low watermark. Nothing changes here: the caller deletes the
-        victims' files, then records their eviction.
+        evicted down to the low watermark, a block's parts together (:func:`block_of`: a part
+        of a block some write holds keeps the whole block). ``leaving``: objects an eviction
+        of this process is handing over already (counted as gone). Nothing changes here: the
+        caller deletes the victims' files, then records their eviction.
         """
         with self.lock:
             projected = self.files_bytes + in_flight
             if projected + sum(sizes) <= self.high_bytes:
                 return [], len(sizes)
-            candidates = ((d, e.size) for d, e in self.lru.items() if d not in self._pinned)
+            projected -= sum(self.lru[d].size for d in leaving if d in self.lru)
+            candidates = self._eviction_units(leaving)
             victims: list[int] = []
             admitted = 0
             for size in sizes:
                 if projected + size > self.high_bytes:
                     while projected + size > self.low_bytes:
-                        victim = next(candidates, None)
-                        if victim is None:
+                        unit = next(candidates, None)
+                        if unit is None:
                             break
-                        victims.append(victim[0])
-                        projected -= victim[1]
+                        victims += unit
+                        projected -= sum(self.lru[d].size for d in unit)
                 if projected + size > self.capacity:
                     break  # this one will not be admitted, nor any after it
                 projected += size
                 admitted += 1
             return victims, admitted
 
+    def _eviction_units(self, leaving: frozenset[int] | set[int]) -> Iterator[list[int]]:
+        """Unpinned objects in LRU order, each with the other parts of its block (lock held)."""
+        seen = set(leaving)
+        pinned = self._pinned
+        for digest, entry in self.lru.items():
+            if digest in seen:
+                continue
+            unit = [digest]
+            if entry.block is not None:
+                unit = sorted(self.blocks.get(entry.block, ()), key=lambda d: d != digest)
+            seen.update(unit)
+            if not any(d in pinned for d in unit):
+                yield unit
+
     def _name(self, entry: Entry, digest: int, name: str) -> None:
         entry.name = name
         self.by_name[name] = digest
+        entry.block = block_of(name)
+        if entry.block is not None:
+            self.blocks.setdefault(entry.block, set()).add(digest)
+
+    def _unblock(self, digest: int, entry: Entry) -> None:
+        if entry.block is None:
+            return
+        siblings = self.blocks.get(entry.block)
+        if siblings is not None:
+            siblings.discard(digest)
+            if not siblings:
+                del self.blocks[entry.block]
+        entry.block = None
 
     def __len__(self) -> int:
         return len(self.lru)

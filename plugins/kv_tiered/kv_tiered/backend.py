@@ -25,14 +25,17 @@ background copies run in :mod:`kv_tiered.mover`. The stack declares what every t
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import kvcore
+from kv_tiered.bounded import BoundedCalls, Missed
+from kv_tiered.buffers import private_copy
 from kv_tiered.config import TieredConfig
 from kv_tiered.evictions import EvictionHandDown
 from kv_tiered.mover import Copy, Mover
 from kv_tiered.peers import PeerChanges
 from kv_tiered.tiers import Tiers
-from kvcore import BlockRequest, Outcome
+from kvcore import BlockRequest, HostBuffers, Outcome
 
 __all__ = ["TieredBackend"]
 
@@ -77,20 +80,22 @@ class TieredBackend:
             counters=self._counters,
         )
         self._write_through = config.write_policy == "write-through"
-        self._evictions: EvictionHandDown | None = None
-        if not self._write_through:
-            try:
-                self._evictions = EvictionHandDown(
-                    self.tiers,
-                    self._counters,
-                    max_pending=config.backlog_blocks,
-                    timeout_s=config.lower_timeout_s,
-                )
-            except BaseException:
-                self._mover.close(0)
-                self._peers.close()
-                self.tiers.close()
-                raise
+        #: calls into each tier on a caller's path that return by its deadline (tier 0 is
+        #: called directly: its own deadline handling is what the caller asked for)
+        self._calls = [BoundedCalls(f"tier{i}") for i in range(len(self.tiers))]
+        try:
+            self._evictions = EvictionHandDown(
+                self.tiers,
+                self._calls,
+                self._counters,
+                timeout_s=config.lower_timeout_s,
+                required=not self._write_through,
+            )
+        except BaseException:
+            self._mover.close(0)
+            self._peers.close()
+            self.tiers.close()
+            raise
         log.info(
             "kv_tiered stack: %s, %s",
             " > ".join(t.name for t in self.tiers),
@@ -109,7 +114,7 @@ class TieredBackend:
             if found >= n:
                 break
             part = request.slice(found, n)
-            got = self.tiers.store(i, part).query(part)
+            got = self._call(i, "query", part, None)
             self._peers.after(i)
             failed += self._failed(i, "query", got)
             found += self._peers.not_removed(i, part, int(got))
@@ -146,7 +151,9 @@ class TieredBackend:
         n = request.num_blocks
         self._peers.stored_again(request)
         for i in range(len(self.tiers)):
-            got = self.tiers.store(i, request).write(request)
+            if i and request.expired():
+                break
+            got = self._call(i, "write", request, request.host)
             if got.failure is not None and got < n:
                 self._failed(i, "write", got)
                 continue  # this tier cannot take it now: the next one acknowledges
@@ -155,7 +162,7 @@ class TieredBackend:
             if got and below and self._write_through:
                 self._mover.submit(Copy("lower", i, below, request.slice(0, got), None))
             return int(got)
-        return Outcome(0, f"every tier failed to write ({len(self.tiers)} tiers)")
+        return Outcome(0, f"no tier stored the blocks by the deadline ({len(self.tiers)} tiers)")
 
     @kvcore.hookimpl
     def kvcore_admit(self, request: BlockRequest) -> int:
@@ -213,11 +220,12 @@ class TieredBackend:
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:
-        if self._evictions is not None:  # nothing handed down after the mover stops
-            self._evictions.detach()
+        self._evictions.detach()  # evictions while closing are plain ones
         self._peers.close()
         if not self._mover.close(self.config.lower_timeout_s):
             log.warning("kv_tiered: background copies still queued at close were dropped")
+        for calls in self._calls:
+            calls.close()
         self.tiers.close()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -225,6 +233,27 @@ class TieredBackend:
         return self._mover.drain(timeout_s)
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def _call(self, i: int, op: str, request: BlockRequest, host: HostBuffers | None) -> Outcome:
+        """``op`` (query or write) on tier ``i``; below the first tier, bounded by the
+        request's deadline (:mod:`kv_tiered.bounded`): a write then goes from a copy of the
+        caller's buffers, which an abandoned write may still read after the caller returned."""
+        if i == 0:
+            store = self.tiers.store(i, request)
+            return store.query(request) if op == "query" else store.write(request)
+        buffers = None
+        if host is not None:
+            host, buffers = private_copy(host)
+            request = replace(request, host=host)
+        store = self.tiers.store(i, request)
+
+        def run() -> Outcome:
+            return store.query(request) if op == "query" else store.write(request)
+
+        try:
+            return self._calls[i].call(run, request.deadline, keep=buffers)
+        except Missed as exc:
+            return Outcome(0, str(exc))
 
     def _failed(self, tier: int, op: str, outcome: Outcome) -> int:
         """Count a tier's failure (1) or nothing (0); the tier logged it once itself."""

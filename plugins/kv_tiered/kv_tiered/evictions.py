@@ -1,55 +1,69 @@
-"""``write-back-on-evict``: each tier hands what it evicts to the tier below it.
+"""Evicted blocks handed to the tier below, before they leave the tier above.
 
-A tier that can (``kvcore_evict_to``: kv_file) calls back with each evicted object's verified
-bytes before it deletes them; the stack writes them to the tier below before that call
-returns, so a block is never in neither tier. Objects are written a block at a time (the tier
-below may keep a digest per block): a block whose parts are evicted in different calls waits,
-copied, for its last part (at most ``backlog_blocks`` such blocks; past that the oldest is
-dropped and counted).
+A tier that can (``kvcore_evict_to``: kv_file) offers the objects a write is about to evict,
+a block's parts together, still in place. The stack writes them to the tier below, by the
+evicting write's deadline (:mod:`kv_tiered.bounded`), and answers with the names the tier
+below stored: only those leave the tier above. So a block is never in neither tier: not
+while it moves, not after a crash at any point (until the tier below took it, the tier above
+still has it), not when the tier below is down or slow (the block stays, and the tier above
+takes only writes that fit without evicting it).
+
+``write-back-on-evict`` needs this of the first tier (nothing else ever reaches the others).
+``write-through`` uses it where a tier offers it: a block evicted before its background copy
+ran is written down by the eviction instead of being lost.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import time
-from collections import OrderedDict
+from collections.abc import Sequence
 
 import kvcore
+from kv_tiered.bounded import BoundedCalls, Missed
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers
+from kvcore.evictions import Objects
 from kvcore.keys import parse_object_name
 
 __all__ = ["EvictionHandDown"]
+
+log = logging.getLogger("kvcore.tiered")
 
 
 class EvictionHandDown:
     """Evictions of every tier but the last, written to the tier below (see the module
     docstring).
 
-    :raises kvcore.ConfigError: fewer than two tiers, or a first tier that cannot hand its
-        evictions over (nothing would ever reach the others).
+    :param required: the first tier must offer its evictions (``write-back-on-evict``).
+    :raises kvcore.ConfigError: ``required`` with fewer than two tiers, or with a first tier
+        that cannot offer its evictions.
     """
 
     def __init__(
-        self, tiers: Tiers, counters: kvcore.Counters, *, max_pending: int, timeout_s: float
+        self,
+        tiers: Tiers,
+        calls: Sequence[BoundedCalls],
+        counters: kvcore.Counters,
+        *,
+        timeout_s: float,
+        required: bool,
     ) -> None:
         self._tiers = tiers
+        self._calls = calls
         self._counters = counters
-        self._max_pending = max_pending
         self._timeout_s = timeout_s
         layout = tiers.context.layout
         self._layout_parts = layout.parts if layout is not None else ()
-        self._namespace = tiers.context.namespace
-        #: blocks some of whose parts were evicted, waiting for the rest
-        self._pending: OrderedDict[tuple, dict[str, tuple[str, bytes]]] = OrderedDict()
-        if len(tiers) < 2:
+        if required and len(tiers) < 2:
             raise kvcore.ConfigError(
                 "invalid config for backend 'tiered': write_policy 'write-back-on-evict' needs "
                 "at least two tiers"
             )
         for i, tier in enumerate(tiers[:-1]):
-            if not tier.evict_to(functools.partial(self._evicted, i)) and i == 0:
+            if not tier.evict_to(functools.partial(self._evicted, i)) and i == 0 and required:
                 raise kvcore.ConfigError(
                     f"invalid config for backend 'tiered': tiers[0] ({tier.name}) cannot hand "
                     "over what it evicts (kvcore_evict_to), which write_policy "
@@ -57,54 +71,89 @@ class EvictionHandDown:
                 )
 
     def detach(self) -> None:
-        """Stop handing evictions down (before the tiers close)."""
+        """Stop taking evictions (before the tiers close): they are then plain evictions."""
         for tier in self._tiers[:-1]:
             tier.evict_to(None)
 
-    def _evicted(self, tier: int, objects: list[tuple[str, memoryview]]) -> None:
-        ready: list[dict[str, tuple[str, bytes]]] = []
-        pending = self._pending
+    def _evicted(self, tier: int, objects: Objects, deadline: float | None) -> list[str]:
+        """The sink of tier ``tier``: write ``objects`` to the tier below by ``deadline``;
+        returns the names stored there."""
+        below = tier + 1
+        end = time.monotonic() + self._timeout_s
+        if deadline is not None:
+            end = min(end, deadline)
+        stored: list[str] = []
+        for request, buffers in self._requests(objects, end):
+            write = functools.partial(_write, self._tiers.store(below, request), request)
+            try:  # the buffers live while the write may run, abandoned or not
+                done = self._calls[below].call(write, end, keep=buffers)
+            except Missed:
+                self._counters.add(f"tier{below}_failures")
+                self._counters.add(f"tier{below}_failures_evicted_write")
+                done = 0
+            except Exception as exc:  # the tier's own failure (it logged it): nothing stored
+                log.debug("kv_tiered: writing evicted blocks to tiers[%d] failed: %s", below, exc)
+                done = 0
+            for names in request.object_names[:done]:
+                stored += names
+            self._counters.add("evicted_written_objects", done * len(request.parts))
+            kept = request.num_blocks - done
+            if kept:
+                self._counters.add("evicted_kept_objects", kept * len(request.parts))
+            if done < request.num_blocks and time.monotonic() >= end:
+                break
+        return stored
+
+    def _requests(
+        self, objects: Objects, deadline: float
+    ) -> list[tuple[BlockRequest, list[list[bytearray]]]]:
+        """One write request per set of parts: each block's objects as one row, in the
+        layout's part order, in buffers of their own (an abandoned write may still read
+        them after the eviction returned)."""
         layout_parts = self._layout_parts
+        blocks: dict[tuple, dict[str, tuple[str, memoryview]]] = {}
         for name, payload in objects:
             fields = parse_object_name(name)
-            if fields is None or fields.namespace != self._namespace:
-                ready.append({"": (name, bytes(payload))})  # not a block kvcore named: alone
+            if fields is None:  # not a name kvcore built: an object of its own
+                blocks[("", name)] = {"": (name, payload)}
                 continue
             key = (fields.block_key, fields.rank, fields.world_size, fields.weight_version)
-            parts = pending.setdefault(key, {})
-            parts[fields.part] = (name, bytes(payload))
-            if fields.part not in layout_parts or set(parts) >= set(layout_parts):
-                del pending[key]
-                ready.append(parts)
-        while len(pending) > self._max_pending:
-            _, dropped = pending.popitem(last=False)
-            self._counters.add("evicted_lost_objects", len(dropped))
-        for block in ready:
-            self._write(tier + 1, block)
+            blocks.setdefault(key, {})[fields.part] = (name, payload)
+        by_parts: dict[tuple[str, ...], list[tuple[str, dict[str, tuple[str, memoryview]]]]] = {}
+        for key, parts in blocks.items():
+            order = [p for p in layout_parts if p in parts]
+            if len(order) != len(parts):
+                order = sorted(parts)  # parts outside the layout: in a stable order
+            by_parts.setdefault(tuple(order), []).append((key[0], parts))
+        requests: list[tuple[BlockRequest, list[list[bytearray]]]] = []
+        for parts, rows in by_parts.items():
+            payloads = [[rows_parts[p][1] for p in parts] for _, rows_parts in rows]
+            sizes = tuple(len(v) for v in payloads[0])
+            if any(tuple(len(v) for v in row) != sizes for row in payloads):
+                for one in rows:  # blocks of other sizes: a request each
+                    requests += self._requests([one[1][p] for p in parts], deadline)
+                continue
+            buffers = [[bytearray(v) for v in row] for row in payloads]
+            requests.append((
+                BlockRequest(
+                    task_id="tiered-evicted",
+                    block_keys=tuple(k for k, _ in rows) if all(k for k, _ in rows) else (),
+                    object_names=tuple(tuple(r[p][0] for p in parts) for _, r in rows),
+                    parts=parts,
+                    deadline=deadline,
+                    host=HostBuffers(
+                        tuple(tuple(_address(b) for b in row) for row in buffers), sizes
+                    ),
+                    num_blocks=len(rows),
+                    part_nbytes=sizes,
+                ),
+                buffers,
+            ))  # fmt: skip
+        return requests
 
-    def _write(self, below: int, block: dict[str, tuple[str, bytes]]) -> None:
-        layout_parts = self._layout_parts
-        parts = [p for p in layout_parts if p in block] if set(block) <= set(layout_parts) else []
-        if len(parts) != len(block):
-            parts = list(block)  # parts outside the layout: a block of its own
-        names = tuple(block[p][0] for p in parts)
-        fields = parse_object_name(names[0])
-        buffers = [bytearray(block[p][1]) for p in parts]
-        sizes = tuple(len(b) for b in buffers)
-        request = BlockRequest(
-            task_id="tiered-evicted",
-            block_keys=(fields.block_key,) if fields is not None else (),
-            object_names=(names,),
-            parts=tuple(parts),
-            deadline=time.monotonic() + self._timeout_s,
-            host=HostBuffers((tuple(_address(b) for b in buffers),), sizes),
-            num_blocks=1,
-            part_nbytes=sizes,
-        )
-        done = int(self._tiers.store(below, request).write(request))
-        self._counters.add("evicted_written_objects", len(parts) * done)
-        if not done:
-            self._counters.add("evicted_lost_objects", len(parts))
+
+def _write(store: kvcore.Backend, request: BlockRequest) -> int:
+    return int(store.write(request))
 
 
 def _address(buffer: bytearray) -> int:

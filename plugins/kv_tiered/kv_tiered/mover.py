@@ -10,9 +10,7 @@ dropped and counted (a later miss in that tier, never an error).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import threading
 import time
 from collections import deque
@@ -21,14 +19,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import kvcore
-from kvcore import BlockRequest, HostBuffers
+from kv_tiered.buffers import own_buffers
+from kvcore import BlockRequest
 from kvcore.threads import start_thread
 
 __all__ = ["Copy", "Mover"]
 
 log = logging.getLogger("kvcore.tiered")
-
-_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -194,7 +191,7 @@ class Mover:
             self._counters.add(f"{kind}_failed_blocks", n)
             return
         deadline = copy.deadline if copy.deadline is not None else now + self._timeout_s
-        host, region = _buffers(n, sizes)  # the region lives until this copy returns
+        host, region = own_buffers(n, sizes)  # the region lives until this copy returns
         request = replace(copy.request, host=host, deadline=deadline)
         got = int(self._store(copy.source, request).read(request))
         if got < n:
@@ -224,14 +221,3 @@ class Mover:
             for target in copy.targets:
                 self._remove(target, gone)
             self._counters.add(f"{kind}_undone_blocks", got - still)
-
-
-def _buffers(blocks: int, sizes: Sequence[int]) -> tuple[HostBuffers, mmap.mmap]:
-    """Page-aligned regions for ``blocks`` objects of each part size (direct I/O takes them)."""
-    slots = [-(-s // _PAGE) * _PAGE for s in sizes]
-    stride = sum(slots)
-    region = mmap.mmap(-1, max(1, blocks * stride))
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    offsets = [sum(slots[:j]) for j in range(len(slots))]
-    ptrs = tuple(tuple(base + i * stride + o for o in offsets) for i in range(blocks))
-    return HostBuffers(ptrs, tuple(sizes)), region

@@ -1,0 +1,192 @@
+"""The stack's promises under faults: no acknowledged block is ever in neither tier (evicted
+a part at a time, a crash in the middle of a hand-over), and every write returns by its
+deadline whatever a lower tier does (its lock held by a peer, its Mooncake master killed or
+stopped)."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import kvcore
+from kvcore.keys import KeyScope, block_hashes
+from kvcore.testing import Harness, blocks_equal
+from kvcore.testing.harness import Sequence_
+
+
+def one_layer_layout() -> kvcore.CacheLayout:
+    """One layer, K and V of 4 KiB each: a block is two objects."""
+    return kvcore.CacheLayout(
+        num_layers=1, num_heads=8, block_size=16, head_dim=16, dtype="float16", num_blocks=64
+    )
+
+
+def open_wboe(tmp_path, layout: kvcore.CacheLayout, near: dict[str, Any], **config: Any):
+    tiers = [
+        {"backend": "file", "root": str(tmp_path / "t0"), "rescan_interval_s": 0, **near},
+        {"backend": "file", "root": str(tmp_path / "t1"), "rescan_interval_s": 0},
+    ]
+    return kvcore.open_backend(
+        "tiered",
+        {"tiers": tiers, "write_policy": "write-back-on-evict", **config},
+        context={"layout": layout},
+        strict=True,
+    )
+
+
+def test_a_blocks_parts_leave_the_upper_tier_together(tmp_path) -> None:
+    """Issue 36 #2: with ``low_watermark`` 0.9 a write evicted an odd number of objects, so
+    one part of a block went down while its sibling stayed: the block queried 0 in both."""
+    layout = one_layer_layout()
+    backend = open_wboe(tmp_path, layout, {"capacity_bytes": 262144, "low_watermark": 0.9})
+    h = Harness(backend, layout)
+    try:
+        seqs = []
+        for _ in range(120):
+            seq = h.new_sequence(1)
+            assert h.write(seq) == 1
+            seqs.append(seq)
+            missing = [i for i, s in enumerate(seqs) if h.query(s) != 1]
+            assert not missing, f"after {len(seqs)} writes, blocks {missing} are in no tier"
+        stats = backend.stats()
+        assert stats["backend_tier0_evictions"] > 0
+        assert stats["backend_evicted_written_objects"] == stats["backend_tier0_evictions"]
+        for seq in seqs:
+            done, got = h.read(seq)
+            assert done == 1 and blocks_equal(got, h.payload(seq, 0, 1)) == []
+    finally:
+        backend.close()
+
+
+_WRITER = textwrap.dedent(
+    """
+    import json, sys, time
+    import kvcore
+    from kvcore.keys import KeyScope, block_hashes
+    from kvcore.testing import Harness
+    from kvcore.testing.harness import Sequence_
+    config, layout = json.loads(sys.argv[1]), kvcore.CacheLayout(**json.loads(sys.argv[2]))
+    backend = kvcore.open_backend("tiered", config, context={"layout": layout})
+    h = Harness(backend, layout)
+    print("ready", flush=True)
+    for i in range(100000):
+        tokens = [i] * layout.block_size
+        seq = Sequence_(tokens, block_hashes(tokens, layout.block_size, KeyScope(namespace="w")))
+        t0 = time.monotonic()
+        done = h.write(seq, timeout_s=0.5)
+        print("acked" if done == 1 else "refused", i, round(time.monotonic() - t0, 4), flush=True)
+    """
+)
+
+
+def fixed_sequence(layout: kvcore.CacheLayout, i: int) -> Sequence_:
+    """Block ``i`` of the writer child (the same keys in every process)."""
+    tokens = [i] * layout.block_size
+    return Sequence_(tokens, block_hashes(tokens, layout.block_size, KeyScope(namespace="w")))
+
+
+def held_lock(root: str, layout: kvcore.CacheLayout) -> tuple[kvcore.Backend, Any]:
+    """A peer process's view of the kv_file store at ``root``, and its ledger lock (entered
+    by the caller): what a busy peer holds while it records its changes."""
+    peer = kvcore.open_backend("file", {"root": root, "rescan_interval_s": 0},
+                               context={"layout": layout})  # fmt: skip
+    return peer, peer.plugin._catalog.journal.locked()
+
+
+def test_a_writer_killed_while_handing_evictions_down_loses_no_acknowledged_block(
+    tmp_path,
+) -> None:
+    """Issue 36 #1: kv_file journaled its victims as evicted and renamed them away before the
+    stack wrote them down; a writer killed in between (here: waiting for the lower tier's
+    lock, which a peer holds) lost them. Now a victim leaves only once the tier below has it."""
+    import json
+
+    layout = one_layer_layout()
+    config = {
+        "tiers": [
+            {"backend": "file", "root": str(tmp_path / "t0"), "capacity_bytes": 131072,
+             "rescan_interval_s": 0},
+            {"backend": "file", "root": str(tmp_path / "t1"), "rescan_interval_s": 0},
+        ],
+        "write_policy": "write-back-on-evict",
+    }  # fmt: skip
+    peer, lock = held_lock(str(tmp_path / "t1"), layout)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, json.dumps(config), layout.model_dump_json()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    acked: list[int] = []
+    refused = 0
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        with lock:  # the peer is busy: every hand-down to t1 waits past its deadline
+            # (before the fix the first evicting write hung here: killed after 3 s of silence)
+            while refused < 4 and select.select([child.stdout], [], [], 3.0)[0]:
+                what, i, _ = child.stdout.readline().split()
+                if what == "acked":
+                    acked.append(int(i))
+                else:
+                    refused += 1
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        peer.close()
+    assert len(acked) >= 6, f"{len(acked)} blocks acknowledged before the kill"
+    after = kvcore.open_backend("tiered", config, context={"layout": layout}, strict=True)
+    h = Harness(after, layout)
+    try:
+        lost = [i for i in acked if h.query(fixed_sequence(layout, i)) != 1]
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged blocks in neither tier: {lost}"
+        for i in acked:
+            seq = fixed_sequence(layout, i)
+            done, got = h.read(seq)
+            assert done == 1 and blocks_equal(got, h.payload(seq, 0, 1)) == []
+    finally:
+        after.close()
+
+
+def test_writes_return_by_their_deadline_while_a_peer_holds_the_lower_tiers_lock(
+    tmp_path,
+) -> None:
+    """Issue 36 #3: a write that evicts waited for the lower tier as long as its lock was
+    held. Now it returns by its deadline, keeping what it could not hand down."""
+    layout = one_layer_layout()
+    backend = open_wboe(tmp_path, layout, {"capacity_bytes": 131072})
+    h = Harness(backend, layout)
+    peer, lock = held_lock(str(tmp_path / "t1"), layout)
+    timeout = 0.5
+    latencies = []
+    acked = []
+
+    def writes() -> None:
+        for _ in range(60):
+            seq = h.new_sequence(1)
+            t0 = time.monotonic()
+            if h.write(seq, timeout_s=timeout) == 1:
+                acked.append(seq)
+            latencies.append(time.monotonic() - t0)
+
+    try:
+        with lock:  # (before the fix a write that evicted waited for the lock: a hang)
+            writer = threading.Thread(target=writes, daemon=True)
+            writer.start()
+            writer.join(60 * (timeout + 0.1) + 10)
+            assert not writer.is_alive(), f"a write hung ({len(latencies)} returned)"
+        assert max(latencies) <= timeout + 0.1, f"slowest write {max(latencies):.3f} s"
+        assert sum(lat > timeout / 2 for lat in latencies) >= 1, "no write needed the lower tier"
+        assert all(h.query(seq) == 1 for seq in acked)
+        stats = backend.stats()
+        assert stats["backend_tier1_failures"] >= 1
+    finally:
+        peer.close()
+        backend.close()
