@@ -25,6 +25,7 @@ background copies run in :mod:`kv_tiered.mover`. The stack declares what every t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import kvcore
@@ -34,10 +35,17 @@ from kv_tiered.config import TieredConfig
 from kv_tiered.evictions import EvictionHandDown
 from kv_tiered.mover import Copy, Mover
 from kv_tiered.peers import PeerChanges
+from kv_tiered.stack_events import StackEvictions
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers, Outcome
 
 __all__ = ["TieredBackend"]
+
+
+def host_of(request: BlockRequest, n: int) -> HostBuffers | None:
+    """The host buffers of ``request``'s first ``n`` blocks."""
+    return None if request.host is None else request.host.slice(0, n)
+
 
 log = logging.getLogger("kvcore.tiered")
 
@@ -73,13 +81,14 @@ class TieredBackend:
             self.tiers.store,
             self.tiers.remove_from,
             self.tiers.part_bytes,
-            self._peers.before_call,
+            self._peers,
             max_blocks=config.backlog_blocks,
             threads=config.mover_threads,
             timeout_s=config.lower_timeout_s,
             counters=self._counters,
         )
         self._write_through = config.write_policy == "write-through"
+        self._stack_events: StackEvictions | None = None
         #: calls into each tier on a caller's path that return by its deadline (tier 0 is
         #: called directly: its own deadline handling is what the caller asked for)
         self._calls = [BoundedCalls(f"tier{i}") for i in range(len(self.tiers))]
@@ -157,11 +166,21 @@ class TieredBackend:
             if got.failure is not None and got < n:
                 self._failed(i, "write", got)
                 continue  # this tier cannot take it now: the next one acknowledges
-            self._counters.add(f"tier{i}_written_blocks", int(got))
+            done = int(got)
+            self._counters.add(f"tier{i}_written_blocks", done)
             below = tuple(range(i + 1, len(self.tiers)))
-            if got and below and self._write_through:
-                self._mover.submit(Copy("lower", i, below, request.slice(0, got), None))
-            return int(got)
+            if done and below and self._write_through:
+                durable = self._durable_below(i)
+                if durable is not None:  # acknowledged once it would survive a crash
+                    done = self._write_durably(
+                        durable, request.slice(0, done, host=host_of(request, done))
+                    )
+                    below = tuple(t for t in below if t != durable)
+                if done and below:
+                    self._mover.submit(Copy("lower", i, below, request.slice(0, done), None))
+            if self._stack_events is not None:
+                self._stack_events.pump()
+            return done
         return Outcome(0, f"no tier stored the blocks by the deadline ({len(self.tiers)} tiers)")
 
     @kvcore.hookimpl
@@ -219,7 +238,20 @@ class TieredBackend:
         return out
 
     @kvcore.hookimpl
+    def kvcore_watch(self, report: Callable[..., None] | None) -> set[str] | None:
+        """Report blocks leaving the stack for capacity (:mod:`kv_tiered.stack_events`);
+        kvcore publishes the stack's own writes, removals and clears."""
+        if self._stack_events is not None:
+            self._stack_events.close()
+            self._stack_events = None
+        if report is not None:
+            self._stack_events = StackEvictions(self.tiers, report, self.config.default_timeout_s)
+        return None
+
+    @kvcore.hookimpl
     def kvcore_close(self) -> None:
+        if self._stack_events is not None:
+            self._stack_events.close()
         self._evictions.detach()  # evictions while closing are plain ones
         self._peers.close()
         if not self._mover.close(self.config.lower_timeout_s):
@@ -229,10 +261,31 @@ class TieredBackend:
         self.tiers.close()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued background copy ran (tests, benchmarks, shutdown)."""
-        return self._mover.drain(timeout_s)
+        """Wait until every queued background copy ran, and report the evictions made so far
+        on the event stream (tests, benchmarks, shutdown)."""
+        drained = self._mover.drain(timeout_s)
+        if self._stack_events is not None:
+            self._stack_events.pump()
+        return drained
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def _durable_below(self, i: int) -> int | None:
+        """For a persistent stack whose tier ``i`` is not: the first persistent tier below it,
+        which a write-through write reaches before it is acknowledged (else a crash would
+        lose what only tier ``i`` held). None where tier ``i`` is persistent itself."""
+        if self.tiers[i].capabilities.persistent or not self.capabilities.persistent:
+            return None
+        return next(
+            j for j in range(i + 1, len(self.tiers)) if self.tiers[j].capabilities.persistent
+        )
+
+    def _write_durably(self, j: int, request: BlockRequest) -> int:
+        """Write ``request`` to tier ``j`` by its deadline; the leading blocks it stored."""
+        got = self._call(j, "write", request, request.host)
+        self._failed(j, "write", got)
+        self._counters.add(f"tier{j}_written_blocks", int(got))
+        return int(got)
 
     def _call(self, i: int, op: str, request: BlockRequest, host: HostBuffers | None) -> Outcome:
         """``op`` (query or write) on tier ``i``; below the first tier, bounded by the

@@ -20,6 +20,7 @@ from typing import Any
 
 import kvcore
 from kv_tiered.buffers import own_buffers
+from kv_tiered.peers import PeerChanges
 from kvcore import BlockRequest
 from kvcore.threads import start_thread
 
@@ -52,9 +53,8 @@ class Mover:
     :param store: what reads and writes tier ``i`` for a request (the tier, or it with block
         digests beside).
     :param part_bytes: bytes of each part of a request's objects.
-    :param apply_peer_changes: brings the tiers up to what other processes changed (their
-        removals and clears reach this process's private tiers); called after a copy is
-        written and before it is checked against its source.
+    :param peers: what other processes sharing the tiers changed: applied after a copy is
+        written and before it is checked against what they removed meanwhile.
     """
 
     def __init__(
@@ -62,7 +62,7 @@ class Mover:
         store: Callable[[int, BlockRequest], Any],
         remove: Callable[[int, BlockRequest], Any],
         part_bytes: Callable[[BlockRequest], Sequence[int] | None],
-        apply_peer_changes: Callable[[], None] = lambda: None,
+        peers: PeerChanges,
         *,
         max_blocks: int,
         threads: int,
@@ -72,7 +72,7 @@ class Mover:
         self._store = store  # tier index, request -> what reads and writes that tier
         self._remove = remove  # tier index, request -> removes its blocks (and digests)
         self._part_bytes = part_bytes
-        self._apply_peer_changes = apply_peer_changes
+        self._peers = peers
         self._max_blocks = max_blocks
         self._timeout_s = timeout_s
         self._counters = counters
@@ -191,6 +191,7 @@ class Mover:
             self._counters.add(f"{kind}_failed_blocks", n)
             return
         deadline = copy.deadline if copy.deadline is not None else now + self._timeout_s
+        mark = self._peers.removal_mark()  # before the read: removals from here on count
         host, region = own_buffers(n, sizes)  # the region lives until this copy returns
         request = replace(copy.request, host=host, deadline=deadline)
         got = int(self._store(copy.source, request).read(request))
@@ -207,17 +208,34 @@ class Mover:
         del region
         # A block removed from the source while it was being copied (by another process
         # sharing the tiers) must not live on in the targets: whoever removed it may already
-        # have removed it there. So the copies of blocks the source no longer holds are
-        # removed again (an eviction in the source meanwhile costs that block's lower copy: a
-        # later miss, never a block that was removed coming back). A private source (this
-        # process's memory) learns that a peer removed a block from a shared tier (by a
-        # removal or a clear) only when the peers' changes are applied: applied here, after
-        # the write, so such a removal made while this copy was queued or running is never
-        # undone by the copy landing after it.
-        self._apply_peer_changes()
-        still = int(self._store(copy.source, part).query(part))
-        if still < got:
-            gone = part.slice(still, got)
+        # have removed it there. Peers' removals are applied first (a private source learns
+        # of a removal from a shared tier only then), so one made while this copy was queued
+        # or running is never undone by the copy landing after it. Where the stack sees every
+        # removal of the source's blocks by peers, exactly the copies of removed blocks are
+        # undone: a block the source merely evicted meanwhile keeps its copy (the copy is
+        # what keeps it). Elsewhere (a Mooncake source reports no peer's changes), the copies
+        # of blocks the source no longer holds are undone, evicted or removed alike.
+        self._peers.catch_up()
+        if self._peers.sees_removals(copy.source):
+            removed = self._peers.removed_since(mark)
+            rows = part.object_names
+            gone = [i for i in range(got) if removed is None or not removed.isdisjoint(rows[i])]
+        else:
+            still = int(self._store(copy.source, part).query(part))
+            gone = list(range(still, got))
+        if gone:
+            undo = _rows(part, gone)
             for target in copy.targets:
-                self._remove(target, gone)
-            self._counters.add(f"{kind}_undone_blocks", got - still)
+                self._remove(target, undo)
+            self._counters.add(f"{kind}_undone_blocks", len(gone))
+
+
+def _rows(request: BlockRequest, rows: list[int]) -> BlockRequest:
+    """``request`` with only the blocks ``rows`` (names only, no buffers)."""
+    return replace(
+        request,
+        block_keys=tuple(request.block_keys[i] for i in rows) if request.block_keys else (),
+        object_names=tuple(request.object_names[i] for i in rows),
+        num_blocks=len(rows),
+        host=None,
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import kvcore
 from kv_tiered.tiers import Tiers
@@ -44,11 +44,22 @@ class PeerChanges:
         caps = [t.capabilities for t in tiers]
         #: (tier, subscription, whether a private tier is above it)
         self._followed: list[tuple[int, ev.Subscription, bool]] = []
+        #: tiers whose peers' removals this stack sees: private ones (no peers), and shared
+        #: ones that report every change of theirs, whoever makes it (kv_file)
+        self._seen = {j for j, c in enumerate(caps) if not c.shared}
         for j, tier in enumerate(tiers):
             private_above = any(not caps[i].shared for i in range(j))
-            if caps[j].shared and (private_above or j < len(tiers) - 1):
+            watches = tier.implements("kvcore_watch")
+            if caps[j].shared and (private_above or j < len(tiers) - 1 or watches):
                 sub = tier.events.subscribe(FOLLOW_QUEUE_OBJECTS)
                 self._followed.append((j, sub, private_above))
+                if watches:
+                    self._seen.add(j)
+        #: peers' removals as they were applied: (sequence number, object names; None for a
+        #: clear), the newest FOLLOW_QUEUE_OBJECTS names' worth (see :meth:`removed_since`)
+        self._removals: deque[tuple[int, frozenset[str] | None]] = deque()
+        self._removal_names = 0
+        self._removal_seq = 0
         #: first-part names of blocks peers removed from a followed tier with tiers below
         self._removed: OrderedDict[str, None] = OrderedDict()
         #: held while news is taken and applied, and while ``_removed`` is read or changed
@@ -61,6 +72,14 @@ class PeerChanges:
             if private_above:
                 tier = self._tiers[j]
                 tier.query(tier.request("tiered-follow", ()))
+            self._take(j, sub)
+
+    def catch_up(self) -> None:
+        """Every followed tier applies what its peers did (an empty query each), and this
+        stack takes it: a removal a peer made before now is in :meth:`removed_since`."""
+        for j, sub, _ in self._followed:
+            tier = self._tiers[j]
+            tier.query(tier.request("tiered-follow", ()))
             self._take(j, sub)
 
     def after(self, i: int) -> None:
@@ -85,12 +104,45 @@ class PeerChanges:
             self._counters.add("removed_by_peers_hidden_blocks", run - first)
         return first
 
+    def sees_removals(self, i: int) -> bool:
+        """Whether every removal of tier ``i``'s blocks by a peer reaches this stack."""
+        return i in self._seen
+
+    def removal_mark(self) -> int:
+        """A point in the removals seen so far (for :meth:`removed_since`)."""
+        with self._lock:
+            return self._removal_seq
+
+    def removed_since(self, mark: int) -> frozenset[str] | None:
+        """Object names peers removed since ``mark``; None when that is not known name by
+        name (a clear, a resync, or more removals than are kept): anything may be gone."""
+        with self._lock:
+            if self._removals and self._removals[0][0] > mark + 1:
+                return None  # the oldest removals since the mark were dropped
+            names: set[str] = set()
+            for seq, removed in reversed(self._removals):
+                if seq <= mark:
+                    break
+                if removed is None:
+                    return None
+                names |= removed
+            return frozenset(names)
+
     def stored_again(self, request: BlockRequest) -> None:
         """This stack stores ``request``'s blocks: their copies are good again."""
         if self._removed:
             with self._lock:
                 for names in request.object_names:
                     self._removed.pop(names[0], None)
+
+    def _log_removal(self, names: frozenset[str] | None) -> None:
+        """Record peers' removals (lock held)."""
+        self._removal_seq += 1
+        self._removals.append((self._removal_seq, names))
+        self._removal_names += len(names or ()) + 1
+        while self._removal_names > FOLLOW_QUEUE_OBJECTS and len(self._removals) > 1:
+            _, dropped = self._removals.popleft()
+            self._removal_names -= len(dropped or ()) + 1
 
     def close(self) -> None:
         for _, sub, _ in self._followed:
@@ -126,6 +178,8 @@ class PeerChanges:
                     removed.pop(name, None)
         while len(removed) > FOLLOW_QUEUE_OBJECTS:
             removed.popitem(last=False)
+        if wipe or gone:
+            self._log_removal(None if wipe else frozenset(n for v in gone.values() for n in v))
         for tier in private:
             if wipe:
                 tier.clear()

@@ -14,9 +14,11 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 import kvcore
 from kvcore.keys import KeyScope, block_hashes
-from kvcore.testing import Harness, blocks_equal
+from kvcore.testing import Harness, blocks_equal, small_layout
 from kvcore.testing.harness import Sequence_
 
 
@@ -189,4 +191,81 @@ def test_writes_return_by_their_deadline_while_a_peer_holds_the_lower_tiers_lock
         assert stats["backend_tier1_failures"] >= 1
     finally:
         peer.close()
+        backend.close()
+
+
+def test_write_through_keeps_every_acknowledged_block_when_the_first_tier_evicts(
+    tmp_path,
+) -> None:
+    """Issue 36 #4: file (512 KiB) over file, 200 blocks written 8 per call, then flush():
+    only 149 were readable. Copies found their source evicted already, and copies already
+    landed were undone because the source evicted it afterwards (the undo check could not
+    tell an eviction from a removal). Now evictions hand blocks down, and only blocks peers
+    removed are undone."""
+    layout = small_layout()
+    tiers = [
+        {"backend": "file", "root": str(tmp_path / "t0"), "capacity_bytes": 512 << 10,
+         "rescan_interval_s": 0},
+        {"backend": "file", "root": str(tmp_path / "t1"), "capacity_bytes": 8 << 30,
+         "rescan_interval_s": 0},
+    ]  # fmt: skip
+    backend = kvcore.open_backend(
+        "tiered", {"tiers": tiers}, context={"layout": layout}, strict=True
+    )
+    h = Harness(backend, layout)
+    try:
+        seqs = [h.new_sequence(8) for _ in range(25)]
+        for seq in seqs:
+            assert h.write(seq) == 8
+        assert backend.plugin.flush(30)
+        stats = backend.stats()
+        assert stats["backend_tier0_evictions"] > 0, "the first tier never evicted"
+        readable = 0
+        for seq in seqs:
+            done, got = h.read(seq)
+            assert blocks_equal(got[:done], h.payload(seq, 0, done)) == []
+            readable += done
+        assert readable == 200, f"{readable} of 200 acknowledged blocks readable; {stats}"
+        assert stats.get("backend_lower_undone_blocks", 0) == 0
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back-on-evict"])
+def test_an_index_built_from_the_stacks_events_holds_what_the_stack_holds(tmp_path, policy) -> None:
+    """Issue 36 #6: a stack reported no evictions: 400 blocks written, 71 kept, and an index
+    built from the stack's events listed all 400. Now a block that leaves the stack (its last
+    tier evicts it, no tier above holds it) is reported evicted."""
+    layout = one_layer_layout()
+    tiers = [
+        {"backend": "file", "root": str(tmp_path / "t0"), "capacity_bytes": 131072,
+         "rescan_interval_s": 0},
+        {"backend": "file", "root": str(tmp_path / "t1"), "capacity_bytes": 524288,
+         "rescan_interval_s": 0},
+    ]  # fmt: skip
+    backend = kvcore.open_backend(
+        "tiered",
+        {"tiers": tiers, "write_policy": policy},
+        context={"layout": layout},
+        strict=True,
+    )
+    h = Harness(backend, layout)
+    try:
+        with backend.events.subscribe() as sub:
+            seqs = [h.new_sequence(1) for _ in range(400)]
+            for seq in seqs:
+                assert h.write(seq) == 1
+            assert backend.plugin.flush(30)  # copies done, evictions so far reported
+            index = kvcore.events.StoreIndex()
+            index.apply_all(sub.drain())
+            held = [bool(h.query(seq)) for seq in seqs]
+            told = [set(h.request(seq).object_names[0]) <= set(index.objects) for seq in seqs]
+            assert 0 < sum(held) < 400, sum(held)
+            wrong = [i for i in range(400) if held[i] != told[i]]
+            assert not wrong, (
+                f"{len(wrong)} of 400 blocks where the stack and its events disagree "
+                f"({sum(held)} held, {sum(told)} told)"
+            )
+            assert index.resyncs == 0
+    finally:
         backend.close()
