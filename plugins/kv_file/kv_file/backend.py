@@ -135,7 +135,9 @@ class FileBackend:
             counters=self._counters,
         )
         self._index = self._catalog.index
-        self._catalog.admit([0])  # the capacity may have been lowered: evict down to it
+        # A store over its capacity (it was lowered, or a crash left files) is brought down
+        # to it by the first write, rescan or kvcore_evict_to, not here: a stack that opens
+        # this store attaches its hand-over first, so what opening evicts is handed over too.
         self._admission = StoreAdmission(
             config.admission,
             self._index,
@@ -457,6 +459,7 @@ class FileBackend:
         :meth:`Catalog._admit_handing_over`)."""
         self._evict_sink = None if sink is None else sink_caller(sink)
         self._catalog.hand_over = None if sink is None else self._hand_over
+        self._catalog.admit([0])  # over the capacity since opening: down to it, handed over
         return True
 
     @kvcore.hookimpl

@@ -127,12 +127,16 @@ def test_accounting_and_recency_survive_a_restart(tmp_path) -> None:
     reopened.close()
 
 
-def test_lowered_capacity_evicts_at_open(tmp_path) -> None:
+def test_lowered_capacity_evicts_at_the_first_write(tmp_path) -> None:
+    # not at open: a stack hands what this store evicts to the tier below, and attaches that
+    # hand-over only once the store is open (kvcore_evict_to, which evicts down too)
     root = str(tmp_path / "s")
     store = open_store(root)
     assert write(store, [f"k{i}" for i in range(8)]) == 8
     store.close()
     small = open_store(root, capacity_bytes=3 * BLOCK)
+    assert query(small, [f"k{i}" for i in range(8)]) == 8, "opening evicted"
+    assert write(small, ["new"]) == 1
     assert disk_bytes(root) <= 3 * BLOCK
     assert small.stats()["backend_bytes_used"] == disk_bytes(root)
     small.close()
