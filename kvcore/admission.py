@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 __all__ = [
+    "BYTES_PER_ENTRY",
+    "MAX_IDS_PER_STRUCTURE",
     "POLICIES",
     "AdaptiveAdmission",
     "AdmissionPolicy",
@@ -50,9 +52,14 @@ __all__ = [
 PolicyName = Literal["all", "second-hit", "adaptive"]
 POLICIES: tuple[PolicyName, ...] = ("all", "second-hit", "adaptive")
 
-#: bytes one held id costs in CPython (an OrderedDict slot, its link and a small int), for
-#: the state size reported in stats: an estimate, measured with tracemalloc
-BYTES_PER_ENTRY = 100
+#: bytes one held id costs in CPython 3.11 (an OrderedDict slot, its link and a 64-bit int),
+#: measured as resident memory over a million random ids (155; dict tables grow in doublings)
+BYTES_PER_ENTRY = 160
+#: ids one structure of a policy (a doorkeeper, a miniature cache) holds at most, whatever the
+#: store's capacity: a 1 TiB store of small blocks would otherwise size its doorkeeper in
+#: billions of ids. A policy's state is at most ``MAX_IDS_PER_STRUCTURE * BYTES_PER_ENTRY``
+#: per structure (160 MiB; ``adaptive`` has up to four, the miniatures scaled by their sample)
+MAX_IDS_PER_STRUCTURE = 1 << 20
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd: multiplying by it permutes the 64-bit integers
@@ -151,11 +158,16 @@ class AdmitAll(AdmissionPolicy):
         return [True] * len(block_ids)
 
 
+def _bounded(ids: int) -> int:
+    """A structure's size in ids, between 1 and :data:`MAX_IDS_PER_STRUCTURE`."""
+    return min(max(1, int(ids)), MAX_IDS_PER_STRUCTURE)
+
+
 class Doorkeeper:
     """The ids offered recently, oldest first, at most ``limit`` of them (not thread-safe)."""
 
     def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
+        self.limit = _bounded(limit)
         self._ids: OrderedDict[int, None] = OrderedDict()
 
     def second_offer(self, block_id: int) -> bool:
@@ -171,7 +183,7 @@ class Doorkeeper:
         return False
 
     def shrink_to(self, limit: int) -> None:
-        self.limit = max(1, limit)
+        self.limit = _bounded(limit)
         while len(self._ids) > self.limit:
             self._ids.popitem(last=False)
 
@@ -207,7 +219,7 @@ class _MiniCache:
     """An LRU cache of sampled ids, with or without a doorkeeper, counting its hits."""
 
     def __init__(self, capacity: int, doorkeeper: Doorkeeper | None) -> None:
-        self.capacity = max(1, capacity)
+        self.capacity = _bounded(capacity)
         self.doorkeeper = doorkeeper
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.score = 0.0  # hits, decayed
@@ -225,7 +237,7 @@ class _MiniCache:
             lru.popitem(last=False)
 
     def resize(self, capacity: int, doorkeeper_limit: int) -> None:
-        self.capacity = max(1, capacity)
+        self.capacity = _bounded(capacity)
         while len(self.lru) > self.capacity:
             self.lru.popitem(last=False)
         if self.doorkeeper is not None:

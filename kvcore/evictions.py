@@ -1,12 +1,12 @@
 """The eviction hand-over contract (:func:`kvcore.hookspecs.kvcore_evict_to`) in one place.
 
 A store in front of another offers what it evicts to a *sink* before the objects leave it.
-Since 0.4 the sink is called as ``sink(objects, deadline)`` and returns the names it stored;
-the store evicts only those (the rest stay: nothing is lost when the receiver is down or
-slow). A sink written for 0.3 takes ``objects`` alone and returns None, which means it took
-everything: :func:`sink_caller` lets a backend call either kind the 0.4 way.
+The sink is called as ``sink(objects, deadline)`` and returns the names it stored; the store
+evicts only those (the rest stay: nothing is lost when the receiver is down or slow). A sink
+that takes ``objects`` alone and returns None (the hook's first draft) took everything:
+:func:`sink_caller` lets a backend call either kind one way.
 
-.. versionadded:: 0.4
+.. versionadded:: 0.3
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ EvictionSink = Callable[[Objects, float | None], Collection[str]]
 
 
 def sink_caller(sink: Callable[..., Collection[str] | None]) -> EvictionSink:
-    """``sink`` as a backend calls it since 0.4 (see the module docstring).
+    """``sink`` as a backend calls it (see the module docstring).
 
     A sink whose signature takes a second argument (or ``deadline``) gets the deadline, a
     ``time.monotonic()`` instant by which it should return (None: no deadline); a return of

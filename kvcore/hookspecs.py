@@ -184,9 +184,8 @@ def kvcore_evict_to(sink: Callable[..., Collection[str] | None] | None) -> bool:
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.3
-    .. versionchanged:: 0.4 objects are offered *before* they leave, with the write's
-       deadline, and only those the sink returns leave. A 0.3 sink (one argument, returning
-       None: all taken) is still called as before.
+       (a sink taking ``objects`` alone and returning None, as first drafted, is called that
+       way and taken to have stored everything)
     """
 
 

@@ -15,6 +15,7 @@ import kvcore
 from kvcore import hookimpl
 from kvcore.admission import (
     BYTES_PER_ENTRY,
+    MAX_IDS_PER_STRUCTURE,
     AdaptiveAdmission,
     AdmitAll,
     Doorkeeper,
@@ -136,6 +137,28 @@ def test_policies_memory_stays_bounded_whatever_the_traffic() -> None:
     assert adaptive.state_entries() <= 2 * capacity + mini + mini + 2 * mini
     stats = adaptive.stats()
     assert stats["admission_state_bytes"] == stats["admission_state_entries"] * BYTES_PER_ENTRY
+
+
+def test_a_huge_stores_admission_state_is_bounded_by_a_figure_that_holds_in_rss() -> None:
+    """Issue 36 #8: the state was ~174 B per id against the 100 B its figure assumed, and a
+    1 TiB store at doorkeeper 64 was bounded at ~3.9e9 ids on paper. Now each structure holds
+    at most MAX_IDS_PER_STRUCTURE ids, and the reported bytes are at least the RSS they take."""
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    capacity_blocks = (1 << 40) // (16 << 10)  # 1 TiB of 16 KiB blocks
+    policy = SecondHit(capacity_blocks, doorkeeper_factor=64)
+    rng = np.random.default_rng(7)
+    before = rss()
+    for _ in range(12):
+        policy.offer(rng.integers(0, 2**63, 100_000, dtype=np.int64).tolist())
+    grown = rss() - before
+    assert policy.state_entries() == MAX_IDS_PER_STRUCTURE
+    stated = policy.stats()["admission_state_bytes"]
+    assert stated == MAX_IDS_PER_STRUCTURE * BYTES_PER_ENTRY
+    assert grown <= stated * 1.1, f"{grown / 2**20:.0f} MiB resident for {stated / 2**20:.0f}"
 
 
 def test_the_sample_is_a_fixed_fraction_of_the_id_space() -> None:

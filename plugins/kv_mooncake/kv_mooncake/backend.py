@@ -4,8 +4,7 @@
 - Write: the same existence check first. It lets the write skip objects already stored
   (names are content-derived, and Mooncake keeps the old value on a repeated put anyway), and
   it fails at once when the master is down, where a put would stall for seconds. Then
-  ``batch_put_from`` for the rest, and one more existence check of what was put: a put that
-  answers 0 may have stored nothing (see ``_confirm``).
+  ``batch_put_from`` for the rest.
 - Read: ``batch_get_into``; its per-object answers (bytes read, or -704) give the leading run.
 - Segmented host buffers (an object in pieces, one per layer, in the engine's own cache
   blocks): ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, one piece
@@ -170,30 +169,9 @@ class MooncakeBackend:
             ok, code = self._transfer("write", [keys[i] for i in todo], objects.pick(todo), request)
             for i, good in zip(todo, ok, strict=True):
                 stored[i] = good
-            self._confirm([i for i in todo if stored[i]], keys, stored, request)
         done = leading_run(stored, parts)
         self._drops.stored(names[: done * parts])
         return _answer(done, code, objects.call("batch_put_from"))
-
-    def _confirm(
-        self, put: list[int], keys: list[str], stored: list[bool], request: BlockRequest
-    ) -> None:
-        """Objects ``put`` reported stored count only once the master says they exist.
-
-        A put of a key whose earlier put never finished (its client was killed mid-transfer)
-        answers 0, yet stores nothing, and the key is absent until the master discards that
-        put: seen on this machine after a SIGKILLed writer. A caller that moves a block here
-        and deletes its only other copy (a tier stack) would lose it.
-        """
-        if not put:
-            return
-        codes = self._master_call(self._store.batch_is_exist, [keys[i] for i in put], request)
-        if not isinstance(codes, list):
-            codes = [0] * len(put)
-        unconfirmed = [i for i, c in zip(put, codes, strict=True) if c != 1]
-        for i in unconfirmed:
-            stored[i] = False
-        self._counters.add("objects_put_unconfirmed", len(unconfirmed))
 
     @kvcore.hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:

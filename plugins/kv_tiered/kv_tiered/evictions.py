@@ -27,6 +27,7 @@ from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers
 from kvcore.evictions import Objects
 from kvcore.keys import parse_object_name
+from kvcore.transfer.integrity import VerifiedBlocks
 
 __all__ = ["EvictionHandDown"]
 
@@ -152,8 +153,15 @@ class EvictionHandDown:
         return requests
 
 
-def _write(store: kvcore.Backend, request: BlockRequest) -> int:
-    return int(store.write(request))
+def _write(store: kvcore.Backend | VerifiedBlocks, request: BlockRequest) -> int:
+    """Write ``request``, then count only the leading blocks the tier then finds: the tier
+    above deletes what this answers, so a write that answered success yet stored nothing
+    must not count (Mooncake, after a writer was killed in the middle of a put of the same
+    key, answers 0 to later puts and stores nothing until its master discards that put)."""
+    done = int(store.write(request))
+    if not done:
+        return 0
+    return min(done, int(store.query(request.slice(0, done))))
 
 
 def _address(buffer: bytearray) -> int:

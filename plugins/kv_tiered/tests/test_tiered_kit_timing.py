@@ -1,10 +1,9 @@
 """The kit on a stack whose write-through copies land late: what it asserts about another
 instance's blocks, it asserts only once another instance can see them.
 
-In a memory-over-file stack an acknowledged block is in this process's memory; the copy into
-the shared file tier follows in the background. One instance cannot clear another's private
-memory, so a clear is held to another rank's blocks once they are in the shared tier. CI
-once caught the kit asserting it earlier (the other rank's copy still queued under load):
+In a memory-over-file-over-file stack an acknowledged block is in this process's memory and
+the shared file tier; the copy into the far tier follows in the background. CI once caught the
+kit asserting about another rank's blocks before its copy landed (still queued under load):
 here that copy is made to lag on purpose, while every other copy lands before its write
 returns.
 """
@@ -41,7 +40,15 @@ def test_the_clear_test_waits_for_no_copy_and_asserts_nothing_unseen(
 
     monkeypatch.setattr(Mover, "submit", lagging_second)
     kit = BackendConformance()  # the kit's test, run here on one stack
-    config = {"tiers": [{"backend": "memory"}, {"backend": "file", "root": str(tmp_path / "s")}]}
+    # memory, then the shared file tier (written before a write is acknowledged: the first
+    # persistent tier), then another whose copies follow in the background
+    config = {
+        "tiers": [
+            {"backend": "memory"},
+            {"backend": "file", "root": str(tmp_path / "s")},
+            {"backend": "file", "root": str(tmp_path / "far")},
+        ]
+    }
     with harness_opener("tiered", config) as open_:
 
         def open_harness(layout: Any = None, *, config: Any = None, **context: Any) -> Harness:

@@ -85,7 +85,8 @@ def test_writes_that_evict_return_by_their_deadline_with_the_master_down(
     """Issue 36 #3: file (128 KiB) over Mooncake, write-back-on-evict, every write with a 1 s
     deadline: with the master SIGKILLed writes took up to 13.3 s, SIGSTOPped up to 9 s, and
     evicted objects were lost. Now: every write returns by its deadline + 0.1 s, and every
-    acknowledged block is in one tier or the other once the master is back."""
+    block acknowledged while the master was down is in one tier or the other once it is back
+    (with SIGSTOP, every block acknowledged at all)."""
     cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
     layout = small_layout()
     stack = kvcore.open_backend(
@@ -104,11 +105,12 @@ def test_writes_that_evict_return_by_their_deadline_with_the_master_down(
     timeout = 1.0
     acked, latencies = [], []
     try:
-        for _ in range(12):  # the near tier full, evicting into Mooncake
-            seq = h.new_sequence(1)
+        while not stack.stats().get("backend_evicted_written_objects"):
+            assert len(acked) < 500, "the near tier never evicted into Mooncake"
+            seq = h.new_sequence(1)  # filling the near tier until it evicts into Mooncake
             assert h.write(seq, timeout_s=timeout) == 1
             acked.append(seq)
-        assert stack.stats()["backend_evicted_written_objects"] > 0
+        before_fault = len(acked)
         getattr(cluster.master, fault)()
         until = time.monotonic() + 8
         while time.monotonic() < until:
@@ -117,10 +119,18 @@ def test_writes_that_evict_return_by_their_deadline_with_the_master_down(
             if h.write(seq, timeout_s=timeout) == 1:
                 acked.append(seq)
             latencies.append(time.monotonic() - t0)
+        print(
+            f"deadline {fault}: {len(latencies)} writes, p50 {sorted(latencies)[len(latencies) // 2]:.3f}"
+            f" s, p100 {max(latencies):.3f} s (deadline {timeout} s)"
+        )
         assert max(latencies) <= timeout + 0.1, (
             f"{fault}: slowest of {len(latencies)} writes took {max(latencies):.2f} s"
         )
         if fault == "kill":
+            # a restarted master knows no key of before (Mooncake keeps its metadata in the
+            # master's memory): what had moved there is gone with it. What the stack
+            # acknowledged while the master was dead never left the near tier.
+            acked = acked[before_fault:]
             cluster.master.start()
         else:
             cluster.master.resume()
