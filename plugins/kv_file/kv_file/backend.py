@@ -459,7 +459,8 @@ class FileBackend:
         :meth:`Catalog._admit_handing_over`)."""
         self._evict_sink = None if sink is None else sink_caller(sink)
         self._catalog.hand_over = None if sink is None else self._hand_over
-        self._catalog.admit([0])  # over the capacity since opening: down to it, handed over
+        if sink is not None:  # over the capacity since opening: down to it, handed over
+            self._catalog.admit([0])
         return True
 
     @kvcore.hookimpl
