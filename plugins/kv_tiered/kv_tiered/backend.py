@@ -24,13 +24,14 @@ background copies run in :mod:`kv_tiered.mover`. The stack declares what every t
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
 
 import kvcore
 from kv_tiered.bounded import BoundedCalls, Missed
-from kv_tiered.buffers import private_copy
+from kv_tiered.buffers import copy_into, own_buffers, private_copy
 from kv_tiered.config import TieredConfig
 from kv_tiered.evictions import EvictionHandDown
 from kv_tiered.mover import Copy, Mover
@@ -141,7 +142,7 @@ class TieredBackend:
             if done >= n or (i and request.expired()):
                 break
             part = request.slice(done, n, host=host.slice(done, n))
-            got = self.tiers.store(i, part).read(part)
+            got = self._call(i, "read", part, part.host)
             self._peers.after(i)
             failed += self._failed(i, "read", got)
             served = self._peers.not_removed(i, part, int(got))
@@ -288,25 +289,30 @@ class TieredBackend:
         return int(got)
 
     def _call(self, i: int, op: str, request: BlockRequest, host: HostBuffers | None) -> Outcome:
-        """``op`` (query or write) on tier ``i``; below the first tier, bounded by the
-        request's deadline (:mod:`kv_tiered.bounded`): a write then goes from a copy of the
-        caller's buffers, which an abandoned write may still read after the caller returned."""
+        """``op`` (query, read or write) on tier ``i``; below the first tier, bounded by the
+        request's deadline (:mod:`kv_tiered.bounded`). An abandoned call may still run after
+        the caller returned, so below the first tier a call never touches the caller's
+        buffers: a write goes from a copy of them, a read lands in buffers of the stack's own
+        and is copied into the caller's only if it returned in time."""
+        if op not in ("query", "read", "write"):
+            raise ValueError(f"no such tier call: {op!r}")
         if i == 0:
-            store = self.tiers.store(i, request)
-            return store.query(request) if op == "query" else store.write(request)
-        buffers = None
+            return getattr(self.tiers.store(i, request), op)(request)
+        own = None
         if host is not None:
-            host, buffers = private_copy(host)
-            request = replace(request, host=host)
-        store = self.tiers.store(i, request)
-
-        def run() -> Outcome:
-            return store.query(request) if op == "query" else store.write(request)
-
+            if op == "write":
+                copy, own = private_copy(host)
+            else:
+                copy, own = own_buffers(host.num_blocks, host.nbytes)
+            request = replace(request, host=copy)
+        run = functools.partial(getattr(self.tiers.store(i, request), op), request)
         try:
-            return self._calls[i].call(run, request.deadline, keep=buffers)
+            got = self._calls[i].call(run, request.deadline, keep=own)
         except Missed as exc:
             return Outcome(0, str(exc))
+        if op == "read" and host is not None and request.host is not None and int(got):
+            copy_into(request.host, host, int(got))
+        return got
 
     def _failed(self, tier: int, op: str, outcome: Outcome) -> int:
         """Count a tier's failure (1) or nothing (0); the tier logged it once itself."""

@@ -113,15 +113,26 @@ def test_writes_that_evict_return_by_their_deadline_with_the_master_down(
         before_fault = len(acked)
         getattr(cluster.master, fault)()
         until = time.monotonic() + 8
+        moved = acked[0]  # evicted first: in Mooncake only
+        read_latencies, wrong = [], 0
         while time.monotonic() < until:
             seq = h.new_sequence(1)
             t0 = time.monotonic()
             if h.write(seq, timeout_s=timeout) == 1:
                 acked.append(seq)
             latencies.append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            done, got = h.read(moved, timeout_s=timeout)
+            read_latencies.append(time.monotonic() - t0)
+            wrong += done == 1 and bool(blocks_equal(got, h.payload(moved, 0, 1)))
+        assert wrong == 0
+        assert max(read_latencies) <= timeout + 0.1, (
+            f"{fault}: slowest of {len(read_latencies)} reads took {max(read_latencies):.2f} s"
+        )
         print(
             f"deadline {fault}: {len(latencies)} writes, p50 {sorted(latencies)[len(latencies) // 2]:.3f}"
-            f" s, p100 {max(latencies):.3f} s (deadline {timeout} s)"
+            f" s, p100 {max(latencies):.3f} s; reads from Mooncake p100 {max(read_latencies):.3f}"
+            f" s (deadline {timeout} s)"
         )
         assert max(latencies) <= timeout + 0.1, (
             f"{fault}: slowest of {len(latencies)} writes took {max(latencies):.2f} s"
