@@ -220,14 +220,14 @@ class Index:
         pass the high watermark, LRU objects no write of this process holds (pinned) are
         evicted down to the low watermark, a block's parts together (:func:`block_of`: a part
         of a block some write holds keeps the whole block). ``leaving``: objects an eviction
-        of this process is handing over already (counted as gone). Nothing changes here: the
-        caller deletes the victims' files, then records their eviction.
+        of this process is handing over already: not chosen again, and still counted (the
+        receiver may not take them). Nothing changes here: the caller deletes the victims'
+        files, then records their eviction.
         """
         with self.lock:
             projected = self.files_bytes + in_flight
             if projected + sum(sizes) <= self.high_bytes:
                 return [], len(sizes)
-            projected -= sum(self.lru[d].size for d in leaving if d in self.lru)
             candidates = self._eviction_units(leaving)
             victims: list[int] = []
             admitted = 0
