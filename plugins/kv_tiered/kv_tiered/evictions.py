@@ -85,7 +85,18 @@ class EvictionHandDown:
             end = min(end, deadline)
         stored: list[str] = []
         for request, buffers in self._requests(objects, end):
-            write = functools.partial(_write, self._tiers.store(below, request), request)
+            store = self._tiers.store(below, request)
+            if isinstance(store, VerifiedBlocks) and not request.block_keys:
+                # names kvcore did not build in this namespace (an engine's own): the tier
+                # below keeps no checksums and their digests cannot be named, so they are not
+                # stored unverified there; they leave, as from a store without a tier below
+                for names in request.object_names:
+                    stored += names
+                self._counters.add(
+                    "evicted_unverifiable_objects", request.num_blocks * len(request.parts)
+                )
+                continue
+            write = functools.partial(_write, store, request)
             try:  # the buffers live while the write may run, abandoned or not
                 done = self._calls[below].call(write, end, keep=buffers)
             except Missed:
@@ -113,9 +124,10 @@ class EvictionHandDown:
         them after the eviction returned)."""
         layout_parts = self._layout_parts
         blocks: dict[tuple, dict[str, tuple[str, memoryview]]] = {}
+        namespace = self._tiers.context.namespace
         for name, payload in objects:
             fields = parse_object_name(name)
-            if fields is None:  # not a name kvcore built: an object of its own
+            if fields is None or fields.namespace != namespace:  # not kvcore's name here
                 blocks[("", name)] = {"": (name, payload)}
                 continue
             key = (fields.block_key, fields.rank, fields.world_size, fields.weight_version)

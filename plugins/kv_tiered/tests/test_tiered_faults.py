@@ -269,3 +269,40 @@ def test_an_index_built_from_the_stacks_events_holds_what_the_stack_holds(tmp_pa
             assert index.resyncs == 0
     finally:
         backend.close()
+
+
+def test_foreign_names_over_a_tier_without_checksums_leave_without_wedging_the_stack(
+    tmp_path,
+) -> None:
+    """Objects under names kvcore did not build (an engine's own, FastDeploy's) cannot get
+    block digests in a tier without checksums (memory, Mooncake): they are not stored there
+    unverified (never half-written), and they leave the first tier as evictions without a
+    tier below would, so the stack keeps taking writes."""
+    from dataclasses import replace
+
+    layout = one_layer_layout()
+    tiers = [
+        {"backend": "file", "root": str(tmp_path / "t0"), "capacity_bytes": 131072,
+         "rescan_interval_s": 0},
+        {"backend": "memory"},
+    ]  # fmt: skip
+    backend = kvcore.open_backend(
+        "tiered",
+        {"tiers": tiers, "write_policy": "write-back-on-evict"},
+        context={"layout": layout},
+        strict=True,
+    )
+    h = Harness(backend, layout)
+    try:
+        for i in range(60):
+            seq = h.new_sequence(1)
+            names = ((f"engine-own/{i}/k", f"engine-own/{i}/v"),)
+            request = replace(h.request(seq), object_names=names)
+            payload = h.payload(seq, 0, 1)
+            buffers = h._buffers_holding(payload)["host"]
+            assert backend.write(replace(request, host=buffers)) == 1, f"write {i} refused"
+        stats = backend.stats()
+        assert stats["backend_evicted_unverifiable_objects"] > 0
+        assert stats.get("backend_tier1_objects", 0) == 0
+    finally:
+        backend.close()
