@@ -136,8 +136,10 @@ class FileBackend:
         )
         self._index = self._catalog.index
         # A store over its capacity (it was lowered, or a crash left files) is brought down
-        # to it by the first write, rescan or kvcore_evict_to, not here: a stack that opens
-        # this store attaches its hand-over first, so what opening evicts is handed over too.
+        # to it by the first call, not here: a stack that opens this store attaches its
+        # hand-over (kvcore_evict_to) before anything else, and what that first eviction
+        # takes must be handed over too (see _settle).
+        self._unsettled = True
         self._admission = StoreAdmission(
             config.admission,
             self._index,
@@ -166,6 +168,7 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_query(self, request: BlockRequest) -> int:
+        self._settle()
         self._catalog.sync()  # what other processes stored, removed or evicted meanwhile
         known = self._index.by_name.__contains__  # without the lock: a dict probe is atomic
         names = request.object_names
@@ -226,6 +229,7 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
+        self._settle()
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
@@ -277,6 +281,7 @@ class FileBackend:
         it acknowledges); the others' bytes are reserved in order, as one run: when the batch
         does not fit, the leading run that fits is stored and acknowledged, the rest refused.
         """
+        self._settle()
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
@@ -414,6 +419,7 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_stats(self) -> dict[str, float]:
+        self._settle()
         index = self._index
         out = self._counters.snapshot()
         out.update(
@@ -459,8 +465,7 @@ class FileBackend:
         :meth:`Catalog._admit_handing_over`)."""
         self._evict_sink = None if sink is None else sink_caller(sink)
         self._catalog.hand_over = None if sink is None else self._hand_over
-        if sink is not None:  # over the capacity since opening: down to it, handed over
-            self._catalog.admit([0])
+        self._settle()  # with the sink attached: what opening leaves to evict is handed over
         return True
 
     @kvcore.hookimpl
@@ -662,6 +667,13 @@ class FileBackend:
         return taken | nothing_to_keep
 
     # -- plumbing --------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Once, at the first call after opening: evict down to the capacity (see
+        ``__init__``); later calls cost one attribute read."""
+        if self._unsettled:
+            self._unsettled = False
+            self._catalog.admit([0])
 
     def _locate(self, request: BlockRequest, k: int) -> tuple[int, int, str, bytes, int]:
         """Object ``k`` of a request (flat ``[block][part]`` order): its block and part

@@ -127,19 +127,23 @@ def test_accounting_and_recency_survive_a_restart(tmp_path) -> None:
     reopened.close()
 
 
-def test_lowered_capacity_evicts_at_the_first_write(tmp_path) -> None:
-    # not at open: a stack hands what this store evicts to the tier below, and attaches that
-    # hand-over only once the store is open (kvcore_evict_to, which evicts down too)
+def test_lowered_capacity_evicts_at_the_first_call(tmp_path) -> None:
+    # not while opening: a stack hands what this store evicts to the tier below, and attaches
+    # that hand-over (kvcore_evict_to) right after opening, before any other call
     root = str(tmp_path / "s")
     store = open_store(root)
     assert write(store, [f"k{i}" for i in range(8)]) == 8
     store.close()
     small = open_store(root, capacity_bytes=3 * BLOCK)
-    assert query(small, [f"k{i}" for i in range(8)]) == 8, "opening evicted"
-    assert write(small, ["new"]) == 1
-    assert disk_bytes(root) <= 3 * BLOCK
-    assert small.stats()["backend_bytes_used"] == disk_bytes(root)
+    assert disk_bytes(root) > 3 * BLOCK, "opening evicted"
+    assert small.stats()["backend_bytes_used"] == disk_bytes(root) <= 3 * BLOCK
     small.close()
+    handed: list[str] = []
+    again = open_store(root, capacity_bytes=BLOCK)
+    again.evict_to(lambda objects, deadline: handed.extend(n for n, _ in objects) or handed)
+    assert handed, "what the first eviction took was not offered to the hand-over"
+    assert disk_bytes(root) <= BLOCK
+    again.close()
 
 
 def test_an_object_larger_than_the_capacity_is_refused(tmp_path) -> None:
