@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import kvcore
 from kv_tiered.bounded import BoundedCalls, Missed
-from kv_tiered.buffers import copy_into, own_buffers, private_copy
+from kv_tiered.buffers import private_copy
 from kv_tiered.config import TieredConfig
 from kv_tiered.evictions import EvictionHandDown
 from kv_tiered.mover import Copy, Mover
@@ -142,7 +142,9 @@ class TieredBackend:
             if done >= n or (i and request.expired()):
                 break
             part = request.slice(done, n, host=host.slice(done, n))
-            got = self._call(i, "read", part, part.host)
+            # straight into the caller's buffers, never abandoned (see _call): the tier's own
+            # deadline handling bounds it (kv_mooncake abandons its existence checks)
+            got = self.tiers.store(i, part).read(part)
             self._peers.after(i)
             failed += self._failed(i, "read", got)
             served = self._peers.not_removed(i, part, int(got))
@@ -289,30 +291,25 @@ class TieredBackend:
         return int(got)
 
     def _call(self, i: int, op: str, request: BlockRequest, host: HostBuffers | None) -> Outcome:
-        """``op`` (query, read or write) on tier ``i``; below the first tier, bounded by the
+        """``op`` (query or write) on tier ``i``; below the first tier, bounded by the
         request's deadline (:mod:`kv_tiered.bounded`). An abandoned call may still run after
-        the caller returned, so below the first tier a call never touches the caller's
-        buffers: a write goes from a copy of them, a read lands in buffers of the stack's own
-        and is copied into the caller's only if it returned in time."""
-        if op not in ("query", "read", "write"):
+        the caller returned, so a write below the first tier goes from a copy of the caller's
+        buffers. Reads are not made here: one into buffers of the stack's own, copied over
+        if it returned in time, measured 0.09x kv_file alone for a first read from Mooncake
+        against 0.21x straight into the engine's registered buffers."""
+        if op not in ("query", "write"):
             raise ValueError(f"no such tier call: {op!r}")
         if i == 0:
             return getattr(self.tiers.store(i, request), op)(request)
         own = None
         if host is not None:
-            if op == "write":
-                copy, own = private_copy(host)
-            else:
-                copy, own = own_buffers(host.num_blocks, host.nbytes)
+            copy, own = private_copy(host)
             request = replace(request, host=copy)
         run = functools.partial(getattr(self.tiers.store(i, request), op), request)
         try:
-            got = self._calls[i].call(run, request.deadline, keep=own)
+            return self._calls[i].call(run, request.deadline, keep=own)
         except Missed as exc:
             return Outcome(0, str(exc))
-        if op == "read" and host is not None and request.host is not None and int(got):
-            copy_into(request.host, host, int(got))
-        return got
 
     def _failed(self, tier: int, op: str, outcome: Outcome) -> int:
         """Count a tier's failure (1) or nothing (0); the tier logged it once itself."""

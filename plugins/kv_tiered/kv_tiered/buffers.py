@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvcore import HostBuffers
 
-__all__ = ["copy_into", "own_buffers", "private_copy"]
+__all__ = ["own_buffers", "private_copy"]
 
 _PAGE = mmap.PAGESIZE
 
@@ -38,15 +38,3 @@ def private_copy(host: HostBuffers) -> tuple[HostBuffers, mmap.mmap]:
                 target[at : at + len(view)] = view
                 at += len(view)
     return copy, region
-
-
-def copy_into(source: HostBuffers, target: HostBuffers, blocks: int) -> None:
-    """The first ``blocks`` objects of ``source`` (one region each) into ``target``'s
-    (segmented or not)."""
-    for i in range(blocks):
-        for j in range(len(target.nbytes)):
-            view = source.views(i, j)[0]
-            at = 0
-            for piece in target.views(i, j):
-                piece[:] = view[at : at + len(piece)]
-                at += len(piece)
