@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from benchutil import Report, add_layout_args, emit
 
-from kvcore import _swap
-from kvcore.ops import HostBuffer, swap_cache_all_layers, swap_cache_layout
+from kvcore.ops import HostBuffer, copy_threads, swap_cache_all_layers, swap_cache_layout
 
 BASELINE = "np_copyto"
 THREADED = "memcpy_threaded"
@@ -74,7 +73,7 @@ def main() -> None:
     src[...] = 1
     cache_shape = [args.cache_blocks, *block]
     kw = {"num_threads": args.threads or None}
-    threads = _swap.resolve_threads(args.threads, total)
+    threads = copy_threads(args.threads, total)
     pool = ThreadPoolExecutor(max_workers=threads)
     edges = [total * i // threads for i in range(threads + 1)]  # src, dst: byte arrays
     slices = [(dst[a:b], src[a:b]) for a, b in itertools.pairwise(edges)]

@@ -57,7 +57,7 @@ from benchutil import Report, add_layout_args, emit
 
 import kvcore
 from kvcore import ops
-from kvcore.cli.bench import _staging
+from kvcore.cli.bench import staging_regions
 from kvcore.transfer import DeviceCache, TransferManager
 
 GB = 1e9
@@ -145,7 +145,7 @@ def query_10k(root: str, n: int, reps: int) -> list[float]:
     layout = kvcore.CacheLayout(num_layers=1, num_heads=1, block_size=16, head_dim=8, num_blocks=4)
     keys = fresh_keys(layout, n)
     backend = kvcore.open_backend("file", {"root": root}, context={"layout": layout})
-    staging, host = _staging(layout, n)
+    staging, host = staging_regions(layout, n)
     assert backend.write(backend.request("fill", keys, timeout_s=600, host=host)) == n
     tm = TransferManager(
         {"layout": layout, "max_model_len": n * layout.block_size},
@@ -222,12 +222,12 @@ def main() -> None:
             else None
         )
         staged_disk = TransferManager({**base, **staged_cfg}, dst, disk)
-        regions, host = _staging(layout, n)
+        regions, host = staging_regions(layout, n)
         for r in regions:
             r.array[:] = np.random.default_rng(2).integers(0, 256, r.nbytes, dtype=np.uint8)
         # the side-by-side gather and scatter use their own staging, so the backend's buffer
         # is never copied into while it is stored from; it always holds src's blocks
-        side_regions, _ = _staging(layout, n)
+        side_regions, _ = staging_regions(layout, n)
         slots = list(range(n))
 
         def stage(cache: DeviceCache, ids: list[int], mode: int, into: list = regions) -> None:

@@ -20,7 +20,14 @@ from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.keys import KeyScope, block_hashes, object_names
 from kvcore.metrics import Counters, OnceLogger
 from kvcore.registry import available_backends, check_backend_config, open_backend
-from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome, leading_run
+from kvcore.requests import (
+    BlockRequest,
+    DeviceBuffers,
+    FailureKind,
+    HostBuffers,
+    Outcome,
+    leading_run,
+)
 from kvcore.schemas import (
     BackendConfig,
     BackendContext,
@@ -54,6 +61,7 @@ __all__ = [
     "Counters",
     "DeviceBuffers",
     "DuplicateBackendError",
+    "FailureKind",
     "FlushTask",
     "HostBuffers",
     "KVCoreError",

@@ -11,18 +11,23 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import pluggy
 
 from kvcore import events as ev
 from kvcore.errors import describe
+from kvcore.integrity import BlockDigests
 from kvcore.keys import object_names
 from kvcore.metrics import Metrics, OnceLogger
-from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
+from kvcore.requests import BlockRequest, DeviceBuffers, FailureKind, HostBuffers, Outcome
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
 
-__all__ = ["Backend", "BackendContractError"]
+__all__ = ["Backend", "BackendContractError", "VerifyBlocks"]
+
+#: whether an opened backend keeps block digests (:mod:`kvcore.integrity`): ``auto`` for
+#: backends that keep no checksums of their own, ``always``, or ``never``
+VerifyBlocks = Literal["auto", "always", "never"]
 
 log = logging.getLogger("kvcore.backend")
 
@@ -47,6 +52,7 @@ class Backend:
         capabilities: Capabilities,
         *,
         strict: bool = False,
+        verify_blocks: VerifyBlocks = "auto",
     ) -> None:
         self.name = name
         self.plugin = plugin
@@ -73,6 +79,31 @@ class Backend:
         self.events = ev.EventStream(context.namespace, self._watch)
         #: the kinds the backend reports itself while watched (kvcore then does not)
         self._reported_by_backend: frozenset[str] = frozenset()
+        #: the ``verify_blocks`` this facade was opened with
+        self.verify_blocks: VerifyBlocks = verify_blocks
+        self._plain = _PlainCalls(self)
+        #: block digests beside every block (None: the backend's reads are returned as they
+        #: are); digests are objects found by name, and only host memory is hashed here
+        self._digests: BlockDigests | None = None
+        wanted = verify_blocks == "always" or (
+            verify_blocks == "auto" and not capabilities.checksums
+        )
+        if wanted and capabilities.io == "host" and capabilities.addressing == "key":
+            self._digests = BlockDigests(
+                name,
+                context.namespace,
+                self._plain,
+                self.metrics,
+                self.remove if self.implements("kvcore_remove") else None,
+            )
+
+    @property
+    def verifies_blocks(self) -> bool:
+        """Whether this facade keeps and checks block digests (:mod:`kvcore.integrity`).
+
+        .. versionadded:: 0.3
+        """
+        return self._digests is not None
 
     # -- building requests ---------------------------------------------------------------
 
@@ -155,18 +186,27 @@ class Backend:
     # because something failed (not because the data is absent).
 
     def query(self, request: BlockRequest) -> Outcome:
-        """Leading blocks present; 0 on any backend failure."""
-        return self._call("query", self._query, request, {"request": request})
+        """Leading blocks present (with their digests, where kept); 0 on any backend failure."""
+        if self._digests is not None:
+            return self._digests.query(request)
+        return self._plain.query(request)
 
     def read(self, request: BlockRequest) -> Outcome:
-        """Leading blocks fully read into the request's buffers; 0 on any backend failure."""
+        """Leading blocks fully read into the request's buffers (and matching their digests,
+        where kept: a corrupt block is never counted); 0 on any backend failure."""
         self._check_buffers(request)
-        return self._call("read", self._read, request, {"request": request})
+        if self._digests is not None:
+            return self._digests.read(request)
+        return self._plain.read(request)
 
     def write(self, request: BlockRequest) -> Outcome:
-        """Leading blocks durably stored; 0 on any backend failure."""
+        """Leading blocks durably stored (with their digests, where kept); 0 on any backend
+        failure."""
         self._check_buffers(request)
-        done = self._call("write", self._write, request, {"request": request})
+        if self._digests is not None:
+            done = self._digests.write(request)
+        else:
+            done = self._plain.write(request)
         if done and self.events.active and ev.STORED not in self._reported_by_backend:
             self._publish_blocks(ev.STORED, request, int(done))
         return done
@@ -174,11 +214,39 @@ class Backend:
     def admit(self, request: BlockRequest) -> Outcome:
         """Leading blocks of ``request`` the backend would store if written (see
         ``kvcore_admit``); all of them for backends without the hook, or when it fails (a
-        failed admission must not cost the write: the write is best-effort on its own)."""
+        failed admission must not cost the write: the write is best-effort on its own).
+
+        The blocks refused are counted here, for every caller, as ``blocks_refused.admit``
+        (not a failure: the policy chose not to store them).
+
+        .. versionchanged:: 0.3 refusals are counted by the facade (adapters counted them
+           under names of their own)
+        """
         if not self._admits:
             return Outcome(request.num_blocks)
         n = self._call("admit", self._pm.hook.kvcore_admit, request, {"request": request})
-        return Outcome(request.num_blocks) if n.failure is not None else n
+        if n.failure is not None:
+            return Outcome(request.num_blocks)
+        if n < request.num_blocks:
+            self.metrics.add("admit", blocks_refused=request.num_blocks - int(n))
+        return n
+
+    def write_admitted(self, request: BlockRequest) -> tuple[Outcome, int]:
+        """Ask the admission policy, then write the leading blocks it admits: ``(written,
+        admitted)``. For a caller whose buffers are filled already; one that fills them after
+        asking (so a refused block costs no copy) calls :meth:`admit`, then :meth:`write` on
+        the admitted slice. Refusals are counted as in :meth:`admit`.
+
+        .. versionadded:: 0.3
+        """
+        admitted = int(self.admit(request))
+        if admitted == 0:
+            return Outcome(0), 0
+        if admitted < request.num_blocks:
+            host = request.host.slice(0, admitted) if request.host is not None else None
+            device = request.device.slice(0, admitted) if request.device is not None else None
+            request = request.slice(0, admitted, host=host, device=device)
+        return self.write(request), admitted
 
     def evict_to(self, sink: Callable[..., Collection[str] | None] | None) -> bool:
         """Have the backend offer what it evicts to ``sink`` before it leaves (see
@@ -200,9 +268,9 @@ class Backend:
         ``kvcore_remove``. 0, with a failure saying so, for backends without the hook."""
         if not self.implements("kvcore_remove"):
             return Outcome(0, f"backend {self.name!r} cannot remove blocks")
-        removed = self._call(
-            "remove", self._pm.hook.kvcore_remove, request, {"request": request}, leading=False
-        )
+        removed = self._plain.remove(request)
+        if self._digests is not None:
+            self._digests.remove_digests(request)
         if removed and self.events.active and ev.REMOVED not in self._reported_by_backend:
             # which of the blocks had objects is the backend's secret: every name of the
             # request is reported (for an index, removing an absent object changes nothing)
@@ -233,7 +301,7 @@ class Backend:
                 raise BackendContractError(msg)
             self._log_failure("clear", BackendContractError(msg), None)
             self.metrics.observe("clear", time.monotonic() - t0, calls=1, invalid_results=1)
-            return Outcome(0, "invalid result", "invalid_result")
+            return Outcome(0, "invalid result", FailureKind.INVALID_RESULT)
         self.metrics.observe("clear", time.monotonic() - t0, calls=1, objects_removed=result)
         if self.events.active and ev.CLEARED not in self._reported_by_backend:
             self.events.publish(ev.CLEARED)
@@ -348,6 +416,15 @@ class Backend:
             self.metrics.add("watch", invalid_results=1)
             self._failures.warning(("watch", "report"), "%s; dropped", msg)
             return
+        if self._digests is not None and names:
+            # the digests kvcore keeps beside blocks are its own business, not the store's
+            # content: an index of objects (a router's) never sees them
+            keep = [i for i, name in enumerate(names) if not self._digests.is_digest(name)]
+            if len(keep) < len(names):
+                if not keep:
+                    return
+                names = [names[i] for i in keep]
+                sizes = None if sizes is None else [sizes[i] for i in keep]
         self.events.publish(kind, names, sizes, origin=origin)
 
     def _publish_blocks(self, kind: str, request: BlockRequest, n: int) -> None:
@@ -389,10 +466,10 @@ class Backend:
             )
         if host.num_blocks != n:
             raise ValueError(f"host buffers hold {host.num_blocks} blocks; the request has {n}")
-        want = self._expected_part_bytes(request)
-        if want is not None and list(host.nbytes) != want:
+        sizes = self._expected_part_bytes(request)
+        if sizes is not None and list(host.nbytes) != sizes:
             raise ValueError(
-                f"host.nbytes {list(host.nbytes)} differ from the part sizes {want} (parts "
+                f"host.nbytes {list(host.nbytes)} differ from the part sizes {sizes} (parts "
                 f"{list(request.parts)}): a short buffer would store a truncated object"
             )
         if not host.contiguous and not self.capabilities.segmented_host:
@@ -430,9 +507,12 @@ class Backend:
         except Exception as exc:
             if self.strict:
                 raise
+            t1 = time.monotonic()
+            late = t1 >= request.deadline and n > 0
             self._log_failure(op, exc, request)
-            self.metrics.observe(op, time.monotonic() - t0, calls=1, errors=1, blocks=n)
-            return Outcome(0, describe(exc))
+            self.metrics.observe(op, t1 - t0, calls=1, errors=1, blocks=n)
+            kind = FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
+            return Outcome(0, describe(exc), kind)
         t1 = time.monotonic()
         if result is None and op in ("flush", "remove"):
             result = 0
@@ -445,15 +525,17 @@ class Backend:
                 raise BackendContractError(msg)
             self._log_failure(op, BackendContractError(msg), request)
             self.metrics.observe(op, t1 - t0, calls=1, invalid_results=1, blocks=n)
-            return Outcome(0, f"invalid result {result!r}", "invalid_result")
+            return Outcome(0, f"invalid result {result!r}", FailureKind.INVALID_RESULT)
         failure = getattr(result, "failure", None)
-        kind = getattr(result, "kind", None) or "backend_error"  # a backend may say "deadline"
+        # a backend may say "deadline" itself (before it passes)
+        kind = _kind_of(result)
         late = t1 > request.deadline + DEADLINE_GRACE_S
-        if failure is None and result < n and t1 >= request.deadline:
-            # short and at (or past) the deadline: it stopped because time ran out
-            failure, kind = "deadline missed", "deadline"
+        if result < n and t1 >= request.deadline and kind is not FailureKind.CORRUPT:
+            # the one rule: short and at (or past) the deadline is a deadline, whatever the
+            # backend called it (a timeout, a cancelled transfer, nothing at all)
+            failure, kind = failure or "deadline missed", FailureKind.DEADLINE
         counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
-        if failure is not None and result < n and kind != "deadline":
+        if failure is not None and result < n and kind is not FailureKind.DEADLINE:
             counts["failures_reported"] = 1
             self._failures.warning(
                 (op, "reported"),
@@ -494,6 +576,43 @@ class Backend:
             kind,
             exc_info=exc,
         )
+
+
+class _PlainCalls:
+    """A facade's data calls without block digests: what :class:`BlockDigests` builds on
+    (every call still fault-isolated, timed and counted; ``op`` names the counters, so the
+    digests' own calls are counted apart from the data's)."""
+
+    __slots__ = ("_backend",)
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def query(self, request: BlockRequest, op: str = "query") -> Outcome:
+        b = self._backend
+        return b._call(op, b._query, request, {"request": request})
+
+    def read(self, request: BlockRequest, op: str = "read") -> Outcome:
+        b = self._backend
+        return b._call(op, b._read, request, {"request": request})
+
+    def write(self, request: BlockRequest, op: str = "write") -> Outcome:
+        b = self._backend
+        return b._call(op, b._write, request, {"request": request})
+
+    def remove(self, request: BlockRequest, op: str = "remove") -> Outcome:
+        b = self._backend
+        hook = b._pm.hook.kvcore_remove
+        return b._call(op, hook, request, {"request": request}, leading=False)
+
+
+def _kind_of(result: object) -> FailureKind:
+    """The kind a backend gave its short count (``backend_error`` when it gave none, or one
+    kvcore does not know)."""
+    try:
+        return FailureKind(getattr(result, "kind", None) or FailureKind.BACKEND_ERROR)
+    except ValueError:
+        return FailureKind.BACKEND_ERROR
 
 
 def _is_count(value: object) -> bool:

@@ -11,8 +11,8 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, overload
 
 import numpy as np
 from pydantic import Field
@@ -185,7 +185,11 @@ class NameRows(Sequence[tuple[str, ...]]):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, ...]: ...
+    @overload
+    def __getitem__(self, index: slice) -> NameRows: ...
+    def __getitem__(self, index: int | slice) -> tuple[str, ...] | NameRows:
         if isinstance(index, slice):
             lo, hi, step = index.indices(self._n)
             cols = [c[lo:hi:step] for c in self._columns]
@@ -196,7 +200,7 @@ class NameRows(Sequence[tuple[str, ...]]):
             return ()
         return tuple(c[index] for c in self._columns)
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[tuple[str, ...]]:
         if not self._columns:
             return iter([()] * self._n)
         return zip(*self._columns, strict=True)
@@ -219,7 +223,7 @@ class NameRows(Sequence[tuple[str, ...]]):
         return self._columns[part]
 
 
-def name_columns(names: Sequence[Sequence[str]], num_parts: int) -> list[Sequence[str]]:
+def name_columns(names: Sequence[Sequence[str]], num_parts: int) -> list[list[str]]:
     """A request's object names as one sequence per part (``names[i][j]`` for every block
     ``i``, for each part ``j``). Free for names kvcore built (:class:`NameRows`); one pass over
     plain rows, which a ``BlockRequest`` built by other code may carry.

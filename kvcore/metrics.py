@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
@@ -43,7 +43,7 @@ class Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts: defaultdict[str, float] = defaultdict(float)
 
     def add(self, name: str, value: float = 1) -> None:
         with self._lock:
@@ -70,16 +70,16 @@ class OnceLogger:
         self._seen: set[Hashable] = set()
         self._lock = threading.Lock()
 
-    def warning(self, key: Hashable, msg: str, *args: object, **kwargs: object) -> bool:
+    def warning(self, key: Hashable, msg: str, *args: object, **kwargs: Any) -> bool:
         """Log ``msg % args``; True when it went out at warning level (first time for ``key``)."""
         with self._lock:
             first = key not in self._seen
             self._seen.add(key)
         if first:
-            self.logger.warning(msg, *args, **kwargs)  # type: ignore[arg-type]
+            self.logger.warning(msg, *args, **kwargs)
         else:
             kwargs.pop("exc_info", None)
-            self.logger.debug(msg, *args, **kwargs)  # type: ignore[arg-type]
+            self.logger.debug(msg, *args, **kwargs)
         return first
 
 
@@ -169,7 +169,7 @@ class Metrics:
                 family.add_metric([*values, op], v)
             out.append(family)
         if hists:
-            family = HistogramMetricFamily(
+            hist = HistogramMetricFamily(
                 f"{self.prefix}_latency_seconds", "latency of one call, per operation", labels=names
             )
             for op in sorted(hists):
@@ -178,14 +178,14 @@ class Metrics:
                 for bound, n in zip((*LATENCY_BUCKETS_S, float("inf")), buckets, strict=True):
                     cumulative += n
                     points.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-                family.add_metric([*values, op], points, total)
-            out.append(family)
+                hist.add_metric([*values, op], points, total)
+            out.append(hist)
         for name, v in sorted((extra or {}).items()):
-            family = GaugeMetricFamily(
+            gauge = GaugeMetricFamily(
                 f"{self.prefix}_{_sanitize(name)}", name.replace("_", " "), labels=list(self.labels)
             )
-            family.add_metric(values, float(v))
-            out.append(family)
+            gauge.add_metric(values, float(v))
+            out.append(gauge)
         return out
 
     def prometheus(self, extra: Mapping[str, float] | None = None) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "HostBuffer",
     "LayerSet",
     "copy_blocks",
+    "copy_threads",
     "cuda_available",
     "describe_layers",
     "describe_tensor",
@@ -108,6 +109,16 @@ def _cuda_lib() -> _CudaLib | None:
         return _cuda_state["lib"]
 
 
+def copy_threads(num_threads: int | None, nbytes: int) -> int:
+    """The threads a host copy of ``nbytes`` bytes uses when asked for ``num_threads`` (None
+    or 0: kvcore's choice for that size), as the swap ops resolve it: what a benchmark's own
+    threaded baseline should use to compare like with like.
+
+    .. versionadded:: 0.3
+    """
+    return int(_swap.resolve_threads(num_threads or 0, nbytes))
+
+
 def cuda_available() -> bool:
     """True when the CUDA library is built and loadable and at least one device is usable."""
     lib = _cuda_lib()
@@ -164,8 +175,11 @@ class HostBuffer:
             ptr = ctypes.c_uint64(0)
             lib.call("kvc_cuda_host_alloc", nbytes, ctypes.byref(ptr))
             raw = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
+            # the array carries its allocation's owner (ctypes arrays take new attributes)
             raw._kvcore_owner = _PinnedOwner(lib, ptr.value)  # type: ignore[attr-defined]
-            self._array: np.ndarray | None = np.frombuffer(raw, dtype=np.uint8)
+            # ctypes arrays export the buffer protocol; numpy's stubs accept them from 3.12 only
+            pinned_array = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
+            self._array: np.ndarray | None = pinned_array
         else:
             raw_np = np.empty(nbytes + PAGE_SIZE, dtype=np.uint8)
             start = -raw_np.ctypes.data % PAGE_SIZE
@@ -347,7 +361,9 @@ def _current_stream(sample: Any, device_id: int) -> int:
         if hasattr(sample, "place"):
             import paddle
 
-            return int(paddle.device.current_stream(f"gpu:{device_id}").stream_base.cuda_stream)
+            stream = paddle.device.current_stream(f"gpu:{device_id}").stream_base
+            # Paddle's stubs come from its CPU build, where CUDAStream has no cuda_stream
+            return int(stream.cuda_stream)  # type: ignore[union-attr]
         if hasattr(sample, "is_cuda"):
             import torch
 
@@ -386,13 +402,14 @@ def copy_blocks(
     slots, -1 when unknown)."""
     bb, per_layer = layers.block_bytes, isinstance(host, np.ndarray)
     if not layers.on_gpu:
-        if per_layer:
+        if isinstance(host, np.ndarray):  # per_layer, narrowing host for the type checker
             _swap.swap_all_layers(layers.ptrs, host, layers.nblocks, bb, host_blocks, dev_ids,
                                   host_ids, mode, num_threads or 0)  # fmt: skip
         else:
             _swap.swap_layout(layers.ptrs, layers.nblocks, bb, host, host_blocks, dev_ids,
                               host_ids, mode, num_threads or 0)  # fmt: skip
         return
+    head: tuple[Any, ...]
     if per_layer:
         name, head = "kvc_cuda_swap_all_layers", (layers.ptrs, host, layers.nblocks)
     else:

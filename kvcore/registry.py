@@ -17,7 +17,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from kvcore import hookspecs
-from kvcore.backend import Backend
+from kvcore.backend import Backend, VerifyBlocks
 from kvcore.errors import (
     BackendDefinitionError,
     BackendImportError,
@@ -98,7 +98,7 @@ def _find(name: str) -> BackendInfo:
     return candidates[0]
 
 
-def load_backend_class(name: str) -> type:
+def load_backend_class(name: str) -> type[Any]:
     """Import the backend published as ``name`` and check it declares the contract."""
     info = _find(name)
     try:
@@ -160,7 +160,7 @@ def validate_config(
         raise ConfigError.from_validation(f"config for backend {name!r}", exc) from None
 
 
-def check_backend_class(name: str | type) -> type:
+def check_backend_class(name: str | type) -> type[Any]:
     """Check a backend's definition as opening would, without an instance: import it (by
     name), check ``config_model`` and ``capabilities``, and register the class itself with a
     plugin manager, so a misspelled hook or a missing required hook fails here. No server, SDK
@@ -205,6 +205,7 @@ def open_backend(
     *,
     context: BackendContext | Mapping[str, Any] | None = None,
     strict: bool = False,
+    verify_blocks: VerifyBlocks = "auto",
 ) -> Backend:
     """Open the backend published as ``name`` (or given directly as a class).
 
@@ -214,9 +215,19 @@ def open_backend(
     :param context: the engine's layout, rank and world size (a :class:`BackendContext`).
     :param strict: let backend exceptions propagate instead of turning them into counted
         misses (for tests).
+    :param verify_blocks: keep block digests beside every block and check every block read
+        (:mod:`kvcore.integrity`): ``auto`` (default) for backends that keep no checksums of
+        their own, ``always``, or ``never`` (a benchmark's control; nothing else should).
     :raises UnknownBackendError, DuplicateBackendError, BackendImportError,
         BackendDefinitionError, ConfigError: with a message that says what to do.
+
+    .. versionchanged:: 0.3 ``verify_blocks``: verification is the opened backend's, for
+       every caller (it was the transfer manager's alone)
     """
+    if verify_blocks not in ("auto", "always", "never"):
+        raise ConfigError(
+            f"verify_blocks is {verify_blocks!r}; it is one of 'auto', 'always', 'never'"
+        )
     if isinstance(name, str):
         factory = load_backend_class(name)
         label = name
@@ -254,7 +265,9 @@ def open_backend(
             f"backend {label!r}: the opened instance's `capabilities` is {capabilities!r}, "
             "not a kvcore.Capabilities"
         )
-    return Backend(label, plugin, pm, cfg, ctx, capabilities, strict=strict)
+    return Backend(
+        label, plugin, pm, cfg, ctx, capabilities, strict=strict, verify_blocks=verify_blocks
+    )
 
 
 def _register(label: str, pm: pluggy.PluginManager, plugin: Any) -> None:

@@ -11,17 +11,40 @@ import ctypes
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 from kvcore.schemas import CacheLayout
 
 __all__ = [
     "BlockRequest",
     "DeviceBuffers",
+    "FailureKind",
     "HostBuffers",
     "Outcome",
     "leading_run",
     "merge_spans",
 ]
+
+
+class FailureKind(StrEnum):
+    """Why a count fell short because something failed (an :attr:`Outcome.kind`).
+
+    One rule decides ``deadline``: a short answer that comes back at or after the request's
+    deadline is a deadline, whatever else the backend said (the count is what was done in
+    time); a backend may also say ``deadline`` itself, earlier, when it knows it cannot
+    finish in time.
+
+    .. versionadded:: 0.3 (kinds were plain strings; they still compare equal to them)
+    """
+
+    #: the backend raised, or reported a failure (``Outcome(n, failure=...)``)
+    BACKEND_ERROR = "backend_error"
+    #: the backend broke the hook contract (strict mode raises instead)
+    INVALID_RESULT = "invalid_result"
+    #: time ran out: what was done by the deadline
+    DEADLINE = "deadline"
+    #: bytes read differ from their digest (never delivered; see :mod:`kvcore.integrity`)
+    CORRUPT = "corrupt"
 
 
 class Outcome(int):
@@ -35,17 +58,27 @@ class Outcome(int):
     adds and formats as the int it is.
 
     .. versionadded:: 0.2
+    .. versionchanged:: 0.3 ``kind`` is a :class:`FailureKind` (a string naming one is
+       accepted); a failure without a kind is ``backend_error``
     """
 
     failure: str | None
-    #: what kind of failure, set by kvcore's facade: ``backend_error`` (raised, or reported by
-    #: the backend), ``invalid_result`` (broke the contract) or ``deadline`` (short and late)
-    kind: str | None
+    #: what kind of failure (None for a clean answer); see :class:`FailureKind`
+    kind: FailureKind | None
 
-    def __new__(cls, count: int, failure: str | None = None, kind: str | None = None) -> Outcome:
+    def __new__(
+        cls, count: int, failure: str | None = None, kind: FailureKind | str | None = None
+    ) -> Outcome:
         obj = super().__new__(cls, count)
         obj.failure = failure
-        obj.kind = kind if kind is not None or failure is None else "backend_error"
+        if kind is None:
+            obj.kind = None if failure is None else FailureKind.BACKEND_ERROR
+        else:
+            try:
+                obj.kind = FailureKind(kind)
+            except ValueError:
+                known = [k.value for k in FailureKind]
+                raise ValueError(f"Outcome kind {kind!r} is not one of {known}") from None
         return obj
 
     def __repr__(self) -> str:
@@ -191,7 +224,7 @@ class BlockRequest:
 
     task_id: str
     block_keys: tuple[str, ...]
-    object_names: tuple[tuple[str, ...], ...]
+    object_names: Sequence[tuple[str, ...]]
     parts: tuple[str, ...]
     deadline: float
     start_block: int = 0

@@ -44,11 +44,13 @@ __all__ = [
     "ReadTask",
     "StrictModel",
     "SwapTask",
+    "TaskOp",
     "TaskOutcome",
     "TaskResult",
     "WriteTask",
     "check_weight_version",
     "interval_field",
+    "parse_config_arg",
     "timeout_field",
 ]
 
@@ -288,7 +290,8 @@ class _EnvironSource(EnvSettingsSource):
 
     def __init__(self, model: type[BaseModel], prefix: str, environ: Mapping[str, str]) -> None:
         self._environ = environ
-        # the source only reads the model's fields and config, so any pydantic model will do
+        # typed for BaseSettings, but the source only reads the model's fields and config, so
+        # any pydantic model will do
         super().__init__(model, case_sensitive=False, env_prefix=prefix)  # type: ignore[arg-type]
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
@@ -599,9 +602,22 @@ def _check_block_lists(keys: list[str], device_block_ids: list[int]) -> None:
         raise ValueError(f"device_block_ids[{i}] = {device_block_ids[i]} is negative")
 
 
+#: What a task did (:attr:`TaskResult.op`).
+TaskOp = Literal["read", "write", "query", "flush", "swap_to_host", "swap_to_device"]
+
 #: Why a task ended as it did (:attr:`TaskResult.outcome`).
+#:
+#: .. versionchanged:: 0.3 ``corrupt``: blocks read differed from their digests (were never
+#:    delivered); it was reported as ``backend_error``
 TaskOutcome = Literal[
-    "complete", "miss", "backend_error", "invalid_result", "deadline", "rejected", "error"
+    "complete",
+    "miss",
+    "backend_error",
+    "invalid_result",
+    "deadline",
+    "corrupt",
+    "rejected",
+    "error",
 ]
 
 
@@ -612,13 +628,14 @@ class TaskResult(StrictModel):
     ``miss`` (the backend answered fewer blocks, without reporting a failure: the data is not
     there or did not fit), ``backend_error`` (the backend raised or reported a failure),
     ``invalid_result`` (it broke the hook contract), ``deadline`` (answered at the deadline with
-    what was done by then), ``rejected`` (not run: queue full, caches cleared, closing) or
+    what was done by then), ``corrupt`` (a block read differed from its digest: it and the
+    blocks after it were not delivered), ``rejected`` (not run: queue full, caches cleared, closing) or
     ``error`` (the task itself failed in kvcore; ``error`` says how). ``error`` carries the
     detail whenever the outcome is not ``complete`` or ``miss``.
     """
 
     task_id: str
-    op: Literal["read", "write", "query", "flush", "swap_to_host", "swap_to_device"]
+    op: TaskOp
     outcome: TaskOutcome = "complete"
     ok: bool = True
     num_blocks: int = 0

@@ -27,7 +27,8 @@ def kvcore_distributions() -> list[tuple[str, str]]:
     adapters), sorted by name, kvcore first."""
     found: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name") or ""
+        # the first Name header, as .get("Name") (typed only from Python 3.12 on) gives it
+        name = (dist.metadata.get_all("Name") or [""])[0] or ""
         if not name:
             continue
         key = name.lower().replace("_", "-")

@@ -49,6 +49,9 @@ echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 
+# import-linter's layering contracts, no private names across packages, mypy
+bash scripts/check-rules.sh
+
 echo "== pytest"
 phase=$SECONDS
 set +e

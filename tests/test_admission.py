@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from kv_file.model import StoreModel
 from memory_backend import MemoryBackend
 
 import kvcore
@@ -23,7 +24,6 @@ from kvcore.admission import (
     block_id,
     make_policy,
 )
-from kvcore.replay.model import StoreModel
 from kvcore.transfer import DeviceCache, TransferManager
 
 # Two hot blocks (A, B) between one-off scans, served by a store of 2 blocks, one block a
@@ -222,7 +222,7 @@ def _manager() -> tuple[TransferManager, kvcore.Backend]:
         [np.full(LAYOUT.kv_shape, i, dtype=np.float32) for i in range(LAYOUT.num_layers)]
         for _ in range(2)
     ]
-    backend = kvcore.open_backend(_Refusing, context={"layout": LAYOUT})
+    backend = kvcore.open_backend(_Refusing, context={"layout": LAYOUT}, verify_blocks="never")
     tm = TransferManager(
         {"layout": LAYOUT, "max_model_len": 32, "storage_io": "staged", "verify_blocks": "never"},
         DeviceCache(LAYOUT, *caches),

@@ -14,7 +14,8 @@ from kvcore.transfer.integrity import DIGEST_PART
 
 
 def manager(layout, cache, backend=MemoryBackend, **cfg) -> TransferManager:
-    be = kvcore.open_backend(backend, context={"layout": layout})
+    verify = cfg.get("verify_blocks", "auto")
+    be = kvcore.open_backend(backend, context={"layout": layout}, verify_blocks=verify)
     tm = TransferManager({"layout": layout, "max_model_len": 64, **cfg}, cache, be)
     tm._test_backend = be
     return tm
@@ -40,7 +41,7 @@ def test_a_corrupt_block_ends_the_run_is_removed_and_heals(storage_io):
     dst = cache_of(layout, np.uint16, fill=False)
     tm.restore_caches(dst)
     r = tm.read({"task_id": "r", "keys": ks, "device_block_ids": [4, 5, 6, 7]}).result()
-    assert (r.num_blocks, r.block_ids, r.outcome) == (2, [4, 5], "backend_error")
+    assert (r.num_blocks, r.block_ids, r.outcome) == (2, [4, 5], "corrupt")
     assert "block 2 differs from its digest" in r.error
     for s, d in zip([0, 1], [4, 5], strict=True):
         assert part_bytes(src, s) == part_bytes(dst, d)

@@ -315,6 +315,9 @@ def test_command_names_the_bad_line_and_the_bad_option(tmp_path: Path, capsys):
     assert "--capacities: 'lots' is not a token count" in capsys.readouterr().err
     assert main(["replay", str(bad), "--simulate", "--policy", "lfu"]) == 2
     assert "--policy: 'lfu'" in capsys.readouterr().err
+    good = write_trace(tmp_path / "good.jsonl", PREFIXES)
+    assert main(["replay", str(good), "--simulate", "--backend", "memory"]) == 2
+    assert "--backend: backend 'memory' offers no store model" in capsys.readouterr().err
 
 
 def test_command_plots_hit_rate_against_capacity(prefixes: Path, tmp_path: Path, capsys):
@@ -336,3 +339,30 @@ def test_every_hand_made_policy_result_is_reachable_through_the_api(prefixes: Pa
     ]
     assert [r["block_hits"] for r in reports] == [5, 3, 5]
     assert len({r["optimum_hit_rate_blocks"] for r in reports}) == 1
+
+
+def test_a_simulation_runs_on_the_backends_own_store_model(prefixes: Path):
+    """The model is the backend's (issue 37): a backend without one is refused by name, one
+    with its own is used, and kv_file's is what kv_file's class offers."""
+    from kv_file.backend import FileBackend
+    from kv_file.model import StoreModel
+    from memory_backend import MemoryBackend
+
+    trace = load_trace(prefixes)
+    with pytest.raises(ValueError, match="backend 'memory' offers no store model"):
+        simulate(trace, 4, "all", backend="memory")
+    assert FileBackend.store_model is StoreModel
+
+    class Everything(StoreModel):
+        """A store that keeps every block (a capacity no eviction reaches)."""
+
+        def __init__(self, capacity_blocks: int, policy: str, **kw: object) -> None:
+            super().__init__(10_000, policy, **kw)  # type: ignore[arg-type]
+
+    class Roomy(MemoryBackend):
+        store_model = Everything
+
+    tally, model = simulate(trace, 4, "all", backend=Roomy)
+    assert isinstance(model, Everything)
+    assert tally.block_hits == unlimited_hits(trace).block_hits
+    assert tally.block_hits > simulate(trace, 4, "all")[0].block_hits

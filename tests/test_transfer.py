@@ -88,9 +88,11 @@ def manager(lay, backend_spec, cache=None, **cfg) -> TransferManager:
     without block digests (these tests count the backend's calls and objects exactly; the
     digests have their own tests in test_integrity.py)."""
     target, bcfg = backend_spec
-    be = kvcore.open_backend(target, bcfg, context={"layout": lay})
     conf = {"layout": lay, "max_model_len": 16 * BLOCK, "storage_io": "staged",
             "verify_blocks": "never", **cfg}  # fmt: skip
+    be = kvcore.open_backend(
+        target, bcfg, context={"layout": lay}, verify_blocks=conf["verify_blocks"]
+    )
     tm = TransferManager(conf, cache if cache is not None else make_cache(lay), be)
     tm._test_backend = be  # closed by the test
     return tm

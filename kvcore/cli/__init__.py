@@ -147,9 +147,11 @@ def _parser() -> _Parser:
         "and report what opening says, e.g. a missing vendor SDK or an unreachable server",
     )
 
-    def backend_command(name: str, what: str, **texts: str) -> argparse.ArgumentParser:
+    def backend_command(
+        name: str, what: str, *, help: str, description: str
+    ) -> argparse.ArgumentParser:
         """A command that runs on one backend: ``--backend``, ``--config`` and the rest."""
-        sp = sub.add_parser(name, **texts)
+        sp = sub.add_parser(name, help=help, description=description)
         sp.add_argument(
             "--backend",
             default="file",

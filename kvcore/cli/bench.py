@@ -28,14 +28,21 @@ from kvcore.cli.errors import CliError, ExitCode
 from kvcore.keys import KeyScope, block_hashes
 from kvcore.ops import HostBuffer
 from kvcore.requests import HostBuffers
-from kvcore.schemas import BackendContext, CacheLayout
+from kvcore.schemas import BackendContext, CacheDType, CacheLayout
+
+__all__ = ["GB", "TYPICAL", "measure", "run", "staging_regions"]
 
 #: the typical layout of the issues: 28 layers x 8 heads x 64 tokens x 128 dim, bfloat16
-TYPICAL = CacheLayout(num_layers=28, num_heads=8, block_size=64, head_dim=128, dtype="bfloat16")
+TYPICAL = CacheLayout(
+    num_layers=28, num_heads=8, block_size=64, head_dim=128, dtype=CacheDType.bfloat16
+)
 GB = 1e9  # GB/s are 10^9 bytes per second in every kvcore figure
 
 
-def _staging(layout: CacheLayout, n: int) -> tuple[list[HostBuffer], HostBuffers]:
+def staging_regions(layout: CacheLayout, n: int) -> tuple[list[HostBuffer], HostBuffers]:
+    """One page-aligned, pre-faulted host region per part for ``n`` blocks, and the host
+    buffers of a request over them (block ``i``'s part ``j`` at ``i * part_bytes`` of region
+    ``j``): the staging the bench measures through, for benchmarks to use alike."""
     sizes = tuple(layout.part_bytes(p) for p in layout.parts)
     regions = [HostBuffer(n * s) for s in sizes]
     for r in regions:  # fault the pages in before anything is timed
@@ -60,8 +67,8 @@ def measure(
     """Figures, ratios and goals of one run (medians of ``repeats``). ``progress.advance()`` is
     called after each step; unless ``keep``, each repetition's blocks are removed after it."""
     progress = progress or _NoProgress()
-    src, src_host = _staging(layout, blocks)
-    dst, dst_host = _staging(layout, blocks)
+    src, src_host = staging_regions(layout, blocks)
+    dst, dst_host = staging_regions(layout, blocks)
     rng = np.random.default_rng(0)
     for r in src:
         r.array[:] = rng.integers(0, 256, r.nbytes, dtype=np.uint8)

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvcore.backend import Backend
+from kvcore.backend import Backend, VerifyBlocks
 from kvcore.cli.errors import CliError, ExitCode
 from kvcore.errors import KVCoreError
 from kvcore.registry import open_backend
@@ -16,7 +16,12 @@ from kvcore.schemas import BackendContext
 __all__ = ["clear_scratch", "data_location", "open_for_cli", "scratch_namespace"]
 
 
-def open_for_cli(name: str, config: dict[str, Any], context: BackendContext) -> Backend:
+def open_for_cli(
+    name: str,
+    config: dict[str, Any],
+    context: BackendContext,
+    verify_blocks: VerifyBlocks = "auto",
+) -> Backend:
     """Open ``name``; a failure inside the backend's constructor becomes one CLI error.
 
     kvcore's own errors (unknown name, bad config, broken definition) pass through as they
@@ -24,7 +29,7 @@ def open_for_cli(name: str, config: dict[str, Any], context: BackendContext) -> 
     anything else the backend raised while opening (an unreachable server) says so.
     """
     try:
-        return open_backend(name, config, context=context)
+        return open_backend(name, config, context=context, verify_blocks=verify_blocks)
     except KVCoreError:
         raise
     except ImportError as exc:

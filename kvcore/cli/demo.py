@@ -17,19 +17,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 from rich.console import Console
 
 from kvcore.backend import Backend
 from kvcore.cli.common import clear_scratch, data_location, open_for_cli, scratch_namespace
 from kvcore.cli.console import CommandConsole, step_progress
 from kvcore.cli.errors import ExitCode
+from kvcore.errors import ConfigError
 from kvcore.keys import KeyScope, block_hashes
 from kvcore.metrics import serve_prometheus
-from kvcore.schemas import BackendContext, CacheLayout, TaskResult
-from kvcore.transfer import DeviceCache, TransferManager
+from kvcore.schemas import BackendContext, CacheDType, CacheLayout, TaskResult
+from kvcore.transfer import DeviceCache, TransferConfig, TransferManager
 
 LAYOUT = CacheLayout(
-    num_layers=12, num_heads=8, block_size=16, head_dim=128, dtype="bfloat16", num_blocks=384
+    num_layers=12,
+    num_heads=8,
+    block_size=16,
+    head_dim=128,
+    dtype=CacheDType.bfloat16,
+    num_blocks=384,
 )
 MAX_MODEL_LEN = 4096
 SYSTEM_PROMPT_TOKENS = 256
@@ -280,14 +287,18 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
     config = load_config_arg(args.config)
     namespace = scratch_namespace("demo", args.namespace)
     context = BackendContext(layout=LAYOUT, namespace=namespace)
-    backend = open_for_cli(args.backend, config, context)
+    try:
+        tm_config = TransferConfig.load({
+            "layout": LAYOUT,
+            "max_model_len": MAX_MODEL_LEN,
+            "namespace": namespace,
+            "default_timeout_s": 30.0,
+        })  # fmt: skip
+    except ValidationError as exc:
+        raise ConfigError.from_validation("transfer config", exc) from None
+    # the environment's KVCORE_TRANSFER_VERIFY_BLOCKS is the opened backend's setting
+    backend = open_for_cli(args.backend, config, context, tm_config.verify_blocks)
     workload = Workload(args.seed, args.conversations, args.turns)
-    tm_config = {
-        "layout": LAYOUT,
-        "max_model_len": MAX_MODEL_LEN,
-        "namespace": namespace,
-        "default_timeout_s": 30.0,
-    }
     t0 = time.monotonic()
     server = None
     try:

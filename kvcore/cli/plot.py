@@ -145,7 +145,9 @@ def plot_report(report: Mapping[str, Any], path: str | Path, title: str | None =
     return out
 
 
-def _bars(ax: Any, labels: list[str], values: list[tuple[float, float, float]], colours) -> None:
+def _bars(
+    ax: Any, labels: list[str], values: list[tuple[float, float, float]], colours: list[str]
+) -> None:
     """Horizontal bars at the medians, whiskers from min to max where they differ."""
     medians = [v[0] for v in values]
     low = [v[0] - v[1] for v in values]

@@ -21,6 +21,7 @@ from kvcore.cli.console import CommandConsole, print_table, step_progress
 from kvcore.cli.errors import CliError, ExitCode
 from kvcore.cli.plot import require_matplotlib
 from kvcore.replay import Bounds, TraceError, load_trace, replay
+from kvcore.replay.model import store_model_of
 
 _TOKENS = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*$")
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -114,6 +115,11 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
     except TraceError as exc:
         raise CliError(str(exc), ExitCode.USAGE) from None
     config = load_config_arg(args.config)
+    if args.simulate:
+        try:  # before any work: the model is the backend's own
+            store_model_of(args.backend)
+        except ValueError as exc:
+            raise CliError(f"--backend: {exc}", ExitCode.USAGE) from None
     bounds = Bounds(trace)
     reports: list[dict[str, Any]] = []
     runs = [(c, p) for c in capacities for p in policies]
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
                 replay(
                     trace,
                     capacity_blocks=blocks,
-                    policy=policy,  # type: ignore[arg-type]
+                    policy=policy,
                     simulate_only=args.simulate,
                     backend=args.backend,
                     config=config,
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
                     progress=bar.advance,
                 )
             )
-    out = {
+    out: dict[str, Any] = {
         "trace": trace.source,
         "requests": len(trace),
         "block_refs": trace.block_refs,

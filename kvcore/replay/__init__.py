@@ -3,7 +3,7 @@
 ``kvcore replay TRACE`` (and :func:`replay`) serves a trace in the Mooncake JSONL format
 (:mod:`kvcore.replay.trace`) through a real :class:`~kvcore.transfer.TransferManager` and
 backend with real bytes (:mod:`kvcore.replay.io`), or through a model of kv_file's store on
-metadata only (``simulate=True``, :mod:`kvcore.replay.model`), and reports the prefix hit rate
+metadata only (``simulate=True``: the backend's own store model, :mod:`kvcore.replay.model`), and reports the prefix hit rate
 in blocks and tokens against the trace's maximum (unlimited capacity) and the offline optimum
 at the same capacity (Belady's), the bytes written per block hit, evictions, read latency and
 wall time.
@@ -96,6 +96,7 @@ def replay(
             doorkeeper_factor=doorkeeper_factor,
             sample_rate=sample_rate,
             progress=progress,
+            backend=backend,
         )
         mode = "simulate"
     else:

@@ -23,7 +23,7 @@ from kvcore.errors import ConfigError
 from kvcore.registry import load_backend_class, open_backend
 from kvcore.replay.model import Tally, block_key
 from kvcore.replay.trace import Trace
-from kvcore.schemas import BackendContext, CacheLayout
+from kvcore.schemas import BackendContext, CacheDType, CacheLayout
 from kvcore.transfer import DeviceCache, TransferManager
 
 __all__ = ["IOReplay", "replay_layout"]
@@ -47,7 +47,7 @@ def replay_layout(block_bytes: int, tokens_per_block: int, num_blocks: int) -> C
         num_heads=1,
         block_size=tokens_per_block,
         head_dim=per_part // (tokens_per_block * _ELEMENT),
-        dtype="bfloat16",
+        dtype=CacheDType.bfloat16,
         num_blocks=num_blocks,
     )
 

@@ -1,10 +1,10 @@
-"""Replays on metadata only: the store as kv_file keeps it, the offline optimum, the maximum.
+"""Replays on metadata only: a backend's own store model, the offline optimum, the maximum.
 
-:class:`StoreModel` is kv_file's capacity accounting without the bytes: LRU eviction between
-the high and low watermarks, objects pinned by the write that stores them, the admission
-policy of :mod:`kvcore.admission` fed the same ids in the same order as the backend feeds it.
-A trace replayed on it (``kvcore replay --simulate``) gives the hit rate an I/O replay gives,
-in a second instead of minutes, which is what a capacity sweep needs.
+A backend may offer its capacity accounting without the bytes as ``store_model`` on its class
+(:class:`StoreModelFactory`; kv_file's is ``kv_file.model.StoreModel``: LRU eviction between
+the watermarks, pinned objects, its admission policy). A trace replayed on it (``kvcore replay
+--simulate``) gives the hit rate an I/O replay gives, in a second instead of minutes, which is
+what a capacity sweep needs; the model lives with the backend it models, so it changes with it.
 
 Each request is served as the transfer manager serves it: its leading run of stored blocks is
 read (a hit per block and its tokens), the rest is computed and offered for writing, the
@@ -20,19 +20,22 @@ maximises the blocks present when referenced, which bounds the prefix hits of an
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvcore.admission import AdmissionPolicy, PolicyName, block_id, make_policy
+from kvcore.admission import PolicyName, block_id
+from kvcore.registry import load_backend_class
 from kvcore.replay.trace import Trace, TraceRequest
 
 __all__ = [
-    "StoreModel",
+    "SimulatedStore",
+    "StoreModelFactory",
     "Tally",
     "block_key",
     "optimal_hits",
     "simulate",
+    "store_model_of",
     "unlimited_hits",
 ]
 
@@ -84,118 +87,57 @@ class Tally:
         return self.token_hits / self.token_refs if self.token_refs else 0.0
 
 
-class StoreModel:
-    """kv_file's store in metadata (see the module docstring).
+class SimulatedStore(Protocol):
+    """A backend's store in metadata (what a simulated replay serves requests from).
 
-    :param capacity_blocks: the store's capacity, in blocks.
-    :param block_bytes: bytes one block takes in the store (only rounding depends on it).
+    .. versionadded:: 0.3
     """
 
-    def __init__(
-        self,
-        capacity_blocks: int,
-        policy: PolicyName | AdmissionPolicy,
-        *,
-        high_watermark: float = 1.0,
-        low_watermark: float = 1.0,
-        block_bytes: int = 1 << 14,
-        doorkeeper_factor: float = 2.0,
-        sample_rate: float = 1 / 16,
-    ) -> None:
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        self.block_bytes = block_bytes
-        capacity = capacity_blocks * block_bytes
-        self.capacity_bytes = capacity
-        self.high_bytes = int(capacity * high_watermark)
-        self.low_bytes = int(capacity * low_watermark)
-        if isinstance(policy, AdmissionPolicy):
-            self.policy = policy
-        else:
-            self.policy = make_policy(
-                policy, 1, doorkeeper_factor=doorkeeper_factor, sample_rate=sample_rate
-            )
-        # as kv_file sizes it: the capacity between the watermarks, in blocks
-        self.policy.resize((self.high_bytes + self.low_bytes) // 2 // block_bytes)
-        self.lru: OrderedDict[int, None] = OrderedDict()  # policy ids, oldest first
-        self.evictions = 0
-
-    @property
-    def files_bytes(self) -> int:
-        return len(self.lru) * self.block_bytes
+    evictions: int
 
     def serve(self, ids: Sequence[int]) -> tuple[int, int, int]:
-        """One request of blocks ``ids`` (policy ids): ``(hits, written, refused)``."""
-        lru = self.lru
-        hits = 0
-        for b in ids:
-            if b not in lru:
-                break
-            hits += 1
-        for b in ids[:hits]:  # the read: most recently used, in the request's order
-            lru.move_to_end(b)
-        self.policy.read(ids[:hits])
-        rest = ids[hits:]
-        if not rest:
-            return hits, 0, 0
-        end = self._admit(rest)
-        written = self._write(rest[:end])
-        return hits, written, len(rest) - end
+        """One request of blocks ``ids`` (admission-policy ids): ``(hits, written, refused)``."""
+        ...
 
-    def _admit(self, offer: Sequence[int]) -> int:
-        """kv_file's ``kvcore_admit``: stored blocks admitted (and seen), the rest offered."""
-        present = [b in self.lru for b in offer]
-        if any(present):
-            self.policy.read([b for b, p in zip(offer, present, strict=True) if p])
-        new = [b for b, p in zip(offer, present, strict=True) if not p]
-        if not new:
-            return len(offer)
-        room = max(0, (self.high_bytes - self.files_bytes) // self.block_bytes)
-        taken = self.policy.offer(new, room)
-        if taken == len(new):
-            return len(offer)
-        seen = 0
-        for i, p in enumerate(present):
-            if not p:
-                if seen == taken:
-                    return i
-                seen += 1
-        return len(offer)
 
-    def _write(self, blocks: Sequence[int]) -> int:
-        """kv_file's ``kvcore_write``: stored blocks skipped (pinned, touched), the others
-        admitted in order after evicting LRU blocks down to the low watermark as needed."""
-        lru, size = self.lru, self.block_bytes
-        pinned = {b for b in blocks if b in lru}
-        new = [b for b in blocks if b not in pinned]
-        projected = self.files_bytes
-        victims: list[int] = []
-        admitted = 0
-        if projected + len(new) * size <= self.high_bytes:
-            admitted = len(new)
-        else:
-            candidates = (b for b in lru if b not in pinned)
-            for _ in new:
-                if projected + size > self.high_bytes:
-                    while projected + size > self.low_bytes:
-                        victim = next(candidates, None)
-                        if victim is None:
-                            break
-                        victims.append(victim)
-                        projected -= size
-                if projected + size > self.capacity_bytes:
-                    break
-                projected += size
-                admitted += 1
-        for v in victims:
-            del lru[v]
-        self.evictions += len(victims)
-        for b in blocks:
-            if b in pinned:
-                lru.move_to_end(b)
-        for b in new[:admitted]:
-            lru[b] = None
-        return admitted
+class StoreModelFactory(Protocol):
+    """What a backend class offers as ``store_model`` for ``kvcore replay --simulate``: its own
+    capacity accounting, so the simulation changes with the backend (kv_file's:
+    ``kv_file.model.StoreModel``).
+
+    .. versionadded:: 0.3
+    """
+
+    def __call__(
+        self,
+        capacity_blocks: int,
+        policy: PolicyName,
+        *,
+        high_watermark: float,
+        low_watermark: float,
+        block_bytes: int,
+        doorkeeper_factor: float,
+        sample_rate: float,
+    ) -> SimulatedStore: ...
+
+
+def store_model_of(backend: str | type) -> StoreModelFactory:
+    """The store model the backend ``backend`` (a name or a class) offers for simulated
+    replays.
+
+    :raises ValueError: the backend offers none (a simulation of it would be kv_file's, not
+        its own).
+    """
+    cls = load_backend_class(backend) if isinstance(backend, str) else backend
+    factory = getattr(cls, "store_model", None)
+    if factory is None:
+        name = backend if isinstance(backend, str) else cls.__name__
+        raise ValueError(
+            f"backend {name!r} offers no store model (`store_model`) to simulate a replay on; "
+            "replay it with I/O instead (without --simulate)"
+        )
+    found: StoreModelFactory = factory
+    return found
 
 
 def simulate(
@@ -209,9 +151,14 @@ def simulate(
     doorkeeper_factor: float = 2.0,
     sample_rate: float = 1 / 16,
     progress: Callable[[int], None] | None = None,
-) -> tuple[Tally, StoreModel]:
-    """Replay ``trace`` on a :class:`StoreModel` (no I/O)."""
-    model = StoreModel(
+    backend: str | type = "file",
+) -> tuple[Tally, SimulatedStore]:
+    """Replay ``trace`` on the store model ``backend`` offers (:func:`store_model_of`; no I/O).
+
+    .. versionchanged:: 0.3 ``backend``: the model is the backend's own (it was a copy of
+       kv_file's accounting kept in the core)
+    """
+    model = store_model_of(backend)(
         capacity_blocks,
         policy,
         high_watermark=high_watermark,

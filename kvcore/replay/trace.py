@@ -21,6 +21,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -83,7 +84,7 @@ class Trace:
         return len(self.requests)
 
 
-def _int_field(obj: dict, name: str, where: str) -> int:
+def _int_field(obj: dict[str, Any], name: str, where: str) -> int:
     value = obj.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TraceError(f"{where}: {name!r} must be an integer >= 0, got {value!r}")

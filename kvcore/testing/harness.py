@@ -11,8 +11,10 @@ import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
+from typing_extensions import Unpack
 
 from kvcore.backend import Backend
 from kvcore.keys import KeyScope, block_hashes
@@ -20,6 +22,22 @@ from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers
 from kvcore.schemas import CacheLayout
 
 __all__ = ["Harness", "HostRegion", "Sequence_", "payload_for"]
+
+
+class _RequestOptions(TypedDict, total=False):
+    """What the request builders pass on to :meth:`Harness.request` (they make the buffers)."""
+
+    timeout_s: float | None
+
+
+class _Buffers(TypedDict, total=False):
+    """A request's buffers, as :meth:`Harness.request` takes them: host or device."""
+
+    host: HostBuffers
+    device: DeviceBuffers
+
+
+_Extract = Callable[[], list[list[bytes]]]
 
 
 def payload_for(key: str, part: str, nbytes: int, version: int = 0) -> np.ndarray:
@@ -135,11 +153,19 @@ class Harness:
             device=device,
         )
 
-    def query(self, seq: Sequence_, start: int = 0, n: int | None = None, **kw) -> int:
+    def query(
+        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw: Unpack[_RequestOptions]
+    ) -> int:
         return self.backend.query(self.request(seq, start, n, **kw))
 
     def write(
-        self, seq: Sequence_, start: int = 0, n: int | None = None, *, version: int = 0, **kw
+        self,
+        seq: Sequence_,
+        start: int = 0,
+        n: int | None = None,
+        *,
+        version: int = 0,
+        **kw: Unpack[_RequestOptions],
     ) -> int:
         n = len(seq.keys) - start if n is None else n
         payload = self.payload(seq, start, n, version)
@@ -147,7 +173,7 @@ class Harness:
         return self.backend.write(self.request(seq, start, n, **buffers, **kw))
 
     def read(
-        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw
+        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw: Unpack[_RequestOptions]
     ) -> tuple[int, list[list[bytes]]]:
         """Read blocks; return the count and what landed in the buffers (all ``n`` blocks)."""
         n = len(seq.keys) - start if n is None else n
@@ -167,7 +193,13 @@ class Harness:
         assert wrong == [], f"blocks {wrong} came back with other bytes than were written"
 
     def write_request(
-        self, seq: Sequence_, start: int = 0, n: int | None = None, *, version: int = 0, **kw
+        self,
+        seq: Sequence_,
+        start: int = 0,
+        n: int | None = None,
+        *,
+        version: int = 0,
+        **kw: Unpack[_RequestOptions],
     ) -> BlockRequest:
         """A write request whose buffers hold the blocks' payloads (kept alive until
         :meth:`release`), for tests that time or alter the call itself."""
@@ -176,7 +208,7 @@ class Harness:
         return self.request(seq, start, n, **buffers, **kw)
 
     def read_request(
-        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw
+        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw: Unpack[_RequestOptions]
     ) -> tuple[BlockRequest, Callable[[], list[list[bytes]]]]:
         """A read request into zeroed buffers, and a function returning what landed there."""
         n = len(seq.keys) - start if n is None else n
@@ -184,7 +216,7 @@ class Harness:
         return self.request(seq, start, n, **buffers, **kw), extract
 
     def bulk_request(
-        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw
+        self, seq: Sequence_, start: int = 0, n: int | None = None, **kw: Unpack[_RequestOptions]
     ) -> BlockRequest:
         """A request whose buffers hold arbitrary bytes, built in bulk: for timing large
         batches, where per-object payloads would cost more than the call measured."""
@@ -195,6 +227,7 @@ class Harness:
             self._keep.append(region)
             return self.request(seq, start, n, host=region.host(0, n), **kw)
         buffers, _ = self._device_buffers(n, None)
+        # never None here: _device_buffers has just set it
         tensors, block_ids = self.last_device  # type: ignore[misc]
         rows = np.asarray(block_ids, dtype=np.int64)
         for arrays in tensors.values():
@@ -211,6 +244,7 @@ class Harness:
         object is one segment per layer in per-layer arrays, as in an engine's host-resident
         cache; returns the buffers and a function returning the objects' bytes."""
         _, extract = self._device_buffers(n, fill)
+        # never None here: _device_buffers has just set it
         tensors, block_ids = self.last_device  # type: ignore[misc]
         host = HostBuffers(
             ptrs=(),
@@ -247,16 +281,18 @@ class Harness:
             for i in range(start, start + n)
         ]
 
-    def _buffers_holding(self, payload: list[list[bytes]]) -> dict[str, object]:
+    def _buffers_holding(self, payload: list[list[bytes]]) -> _Buffers:
         buffers, _ = self._empty_buffers(len(payload), payload)
         return buffers
 
-    def _empty_buffers(self, n: int, fill: list[list[bytes]] | None = None):
+    def _empty_buffers(
+        self, n: int, fill: list[list[bytes]] | None = None
+    ) -> tuple[_Buffers, _Extract]:
         if self.io == "host":
             return self._host_buffers(n, fill)
         return self._device_buffers(n, fill)
 
-    def _host_buffers(self, n: int, fill: list[list[bytes]] | None):
+    def _host_buffers(self, n: int, fill: list[list[bytes]] | None) -> tuple[_Buffers, _Extract]:
         sizes = tuple(self.layout.part_bytes(p) for p in self.parts)
         arrays = [np.zeros((max(n, 1), s), dtype=np.uint8) for s in sizes]
         if fill is not None:
@@ -273,7 +309,7 @@ class Harness:
 
         return {"host": HostBuffers(ptrs=ptrs, nbytes=sizes)}, extract
 
-    def _device_buffers(self, n: int, fill: list[list[bytes]] | None):
+    def _device_buffers(self, n: int, fill: list[list[bytes]] | None) -> tuple[_Buffers, _Extract]:
         lay = self.layout
         usable = min(lay.layer_num_blocks(layer) for layer in range(lay.total_layers))
         if n > usable:

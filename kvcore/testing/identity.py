@@ -40,6 +40,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 __all__ = [
     "REQUEST_AXES",
@@ -171,7 +172,9 @@ def identity_cases(driver: IdentityDriver) -> list[Case]:
     rng = random.Random(driver.seed)
     cases: list[Case] = []
 
-    def add(name: str, axis: str, stored: dict, probe: dict, share: bool) -> None:
+    def add(
+        name: str, axis: str, stored: dict[str, Any], probe: dict[str, Any], share: bool
+    ) -> None:
         tokens = _prompt(rng, driver.prompt_tokens, driver.vocab)
         cid = f"{len(cases):02d}-{name}"
         cases.append(
@@ -244,4 +247,5 @@ def check_identity(driver: IdentityDriver) -> IdentityReport:
 
 def without(request: Request, axis: str) -> Request:
     """``request`` with one part of its identity dropped (what a broken adapter sees)."""
-    return replace(request, **{axis: None})
+    dropped: dict[str, Any] = {axis: None}  # a field named at run time: checked by replace()
+    return replace(request, **dropped)

@@ -35,13 +35,13 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import pytest
 
-from kvcore.backend import Backend
+from kvcore.backend import Backend, VerifyBlocks
 from kvcore.errors import ConfigError
 from kvcore.events import KINDS, StoreEvent, StoreIndex
 from kvcore.hookspecs import OPTIONAL_HOOKS, REQUIRED_HOOKS
 from kvcore.keys import parse_object_name
 from kvcore.registry import load_backend_class, open_backend
-from kvcore.requests import BlockRequest, HostBuffers
+from kvcore.requests import BlockRequest, FailureKind, HostBuffers
 from kvcore.schemas import CacheDType, CacheLayout, Capabilities
 from kvcore.testing.harness import Harness, Sequence_, blocks_equal
 
@@ -88,15 +88,19 @@ def small_layout(dtype: str = "bfloat16") -> CacheLayout:
         num_heads=2,
         block_size=4,
         head_dim=16,
-        dtype=dtype,
+        dtype=CacheDType(dtype),
         num_blocks=40,
         extra_num_blocks=36,
     )
 
 
-def _open_without_layout(target: str | type, config: dict, context: dict) -> Backend:
+def _open_without_layout(
+    target: str | type, config: dict[str, Any], context: dict[str, Any]
+) -> Backend:
     """The backend opened as tools open it: ``layout=None`` (strict: hook errors raise)."""
-    return open_backend(target, config, context={**context, "layout": None}, strict=True)
+    return open_backend(
+        target, config, context={**context, "layout": None}, strict=True, verify_blocks="never"
+    )
 
 
 def deadline_layout(num_blocks: int = _DEADLINE_MAX_BLOCKS) -> CacheLayout:
@@ -127,6 +131,7 @@ def exercises(*hooks: str) -> Callable[[_F], _F]:
         raise ValueError(f"exercises(): {unknown} are not hooks; hooks are {list(ALL_HOOKS)}")
 
     def mark(fn: _F) -> _F:
+        # a mark on the test function, read when the kit collects its tests
         fn.__kvcore_exercises__ = tuple(hooks)  # type: ignore[attr-defined]
         return fn
 
@@ -146,9 +151,19 @@ def exercised_hooks(cls: type | None = None) -> dict[str, list[str]]:
 
 @contextlib.contextmanager
 def harness_opener(
-    target: str | type, config: dict | None = None, context: dict | None = None
+    target: str | type,
+    config: dict[str, Any] | None = None,
+    context: dict[str, Any] | None = None,
+    *,
+    verify_blocks: VerifyBlocks = "never",
 ) -> Iterator[Callable[..., Harness]]:
     """Open backends as harnesses, strict, and close them all when the block ends.
+
+    The kit checks what the backend's hooks do, so its harnesses see them without kvcore's
+    block digests (``verify_blocks="never"``); what every caller gets, digests included, is
+    checked by the kit's ``test_a_flipped_bit_is_never_read``.
+
+    .. versionchanged:: 0.3 ``verify_blocks`` (opened backends keep digests themselves)
 
     The opener takes config overrides (merged over ``config``), a layout (default
     :func:`small_layout`) and context fields (merged over ``context``). For a plugin's own
@@ -157,7 +172,7 @@ def harness_opener(
     opened: list[Harness] = []
 
     def open_(
-        overrides: dict | None = None, layout: CacheLayout | None = None, **fields: Any
+        overrides: dict[str, Any] | None = None, layout: CacheLayout | None = None, **fields: Any
     ) -> Harness:
         lay = layout or small_layout()
         backend = open_backend(
@@ -165,6 +180,7 @@ def harness_opener(
             {**(config or {}), **(overrides or {})},
             context={**(context or {}), **fields, "layout": lay},
             strict=True,
+            verify_blocks=verify_blocks,
         )
         h = Harness(backend, lay)
         opened.append(h)
@@ -178,10 +194,11 @@ def harness_opener(
             h.release()
 
 
-def requires(**capabilities: Any) -> Callable[[Callable], Callable]:
+def requires(**capabilities: Any) -> Callable[[_F], _F]:
     """Run the test only for backends whose declared capabilities match these values."""
 
-    def mark(fn: Callable) -> Callable:
+    def mark(fn: _F) -> _F:
+        # a mark on the test function, read by the capability gate
         fn.__kvcore_requires__ = capabilities  # type: ignore[attr-defined]
         return fn
 
@@ -241,7 +258,10 @@ class BackendConformance:
 
     @pytest.fixture
     def open_harness(
-        self, backend_target: str | type, backend_config: dict, backend_context: dict
+        self,
+        backend_target: str | type,
+        backend_config: dict[str, Any],
+        backend_context: dict[str, Any],
     ) -> Iterator[Callable[..., Harness]]:
         """``open_harness(layout=None, *, config=None, **context)``: a strict harness on the
         configured backend, with config overrides and context fields; closed at the end."""
@@ -320,8 +340,9 @@ class BackendConformance:
 
         def plain_count(what: str, got: int, want: int) -> None:
             assert got == want, f"{what}: {int(got)} blocks, expected {want}"
-            assert getattr(got, "failure", None) is None, (
-                f"{what} reported failure {got.failure!r}: absence must be a plain short count"
+            failure = getattr(got, "failure", None)
+            assert failure is None, (
+                f"{what} reported failure {failure!r}: absence must be a plain short count"
             )
 
         seq = harness.new_sequence(3)
@@ -390,7 +411,10 @@ class BackendConformance:
     @requires(io="host")
     @exercises("kvcore_write", "kvcore_read")
     def test_size_mismatch_is_a_miss(
-        self, backend_target: str | type, backend_config: dict, backend_context: dict
+        self,
+        backend_target: str | type,
+        backend_config: dict[str, Any],
+        backend_context: dict[str, Any],
     ) -> None:
         """A stored object whose size differs from the region asked for is a miss, never a
         partial copy. With a layout, kvcore sizes every region itself; without one (a backend
@@ -406,6 +430,7 @@ class BackendConformance:
             assert harness.write(seq) == 2
             request, _ = harness.read_request(seq)
             host = request.host
+            assert host is not None, "a host-I/O backend's read request has host buffers"
             shrunk = HostBuffers(ptrs=host.ptrs, nbytes=tuple(n - 8 for n in host.nbytes))
             got = backend.read(replace(request, host=shrunk))
             assert got == 0, f"a read into regions 8 bytes short of the stored objects gave {got!r}"
@@ -549,13 +574,29 @@ class BackendConformance:
 
     @exercises(*DATA_HOOKS)
     def test_expired_deadline_returns_promptly(self, harness: Harness) -> None:
+        """A request whose deadline passed returns at once, and a short answer to it is a
+        ``deadline`` (:class:`kvcore.FailureKind`), whatever the backend called it.
+
+        .. versionchanged:: 0.3 the kind is checked
+        """
         seq = harness.new_sequence(8)
         assert harness.write(seq) == 8
-        for call in (harness.query, lambda s, **kw: harness.read(s, **kw)[0], harness.write):
+        fresh = harness.new_sequence(8)
+        calls: dict[str, Callable[..., int]] = {
+            "query": lambda **kw: harness.query(seq, **kw),
+            "read": lambda **kw: harness.read(seq, **kw)[0],
+            "write": lambda **kw: harness.write(seq, **kw),
+            "write of new blocks": lambda **kw: harness.write(fresh, **kw),
+        }
+        for op, call in calls.items():
             t0 = time.monotonic()
-            done = call(seq, timeout_s=1e-6)
+            done = call(timeout_s=1e-6)
             assert time.monotonic() - t0 < self.deadline_slack_s
             assert 0 <= done <= 8
+            if done < 8:
+                assert getattr(done, "kind", None) == FailureKind.DEADLINE, (
+                    f"an expired {op} answered {done!r} of kind {getattr(done, 'kind', None)!r}"
+                )
 
     @exercises("kvcore_write", "kvcore_read", "kvcore_query")
     def test_deadline_expiring_mid_operation(self, open_harness: Callable[..., Harness]) -> None:
@@ -829,11 +870,11 @@ class BackendConformance:
         assert not lost, f"{len(lost)} acknowledged blocks left though the sink took nothing"
         assert not split, f"{len(split)} blocks left with only some of their parts: {split[:3]}"
         offered = {name for names, _ in offers for name in names}
-        for names, _ in offers:  # a block's parts in one offer
+        for offer, _ in offers:  # a block's parts in one offer
             rows = [r for seq, _ in acked for r in h.request(seq).object_names]
             for row in rows:
-                if set(row) & set(names):
-                    assert set(row) <= set(names), f"block {row[0]} offered part by part"
+                if set(row) & set(offer):
+                    assert set(row) <= set(offer), f"block {row[0]} offered part by part"
         assert offered
 
     # -- admission ---------------------------------------------------------------------------
@@ -992,14 +1033,14 @@ class BackendConformance:
 
     @exercises()
     def test_unknown_config_field_is_named(
-        self, backend_target: str | type, backend_config: dict
+        self, backend_target: str | type, backend_config: dict[str, Any]
     ) -> None:
         with pytest.raises(ConfigError, match="no_such_setting"):
             open_backend(backend_target, {**backend_config, "no_such_setting": 1})
 
     @exercises()
     def test_bad_config_value_is_named(
-        self, backend_target: str | type, backend_config: dict
+        self, backend_target: str | type, backend_config: dict[str, Any]
     ) -> None:
         with pytest.raises(ConfigError, match="default_timeout_s"):
             open_backend(backend_target, {**backend_config, "default_timeout_s": -1})
@@ -1008,8 +1049,8 @@ class BackendConformance:
     def test_opens_without_a_layout_for_queries(
         self,
         backend_target: str | type,
-        backend_config: dict,
-        backend_context: dict,
+        backend_config: dict[str, Any],
+        backend_context: dict[str, Any],
         harness: Harness,
         capabilities: Capabilities,
     ) -> None:
@@ -1042,6 +1083,37 @@ class BackendConformance:
             if not capabilities.token_index:
                 assert n == 0
         assert harness.query(seq) == 3, "a flush must not move or drop data"
+
+    @requires(checksums=False, addressing="key", io="host")
+    @exercises("kvcore_write", "kvcore_read", "kvcore_query")
+    def test_a_flipped_bit_is_never_read(
+        self,
+        backend_target: str | type,
+        backend_config: dict[str, Any],
+        backend_context: dict[str, Any],
+    ) -> None:
+        """Opened as every caller opens it (``verify_blocks="auto"``), a backend that keeps no
+        checksums gets kvcore's block digests: a bit flipped in a stored object (through the
+        backend's own hooks, as a failing store would) ends the read before that block, is
+        counted, and the block is a miss afterwards (removed, where the backend can)."""
+        from kvcore.testing.corruption import corrupt_reads, flip_a_stored_bit
+
+        with harness_opener(
+            backend_target, backend_config, backend_context, verify_blocks="auto"
+        ) as open_:
+            h = open_()
+            if not h.backend.verifies_blocks:  # an instance may declare checksums (a stack)
+                pytest.skip("the opened backend verifies its blocks itself")
+            seq = h.new_sequence(3)
+            assert h.write(seq) == 3
+            name = h.request(seq).object_names[1][-1]
+            flip_a_stored_bit(h.backend, name, h.layout.part_bytes(h.parts[-1]))
+            done, got = h.read(seq)
+            assert done == 1, f"read {int(done)} blocks past a corrupt one"
+            assert blocks_equal(got[:1], h.payload(seq, 0, 1)) == []
+            assert corrupt_reads(h.backend) == 1
+            if h.backend.implements("kvcore_remove"):
+                assert h.query(seq) == 1, "the corrupt block is still found"
 
     @exercises("kvcore_register_buffer", "kvcore_unregister_buffer", "kvcore_write", "kvcore_read")
     def test_registered_regions(self, harness: Harness) -> None:
@@ -1188,7 +1260,7 @@ def _check_event(event: StoreEvent, namespace: str) -> None:
         assert parsed is not None and parsed.part == part, (name, part)
 
 
-def _backend_class(target: str | type) -> type:
+def _backend_class(target: str | type) -> type[Any]:
     return load_backend_class(target) if isinstance(target, str) else target
 
 
@@ -1275,7 +1347,9 @@ def _no_gc_pauses() -> Iterator[None]:
             gc.enable()
 
 
-def _timed_call(h: Harness, call: Callable[[BlockRequest], int], request: BlockRequest):
+def _timed_call(
+    h: Harness, call: Callable[[BlockRequest], int], request: BlockRequest
+) -> tuple[int, float]:
     with _no_gc_pauses():
         t0 = time.monotonic()
         done = call(request)

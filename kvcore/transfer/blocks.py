@@ -21,7 +21,6 @@ from kvcore.requests import BlockRequest
 from kvcore.schemas import FlushTask, QueryTask, ReadTask, TaskResult, WriteTask
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
-from kvcore.transfer.integrity import VerifiedBlocks
 from kvcore.transfer.policy import WritePolicy
 from kvcore.transfer.scheduler import Progress, TaskFuture
 from kvcore.transfer.storage import (
@@ -51,18 +50,9 @@ class BlockTasks:
         )
         self._storage: StorageIO | None = None
         self._fallback: StorageIO | None = None
-        caps = backend.capabilities
-        verify = config.verify_blocks == "always" or (
-            config.verify_blocks == "auto" and not caps.checksums
-        )
-        #: reads, writes and queries go through this: the backend, or it with block digests
-        #: beside (host I/O and key addressing only: digests are objects found by name, and
-        #: only host memory can be hashed here)
-        self.store: Backend | VerifiedBlocks = (
-            VerifiedBlocks(backend, len(config.layout.parts))
-            if verify and caps.io == "host" and caps.addressing == "key"
-            else backend
-        )
+        #: reads, writes and queries go through the opened backend, which keeps and checks
+        #: block digests itself where it has no checksums (``verify_blocks``)
+        self.store: Backend = backend
 
     # -- the storage strategy ------------------------------------------------------------------
 
@@ -88,7 +78,7 @@ class BlockTasks:
         if caps.io == "device":
             if want not in ("auto", "device"):
                 raise ConfigError(f"storage_io={want!r}: backend {backend.name!r} does device I/O")
-            return DirectIO(backend, cfg, "device", device_buffers(cfg.device_id), self.store)
+            return DirectIO(backend, cfg, "device", device_buffers(cfg.device_id))
         resident = not cache.on_gpu and caps.segmented_host
         if want == "host_resident" and not resident:
             raise ConfigError(
@@ -99,8 +89,8 @@ class BlockTasks:
         if want == "device":
             raise ConfigError(f"storage_io='device': backend {backend.name!r} does host I/O")
         if resident and want in ("auto", "host_resident"):
-            return DirectIO(backend, cfg, "host_resident", host_resident_buffers, self.store)
-        return StagedIO(backend, cfg, self._io_pool, self.store)
+            return DirectIO(backend, cfg, "host_resident", host_resident_buffers)
+        return StagedIO(backend, cfg, self._io_pool)
 
     def _io(self) -> StorageIO:
         """The strategy; a host-resident one whose backend broke the fence is replaced by
@@ -109,7 +99,7 @@ class BlockTasks:
         assert storage is not None
         if isinstance(storage, DirectIO) and storage.fence_broken and storage.name != "device":
             if self._fallback is None:
-                self._fallback = StagedIO(self.backend, self.config, self._io_pool, self.store)
+                self._fallback = StagedIO(self.backend, self.config, self._io_pool)
             return self._fallback
         return storage
 
@@ -147,7 +137,10 @@ class BlockTasks:
         return BlockJob(request, list(task.device_block_ids), ids, cache)
 
     def _request(
-        self, task: ReadTask | WriteTask | QueryTask | FlushTask, timeout_s: float, **more: int
+        self,
+        task: ReadTask | WriteTask | QueryTask | FlushTask,
+        timeout_s: float,
+        num_blocks: int | None = None,
     ) -> BlockRequest:
         """The task's request, its object names built here, once."""
         return self.backend.request(
@@ -156,7 +149,7 @@ class BlockTasks:
             start_block=task.start_block,
             token_ids=task.token_ids,
             timeout_s=timeout_s,
-            **more,
+            num_blocks=num_blocks,
         )
 
     def query(self, task: QueryTask, timeout_s: float) -> int:
@@ -182,7 +175,7 @@ class BlockTasks:
         start = request.start_block
         prog.block_ids = list(range(start, start + n))
         if n < request.num_blocks and n.failure is not None:
-            prog.stop(n.kind or "backend_error", n.failure)  # type: ignore[arg-type]
+            prog.stop(n.kind or "backend_error", n.failure)
         self.metrics.add("flush", blocks=n)
         return prog.result(request.task_id, "flush", request.num_blocks, {}, block_ids=[])
 
@@ -193,7 +186,7 @@ class BlockTasks:
         stored = self.store.query(request)
         timings["query"] = time.monotonic() - t0
         if stored < n_req and stored.failure is not None:
-            prog.stop(stored.kind or "backend_error", stored.failure)  # type: ignore[arg-type]
+            prog.stop(stored.kind or "backend_error", stored.failure)
         self._io().read(job, stored, fut, prog, timings)
         done = len(prog.block_ids)
         failed = int(prog.outcome not in (None, "miss"))

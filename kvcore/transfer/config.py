@@ -95,7 +95,9 @@ class TransferConfig(EnvConfig):
         default="auto",
         description="store a digest beside each block and check every block read against it: "
         "auto does so for backends that keep no checksum of their own "
-        "(Capabilities.checksums false), so a corrupted object is a miss, never wrong KV",
+        "(Capabilities.checksums false), so a corrupted object is a miss, never wrong KV; "
+        "it is the backend's setting (open_backend's verify_blocks): passed on when the "
+        "manager opens the backend, checked against an opened one when not auto",
     )
     flush_after_read: bool = Field(
         default=True, description="token-index backends: mark restored blocks device-resident"
@@ -193,3 +195,10 @@ class TransferConfig(EnvConfig):
                     f"context ({other!r}); open the backend with the same {field}, or pass its "
                     "name"
                 )
+        if self.verify_blocks != "auto" and self.verify_blocks != backend.verify_blocks:
+            raise ConfigError(
+                f"invalid transfer config:\n  verify_blocks: {self.verify_blocks!r} differs "
+                f"from the opened backend's ({backend.verify_blocks!r}); an opened backend keeps "
+                "its digests for every caller, so open it with "
+                f"open_backend(..., verify_blocks={self.verify_blocks!r}), or pass its name"
+            )

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -25,7 +25,15 @@ from kvcore.backend import Backend
 from kvcore.errors import ConfigError
 from kvcore.metrics import Metrics
 from kvcore.registry import open_backend
-from kvcore.schemas import FlushTask, QueryTask, ReadTask, SwapTask, TaskResult, WriteTask
+from kvcore.schemas import (
+    FlushTask,
+    QueryTask,
+    ReadTask,
+    SwapTask,
+    TaskOp,
+    TaskResult,
+    WriteTask,
+)
 from kvcore.threads import io_cpus, thread_pool
 from kvcore.transfer.blocks import BlockTasks
 from kvcore.transfer.caches import DeviceCache, HostCache
@@ -35,6 +43,8 @@ from kvcore.transfer.scheduler import Progress, Scheduler, TaskFuture
 __all__ = ["TransferManager", "combine_ranks"]
 
 log = logging.getLogger("kvcore.transfer")
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 def combine_ranks(leading_runs: Sequence[int]) -> int:
@@ -73,7 +83,13 @@ class TransferManager:
         io_cpus()  # a bad KVCORE_IO_CPUS is refused here, naming it, not warned per thread
         self._owns_backend = isinstance(backend, str)
         if isinstance(backend, str):
-            backend = open_backend(backend, backend_config, context=cfg.context, strict=cfg.strict)
+            backend = open_backend(
+                backend,
+                backend_config,
+                context=cfg.context,
+                strict=cfg.strict,
+                verify_blocks=cfg.verify_blocks,
+            )
         elif backend is not None:
             cfg.check_backend(backend)
         self.backend: Backend | None = backend
@@ -121,7 +137,7 @@ class TransferManager:
         cache, host = self._require_cache(), self._require_host()
         cache.check_ids(task.device_block_ids, "device_block_ids")
         host.check_ids(task.host_block_ids, "host_block_ids")
-        op = f"swap_{task.direction}"
+        op: TaskOp = "swap_to_host" if task.direction == "to_host" else "swap_to_device"
         mode = ops.TO_HOST if task.direction == "to_host" else ops.TO_DEVICE
         dev_ids = np.asarray(task.device_block_ids, dtype=np.int64)
         host_ids = np.asarray(task.host_block_ids, dtype=np.int64)
@@ -286,14 +302,16 @@ class TransferManager:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _submit_blocks(self, op: str, task: ReadTask | WriteTask) -> TaskFuture:
+    def _submit_blocks(
+        self, op: Literal["read", "write"], task: ReadTask | WriteTask
+    ) -> TaskFuture:
         blocks = self._require_blocks()
         job = blocks.prepare(task, self._require_cache(), self._timeout(task.timeout_s))
         body = functools.partial(blocks.read if op == "read" else blocks.write, job)
         return self._scheduler_().submit(op, task.task_id, job.request.deadline, op, body)
 
     def _submit(
-        self, op: str, task_id: str, timeout_s: float | None, lane: str, body: Any
+        self, op: TaskOp, task_id: str, timeout_s: float | None, lane: str, body: Any
     ) -> TaskFuture:
         deadline = time.monotonic() + self._timeout(timeout_s)
         return self._scheduler_().submit(op, task_id, deadline, lane, body)
@@ -322,7 +340,7 @@ class TransferManager:
         return self._host
 
 
-def _validate(model: type[BaseModel], value: Any, what: str) -> Any:
+def _validate(model: type[_Model], value: Any, what: str) -> _Model:
     if isinstance(value, model):
         return value
     try:

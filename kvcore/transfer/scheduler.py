@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from kvcore.metrics import Metrics
-from kvcore.schemas import TaskOutcome, TaskResult
+from kvcore.requests import FailureKind
+from kvcore.schemas import TaskOp, TaskOutcome, TaskResult
 from kvcore.threads import start_thread
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcore.transfer")
+
+_TASK_OUTCOMES = frozenset(get_args(TaskOutcome))
 
 #: The watchdog never sleeps longer than this at once, whatever the deadlines: a bounded wait
 #: cannot overflow, and a stopped or repaired heap is noticed within the hour at worst.
@@ -60,15 +63,21 @@ class Progress:
     outcome: TaskOutcome | None = None  # why it stopped short, once known
     error: str | None = None
 
-    def stop(self, outcome: TaskOutcome, error: str | None) -> None:
-        """Record why the task stops short (the first reason wins)."""
+    def stop(self, outcome: TaskOutcome | FailureKind, error: str | None) -> None:
+        """Record why the task stops short (the first reason wins). A reason kvcore does not
+        know is recorded as ``error`` (the answer must still be built, or the task would
+        never be answered)."""
         if self.outcome is None:
-            self.outcome, self.error = outcome, error
+            reason = str(outcome)
+            if reason not in _TASK_OUTCOMES:
+                reason, error = "error", f"unknown outcome {reason!r}: {error}"
+            # reason is one of TaskOutcome's values (checked just above); `in` cannot narrow it
+            self.outcome, self.error = reason, error  # type: ignore[assignment]
 
     def result(
         self,
         task_id: str,
-        op: str,
+        op: TaskOp,
         wanted: int,
         timings: dict[str, float],
         *,
@@ -97,7 +106,7 @@ class Progress:
         )
 
 
-class TaskFuture(Future):
+class TaskFuture(Future[TaskResult]):
     """A future that answers with a fallback (what completed so far) once its deadline passes."""
 
     def __init__(
@@ -318,7 +327,9 @@ class Scheduler:
         self._accepting: str | None = None  # None: accepting; else why not
         self._live: set[TaskFuture] = set()
 
-    def submit(self, op: str, task_id: str, deadline: float, lane: str, body: Body) -> TaskFuture:
+    def submit(
+        self, op: TaskOp, task_id: str, deadline: float, lane: str, body: Body
+    ) -> TaskFuture:
         """Queue ``body`` on ``lane``; the future resolves by ``deadline`` (+ a fence's grace)."""
         t_submit = time.monotonic()
         progress = Progress()
@@ -386,7 +397,7 @@ class Scheduler:
     @staticmethod
     def _result(
         task_id: str,
-        op: str,
+        op: TaskOp,
         progress: Progress,
         outcome: TaskOutcome,
         error: str | None,
@@ -397,14 +408,14 @@ class Scheduler:
         result.outcome, result.error, result.deadline_missed = outcome, error, deadline_missed
         return result
 
-    def reject(self, op: str, task_id: str, why: str) -> TaskFuture:
+    def reject(self, op: TaskOp, task_id: str, why: str) -> TaskFuture:
         """An already answered future saying the task was not run."""
         self.metrics.add(op, rejected=1)
         fut = TaskFuture(time.monotonic(), lambda _reason, _fence: None)
         fut.answer(TaskResult(task_id=task_id, op=op, outcome="rejected", ok=False, error=why))
         return fut
 
-    def _forget(self, fut: Future) -> None:
+    def _forget(self, fut: Future[TaskResult]) -> None:
         with self._state:
             self._live.discard(fut)
 

@@ -20,21 +20,28 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import numpy as np
 
 from kvcore.backend import Backend
-from kvcore.ops import TO_DEVICE, TO_HOST
-from kvcore.requests import BlockRequest, Outcome
+from kvcore.ops import TO_DEVICE, TO_HOST, HostBuffer
+from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
-from kvcore.transfer.integrity import VerifiedBlocks
 from kvcore.transfer.scheduler import Progress, TaskFuture
 from kvcore.transfer.staging import StagingBuffer, StagingPool
 
 __all__ = ["BlockJob", "DirectIO", "StagedIO", "StorageIO"]
 
 log = logging.getLogger("kvcore.transfer")
+
+
+class SpanBuffers(TypedDict, total=False):
+    """The buffers a direct call passes to :meth:`BlockRequest.slice`: the engine's own."""
+
+    host: HostBuffers
+    device: DeviceBuffers
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class BlockJob:
 def record_short(prog: Progress, got: Outcome) -> None:
     """A backend call did fewer blocks than asked: a failure if it says so, else a miss."""
     if got.failure is not None:
-        prog.stop(got.kind or "backend_error", got.failure)  # type: ignore[arg-type]
+        prog.stop(got.kind or "backend_error", got.failure)
 
 
 class StorageIO:
@@ -68,12 +75,11 @@ class StorageIO:
         self,
         backend: Backend,
         config: TransferConfig,
-        store: Backend | VerifiedBlocks | None = None,
     ) -> None:
         self.backend = backend
         self.config = config
-        #: what reads and writes go through: the backend, or it with block digests beside
-        self.store = backend if store is None else store
+        #: what reads and writes go through (the opened backend verifies blocks itself)
+        self.store = backend
 
     @property
     def memory_bytes(self) -> int:
@@ -81,12 +87,18 @@ class StorageIO:
         return 0
 
     def read(
-        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
+        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
         raise NotImplementedError
 
     def write(
-        self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
+        self,
+        job: BlockJob,
+        first: int,
+        todo: int,
+        fut: TaskFuture,
+        prog: Progress,
+        timings: dict[str, float],
     ) -> None:
         raise NotImplementedError
 
@@ -108,9 +120,8 @@ class StagedIO(StorageIO):
         backend: Backend,
         config: TransferConfig,
         io: ThreadPoolExecutor,
-        store: Backend | VerifiedBlocks | None = None,
     ) -> None:
-        super().__init__(backend, config, store)
+        super().__init__(backend, config)
         self._io = io
         self.span = config.span_blocks  # within the staging budget (or ConfigError, first)
         self.depth = config.pipeline_depth
@@ -123,7 +134,7 @@ class StagedIO(StorageIO):
         for region in self._regions():
             backend.register_buffer(region.ptr, region.nbytes)
 
-    def _regions(self) -> list:
+    def _regions(self) -> list[HostBuffer]:
         return [*self._read_pool.regions(), *self._write_pool.regions()]
 
     @property
@@ -143,7 +154,7 @@ class StagedIO(StorageIO):
         )
 
     def read(
-        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
+        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
         if not stored:
             return
@@ -161,7 +172,7 @@ class StagedIO(StorageIO):
             got = self.store.read(job.request.slice(off, off + size, host=host))
             return got, time.monotonic() - t0
 
-        pending: dict[int, Future] = {
+        pending: dict[int, Future[tuple[Outcome, float]]] = {
             k: self._io.submit(fetch, k) for k in range(min(depth - 1, len(spans)))
         }
         try:
@@ -185,7 +196,13 @@ class StagedIO(StorageIO):
             _release_after(self._read_pool, staging, pending.values())
 
     def write(
-        self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
+        self,
+        job: BlockJob,
+        first: int,
+        todo: int,
+        fut: TaskFuture,
+        prog: Progress,
+        timings: dict[str, float],
     ) -> None:
         staging = self._write_pool.acquire(fut.deadline - time.monotonic())
         if staging is None:
@@ -194,7 +211,7 @@ class StagedIO(StorageIO):
         spans = [(first + off, size) for off, size in _chunks(todo, self.span)]
         depth = self.depth
 
-        def store(k: int, before: Future | None) -> tuple[Outcome, float]:
+        def store(k: int, before: Future[tuple[Outcome, float]] | None) -> tuple[Outcome, float]:
             # one task's stores run in order: a store that fell short ends the run, and a
             # capacity-bound backend sees the blocks in the order they will be counted
             if before is not None and before.result()[0] < spans[k - 1][1]:
@@ -205,7 +222,7 @@ class StagedIO(StorageIO):
             got = self.store.write(job.request.slice(lo, lo + size, host=host))
             return got, time.monotonic() - t0
 
-        pending: dict[int, Future] = {}
+        pending: dict[int, Future[tuple[Outcome, float]]] = {}
         counted = 0  # spans whose store result has been taken, in order
 
         def take_next() -> bool:
@@ -254,10 +271,9 @@ class DirectIO(StorageIO):
         backend: Backend,
         config: TransferConfig,
         name: str,
-        buffers: Callable[[DeviceCache, Sequence[int]], dict],
-        store: Backend | VerifiedBlocks | None = None,
+        buffers: Callable[[DeviceCache, Sequence[int]], SpanBuffers],
     ) -> None:
-        super().__init__(backend, config, store)
+        super().__init__(backend, config)
         self.name = name
         self._buffers = buffers
         #: set once a backend call outlived a task's answer: the manager stops trusting us
@@ -289,7 +305,7 @@ class DirectIO(StorageIO):
         n: int,
         fut: TaskFuture,
         prog: Progress,
-        timings: dict,
+        timings: dict[str, float],
     ) -> Outcome | None:
         ids = job.device_ids[lo : lo + n]
         request = job.request.slice(lo, lo + n, **self._buffers(job.cache, ids))
@@ -324,26 +340,34 @@ class DirectIO(StorageIO):
             self.store.remove(request.with_buffers())
 
     def read(
-        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict
+        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
         if stored:
             self._call(self.store.read, job, 0, stored, fut, prog, timings)
 
     def write(
-        self, job: BlockJob, first: int, todo: int, fut: TaskFuture, prog: Progress, timings: dict
+        self,
+        job: BlockJob,
+        first: int,
+        todo: int,
+        fut: TaskFuture,
+        prog: Progress,
+        timings: dict[str, float],
     ) -> None:
         self._call(self.store.write, job, first, todo, fut, prog, timings)
 
 
-def device_buffers(device_id: int) -> Callable[[DeviceCache, Sequence[int]], dict]:
+def device_buffers(device_id: int) -> Callable[[DeviceCache, Sequence[int]], SpanBuffers]:
     return lambda cache, ids: {"device": cache.device_buffers(ids, device_id)}
 
 
-def host_resident_buffers(cache: DeviceCache, ids: Sequence[int]) -> dict:
+def host_resident_buffers(cache: DeviceCache, ids: Sequence[int]) -> SpanBuffers:
     return {"host": cache.host_buffers(ids)}
 
 
-def _release_after(pool: StagingPool, staging: StagingBuffer, pending: Iterable[Future]) -> None:
+def _release_after(
+    pool: StagingPool, staging: StagingBuffer, pending: Iterable[Future[Any]]
+) -> None:
     """Return ``staging`` to its pool once no backend call still uses it."""
     running = [f for f in pending if not f.done()]
     if not running:
@@ -352,7 +376,7 @@ def _release_after(pool: StagingPool, staging: StagingBuffer, pending: Iterable[
     left = [len(running)]
     lock = threading.Lock()
 
-    def one_done(_f: Future) -> None:  # a call overran: release when the last one ends
+    def one_done(_f: Future[Any]) -> None:  # a call overran: release when the last one ends
         with lock:
             left[0] -= 1
             last = left[0] == 0

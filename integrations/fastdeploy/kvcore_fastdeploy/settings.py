@@ -34,12 +34,19 @@ __all__ = [
     "EXTRA_CONFIG_ENV",
     "FASTDEPLOY_FILE_ENV",
     "FASTDEPLOY_MOONCAKE_ENV",
+    "VERIFY_BLOCKS_ENV",
     "fastdeploy_backend_config",
     "parse_backend_spec",
+    "verify_blocks_setting",
 ]
 
 BACKEND_PREFIX = "kvcore:"
 EXTRA_CONFIG_ENV = "KVCORE_FASTDEPLOY_BACKEND_CONFIG"
+#: ``auto`` (default): a backend without checksums (Mooncake, memory) keeps a digest beside
+#: every object and refuses an object that has none or differs from it; ``never`` reads
+#: objects as they are, for a fleet where FastDeploy's own stores write beside kvcore (their
+#: objects carry no digest). See kvcore.integrity.
+VERIFY_BLOCKS_ENV = "KVCORE_FASTDEPLOY_VERIFY_BLOCKS"
 
 #: FastDeploy's file store directory and its default (envs.py at 1af00818)
 FASTDEPLOY_FILE_ENV = ("FILE_BACKEND_STORAGE_DIR", "/tmp/fastdeploy")
@@ -83,6 +90,15 @@ def parse_backend_spec(spec: str) -> str:
             "which calls the same SDK the same way"
         )
     return name
+
+
+def verify_blocks_setting(environ: Mapping[str, str] | None = None) -> str:
+    """The ``verify_blocks`` the backend is opened with (:data:`VERIFY_BLOCKS_ENV`)."""
+    env = os.environ if environ is None else environ
+    value = env.get(VERIFY_BLOCKS_ENV) or "auto"
+    if value not in ("auto", "always", "never"):
+        raise ValueError(f"{VERIFY_BLOCKS_ENV} is {value!r}; it is one of auto, always, never")
+    return value
 
 
 def fastdeploy_backend_config(

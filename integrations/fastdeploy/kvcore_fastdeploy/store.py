@@ -25,7 +25,7 @@ reported as not found even if it happens to exist.
 ``batch_set`` and ``set`` ask the store's admission policy first (kv_file's ``admission``:
 ``adaptive`` by default): blocks it does not take are not written. A refused object is not a
 failure (nothing went wrong, and nothing should be retried): it is answered 0, as a stored one,
-and counted as ``blocks_refused`` in :meth:`KVCoreStore.stats`.
+and counted by kvcore's facade (``blocks_refused.admit`` in :meth:`KVCoreStore.stats`).
 
 Failures never raise into FastDeploy: a backend error is a counted miss (kvcore's facade), and
 only malformed calls (lists of different lengths, sizes that contradict the cache layout)
@@ -44,7 +44,11 @@ import kvcore
 from kvcore import BlockRequest, HostBuffers, Outcome
 from kvcore_fastdeploy.layout import layout_from_fastdeploy
 from kvcore_fastdeploy.names import part_of
-from kvcore_fastdeploy.settings import fastdeploy_backend_config, parse_backend_spec
+from kvcore_fastdeploy.settings import (
+    fastdeploy_backend_config,
+    parse_backend_spec,
+    verify_blocks_setting,
+)
 
 __all__ = ["FAILED", "NOT_FOUND", "KVCoreStore", "store_namespace"]
 
@@ -153,6 +157,7 @@ class KVCoreStore:
         backend = kvcore.open_backend(
             name,
             backend_config,
+            verify_blocks=verify_blocks_setting(environ),  # type: ignore[arg-type]
             context={
                 "layout": layout,
                 "rank": tp_rank,
@@ -267,9 +272,12 @@ class KVCoreStore:
             self.backend.close()
 
     def stats(self) -> dict[str, float]:
-        """kvcore's counters for this backend and the adapter's own (``blocks_refused``), for
-        FastDeploy's metrics or a log line."""
-        return {"blocks_refused": 0.0, **self.backend.stats(), **self._counters.snapshot()}
+        """kvcore's counters for this backend (blocks the admission policy refused:
+        ``blocks_refused.admit``) and the adapter's own, for FastDeploy's metrics or a log
+        line. ``blocks_refused`` is the same count under its 0.1 name, until 0.2."""
+        out = {**self.backend.stats(), **self._counters.snapshot()}
+        out["blocks_refused"] = out.get("blocks_refused.admit", 0.0)
+        return out
 
     # -- internals -------------------------------------------------------------------------
 
@@ -346,13 +354,8 @@ class KVCoreStore:
         n = request.num_blocks
         if op == "read":
             return _read_answers(self.backend.read(request), n, nbytes)
-        admitted = int(self.backend.admit(request))
-        if admitted < n:
-            self._counters.add("blocks_refused", n - admitted)
-            assert request.host is not None
-            request = request.slice(0, admitted, host=request.host.slice(0, admitted))
-        written = int(self.backend.write(request)) if admitted else 0
-        return _write_answers(written, admitted, n, len(request.parts))
+        written, admitted = self.backend.write_admitted(request)  # refusals counted there
+        return _write_answers(int(written), admitted, n, len(request.parts))
 
     def _parts_for(self, total: int) -> tuple[str, ...]:
         """The runs a key list holds: K and V, plus both scales when the cache has them."""

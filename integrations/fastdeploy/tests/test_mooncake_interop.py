@@ -12,12 +12,14 @@ on a real ``mooncake_master`` (127.0.0.1), with FastDeploy's names and staging l
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 from conftest import point_at_cluster
 from fd_flows import FastDeployRank
 from kv_mooncake.testing import MooncakeCluster
 from kvcore_fastdeploy import KVCoreStore
+from kvcore_fastdeploy.settings import VERIFY_BLOCKS_ENV
 
 import kvcore
 
@@ -84,7 +86,14 @@ def kvcore_side(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Callable[..., KVCoreStore]:
     point_at_cluster(monkeypatch, mooncake_cluster)
-    return lambda **kw: open_store("mooncake", **kw)
+
+    def open_(verify: str = "never", **kw: Any) -> KVCoreStore:
+        # FastDeploy's own MooncakeStore writes no digests: a fleet where it writes beside
+        # kvcore reads objects as they are (see test_an_object_without_a_digest_is_refused)
+        monkeypatch.setenv(VERIFY_BLOCKS_ENV, verify)
+        return open_store("mooncake", **kw)
+
+    return open_
 
 
 def _hashes(n: int, salt: str) -> list[str]:
@@ -158,3 +167,20 @@ def test_a_prefix_written_by_each_side_is_read_whole(
     assert [reader.block_bytes(b) for b in (4, 5, 6, 7)] == [
         fd_rank.block_bytes(b) for b in (0, 1, 2, 3)
     ]
+
+
+def test_an_object_without_a_digest_is_refused_by_default(
+    fastdeploy_side: FastDeployMooncake, kvcore_side: Callable[..., KVCoreStore]
+) -> None:
+    """Mooncake keeps no checksums, so by default kvcore keeps a digest beside every object
+    (kvcore.integrity): an object FastDeploy's own store wrote has none and is a counted miss,
+    never bytes that cannot be checked."""
+    store = kvcore_side(verify="auto")
+    layout = store.layout
+    hashes = _hashes(2, "unverified")
+    fd_rank = FastDeployRank(fastdeploy_side, layout)
+    fd_rank.fill([0, 1], seed=14)
+    fd_rank.write_back(hashes, [0, 1])
+    got = FastDeployRank(store, layout).read(hashes, [2, 3])
+    assert got.matched == 0
+    assert store.backend.verifies_blocks

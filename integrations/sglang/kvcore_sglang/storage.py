@@ -309,6 +309,10 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         for prefix, tier in (("kv.", self._kv), ("side.", self._side)):
             if tier is not None and not self._closed:
                 out.update({prefix + k: v for k, v in tier.backend.stats().items()})
+        # the 0.1 name of the facade's refusal count (kv. and side. together), until 0.2
+        out["pages_refused"] = out.get("kv.blocks_refused.admit", 0.0) + out.get(
+            "side.blocks_refused.admit", 0.0
+        )
         return out
 
     def close(self) -> None:
@@ -549,11 +553,8 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         anything is staged (a refused page costs no copy). A refused page is not written and is
         not a failure: it is reported as handled, so HiCache neither logs a failed backup nor
         stops the operation's later batches (as vLLM's tier reports a refused chunk's job as a
-        success), and counted as ``pages_refused``."""
-        admitted = int(tier.backend.admit(request))
-        if admitted < request.num_blocks:
-            self._counters.add("pages_refused", request.num_blocks - admitted)
-        return admitted
+        success), and counted by kvcore's facade (``kv.blocks_refused.admit``)."""
+        return int(tier.backend.admit(request))
 
     def _pages_of(
         self, tier: _Tier | None, fmt: PageFormat | None, pool: Any

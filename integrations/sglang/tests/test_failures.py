@@ -145,7 +145,8 @@ def test_pages_the_store_does_not_admit_are_refused_not_failed(make_storage) -> 
     assert storage.batch_set_v1(keys, page_indices(pool, 0, 4)) == [True] * 4
     assert storage.batch_exists(keys) == 0  # refused: nothing written
     stats = storage.get_stats().kvcore
-    assert stats["pages_refused"] == 4 and stats.get("pages_written", 0) == 0
+    assert stats["kv.blocks_refused.admit"] == stats["pages_refused"] == 4
+    assert stats.get("pages_written", 0) == 0
     assert storage.batch_set_v1(keys, page_indices(pool, 0, 4)) == [True] * 4  # second offer
     assert storage.batch_exists(keys) == 4
     assert storage.batch_get_v1(keys, page_indices(pool, 10, 4)) == [True] * 4
@@ -155,7 +156,7 @@ def test_pages_the_store_does_not_admit_are_refused_not_failed(make_storage) -> 
     assert storage.batch_set_v1([fresh[0], *keys[:2]], page_indices(pool, 4, 3)) == [True] * 3
     assert storage.batch_exists([fresh[0]]) == 0
     stats = storage.get_stats().kvcore
-    assert stats["pages_refused"] == 4 + 3 and stats["pages_written"] == 4
+    assert stats["kv.blocks_refused.admit"] == 4 + 3 and stats["pages_written"] == 4
 
     flat = [pool.get_data_page(i * pool.page_size, flat=True) for i in range(6, 8)]
     legacy = page_keys(2, seed=11)
@@ -173,4 +174,4 @@ def test_pages_the_store_does_not_admit_are_refused_not_failed(make_storage) -> 
     assert storage.batch_set(raw, None, locations, lengths) is True
     assert storage.batch_exists(raw) == 2
     stats = storage.get_stats().kvcore
-    assert stats["pages_refused"] == 7 + 2 + 2
+    assert stats["kv.blocks_refused.admit"] == stats["pages_refused"] == 7 + 2 + 2

@@ -14,8 +14,9 @@ moves whole chunks between the primary tier's memory and its store. Selected in
 - Data: one chunk is one stored object (part ``chunk``), read into and written from the
   primary tier's own memory: the host buffers point into it, and the region is registered
   with the backend once. A backend that keeps no checksum of its own (``memory``, Mooncake)
-  gets kvcore's block digests (:class:`kvcore.transfer.integrity.VerifiedBlocks`), so a
-  corrupted object is a miss and never reaches the primary tier.
+  keeps kvcore's block digests beside every chunk itself (:mod:`kvcore.integrity`, the opened
+  backend's, for every caller), so a corrupted object is a miss and never reaches the primary
+  tier.
 - Keys: a chunk's vLLM key (block hash and group) in a kvcore key scoped to the model and its
   K/V-changing settings (RoPE, overrides, quantization, dtypes: ``keys.model_settings``), the
   primary tier's format (vLLM's own run fields: dtype, tokens per hash, chunk size, parallel
@@ -59,7 +60,6 @@ import kvcore
 from kvcore import events as ev
 from kvcore.requests import HostBuffers
 from kvcore.threads import thread_pool
-from kvcore.transfer.integrity import VerifiedBlocks
 from kvcore_vllm.config import load_tier_settings
 from kvcore_vllm.keys import ChunkKeys, chunk_scope, tier_engine_config
 
@@ -139,7 +139,9 @@ class KVCoreTier(SecondaryTierManager):
                 f"{cfg.backend!r} is a {caps.addressing}-addressed, {caps.io}-I/O backend; the "
                 "kvcore tier stores chunks by key from host memory"
             )
-        self.store = self.backend if caps.checksums else VerifiedBlocks(self.backend, 1)
+        #: what jobs read, write and query through: the opened backend (which verifies its
+        #: chunks itself, kvcore.integrity); a seam tests wrap to inject faults
+        self.store: kvcore.Backend = self.backend
         self.backend.register_buffer(self._base, self._region_bytes)  # once, for every job
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._reported: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
@@ -415,7 +417,7 @@ class KVCoreTier(SecondaryTierManager):
         unmapped = 0
         for name, part in zip(event.names, event.parts, strict=True):
             if part != PART:
-                continue  # block digests beside chunks (VerifiedBlocks)
+                continue  # block digests beside chunks (kvcore.integrity)
             key = self.keys.offload_key(name)
             if key is None:
                 unmapped += 1

@@ -50,8 +50,10 @@ def _metric(stats, name: str) -> float:
     return sum(data.get(f"vllm:kv_offload_tiering_kvcore_{name}", {}).values())
 
 
-@pytest.mark.parametrize("backend", ["file", "memory"])
-def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(backend, tmp_path) -> None:
+@pytest.mark.parametrize("backend", ["file", "memory", "mooncake"])
+def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(
+    backend, tmp_path, request
+) -> None:
     # vLLM's own primary-tier memory, as its scheduler maps it (a /dev/shm region, no rank)
     region = SharedOffloadRegion(
         engine_id=f"kvcore-test-{uuid.uuid4().hex}",
@@ -62,7 +64,10 @@ def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(backend, 
     )
     primary = CPUPrimaryTierOffloadingManager(num_chunks=4, mmap_region=region)
     tensor = torch.from_numpy(np.asarray(primary.get_kv_memoryview()))  # the region's bytes
-    tier, _ = make_tier(backend, str(tmp_path), tensor)
+    more = {}
+    if backend == "mooncake":  # a real master and storage node on 127.0.0.1
+        more["backend_config"] = request.getfixturevalue("mooncake_config")
+    tier, _ = make_tier(backend, str(tmp_path), tensor, **more)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
     end = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
 

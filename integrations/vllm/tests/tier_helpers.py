@@ -169,7 +169,7 @@ def object_names(tier: KVCoreTier, k: OffloadKey) -> tuple[str, ...]:
 
 def damage(tier: KVCoreTier, k: OffloadKey, how: str = "truncate") -> None:
     """Corrupt the stored chunk ``k``: ``truncate`` its file to 10 bytes (kv_file), or flip
-    bytes of the stored object in place (the in-process ``memory`` store)."""
+    a bit of the stored object (``memory``, Mooncake: kvcore.testing.corruption)."""
     (name,) = object_names(tier, k)
     plugin = tier.backend.plugin
     if tier.backend.name == "file":
@@ -186,10 +186,10 @@ def damage(tier: KVCoreTier, k: OffloadKey, how: str = "truncate") -> None:
                 byte = f.read(1)
                 f.seek(-100, 2)
                 f.write(bytes([byte[0] ^ 0x01]))
-    else:
-        data = bytearray(plugin._objects[name])
-        data[-100] ^= 0x01
-        plugin._objects[name] = bytes(data)
+    else:  # memory, Mooncake: through the backend's own hooks, below kvcore's digests
+        from kvcore.testing.corruption import flip_a_stored_bit
+
+        flip_a_stored_bit(tier.backend, name, tier._chunk_bytes, at=tier._chunk_bytes - 100)
 
 
 @contextlib.contextmanager

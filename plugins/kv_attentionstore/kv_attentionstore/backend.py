@@ -20,7 +20,7 @@ from kv_attentionstore.config import AttentionStoreConfig, SdkSettings, resolve_
 from kv_attentionstore.readiness import SdkStartError, wait_until_ready
 from kv_attentionstore.request_mapping import TokenSpan, clamp_count, token_span
 from kv_attentionstore.sdk_loader import load_sdk
-from kvcore import BlockRequest, Outcome
+from kvcore import BlockRequest, FailureKind, Outcome
 
 log = logging.getLogger("kv_attentionstore")
 
@@ -92,7 +92,7 @@ class AttentionStoreBackend:
             return 0
         timeout = self._timeout(request, "query")
         if timeout is None:
-            return Outcome(0, "deadline passed before the SDK call")
+            return Outcome(0, "deadline passed before the SDK call", FailureKind.DEADLINE)
         try:
             got = self._client.match(self._tokens(span.token_ids), span.start_block, timeout)
         except Exception as exc:
@@ -106,7 +106,7 @@ class AttentionStoreBackend:
             return 0
         timeout = self._timeout(request, "read")
         if timeout is None:
-            return Outcome(0, "deadline passed before the SDK call")
+            return Outcome(0, "deadline passed before the SDK call", FailureKind.DEADLINE)
         dev = request.device
         assert dev is not None  # the core sends device buffers to io="device" backends
         try:
@@ -142,7 +142,7 @@ class AttentionStoreBackend:
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             self._counters.add("write_deadline_expired")
-            return Outcome(0, "deadline passed before the SDK call")
+            return Outcome(0, "deadline passed before the SDK call", FailureKind.DEADLINE)
         # Only the suffix the store lacks is sent: matched blocks hold the same bytes already.
         try:
             matched = self._client.match(self._tokens(span.token_ids), span.start_block, timeout)
@@ -154,7 +154,7 @@ class AttentionStoreBackend:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._counters.add("write_deadline_stops")
-                return Outcome(done, "deadline passed between write slices")
+                return Outcome(done, "deadline passed between write slices", FailureKind.DEADLINE)
             size = min(self.config.write_slice_block_num, span.num_blocks - done)
             written = self._write_slice(request, span, done, size, left)
             done += written
@@ -192,7 +192,7 @@ class AttentionStoreBackend:
         if request.expired():
             # no timeout can be passed, so an expired request must not start a call
             self._counters.add("flush_deadline_expired")
-            return Outcome(0, "deadline passed before the SDK call")
+            return Outcome(0, "deadline passed before the SDK call", FailureKind.DEADLINE)
         hbm = self._sdk.media_hbm
         media = (None, hbm) if resident_on_device else (hbm, None)
         try:

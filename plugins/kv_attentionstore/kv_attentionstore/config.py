@@ -11,6 +11,7 @@ and a FastDeploy pod configured alike open the SDK alike.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,7 +84,7 @@ class AttentionStoreConfig(kvcore.BackendConfig):
     )
 
     @classmethod
-    def env_overrides(cls, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    def env_overrides(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         environ = os.environ if environ is None else environ
         found = super().env_overrides(environ)
         for var, name in FASTDEPLOY_ALIASES.items():
@@ -93,8 +94,8 @@ class AttentionStoreConfig(kvcore.BackendConfig):
 
     @model_validator(mode="after")
     def _shard_in_range(self) -> AttentionStoreConfig:
-        both = self.shard_id is not None and self.shard_num is not None
-        if both and self.shard_id >= self.shard_num:
+        shard_id, shard_num = self.shard_id, self.shard_num
+        if shard_id is not None and shard_num is not None and shard_id >= shard_num:
             raise ValueError(f"shard_id {self.shard_id} must be < shard_num {self.shard_num}")
         return self
 

@@ -34,6 +34,7 @@ from kv_file.admission import StoreAdmission
 from kv_file.catalog import Catalog
 from kv_file.config import FileConfig, safe_namespace
 from kv_file.journal import Kind
+from kv_file.model import StoreModel
 from kv_file.objfile import encode_name, header_size
 from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, write_object
 from kv_file.paths import StoreDir, discard, name_digest
@@ -80,6 +81,8 @@ class FileBackend:
     config_model = FileConfig
     # segmented_host: preadv/writev take an engine's per-layer pieces of a block as they are;
     # checksums: every read is verified against the xxh3-128 in the object's header
+    #: this store's capacity accounting in metadata, for ``kvcore replay --simulate``
+    store_model = StoreModel
     capabilities = kvcore.Capabilities(
         addressing="key",
         io="host",

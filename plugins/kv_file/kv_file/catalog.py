@@ -157,7 +157,7 @@ class Catalog:
                 name = None if r.name is None else r.name.decode("utf-8", "surrogatepass")
                 # the index learns a name only for a file of a size its part can have (another
                 # layout's object under the same name is never counted: a lookup removes it)
-                fits = name is not None and (
+                fits = r.name is not None and (
                     self._fits is None or r.size - header_size(len(r.name)) in self._fits
                 )
                 pinned = r.digest in pin and r.origin == token

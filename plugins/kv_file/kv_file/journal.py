@@ -113,7 +113,7 @@ def decode(data: bytes | memoryview) -> list[Record]:
     out = []
     pos, end = 0, len(data)
     unpack, size = _REC.unpack_from, _REC.size
-    kinds = Kind._value2member_map_
+    kinds = {k.value: k for k in Kind}
     while pos < end:
         if end - pos < size:
             raise JournalError(f"a record header is cut at byte {pos}")
@@ -121,7 +121,7 @@ def decode(data: bytes | memoryview) -> list[Record]:
         if length < size + name_len or length % 8 or pos + length > end or kind not in kinds:
             raise JournalError(f"no valid record at byte {pos}")
         name = bytes(data[pos + size : pos + size + name_len]) if name_len else None
-        out.append(Record(kinds[kind], lo | (hi << 64), fsize, name, origin))  # type: ignore[arg-type]
+        out.append(Record(kinds[kind], lo | (hi << 64), fsize, name, origin))
         pos += length
     return out
 

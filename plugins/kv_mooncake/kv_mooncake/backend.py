@@ -55,7 +55,7 @@ from kv_mooncake.inflight import PieceBudget, queued_transfers_limit
 from kv_mooncake.observed import ObservedDrops
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
-from kvcore import BlockRequest, Outcome, leading_run
+from kvcore import BlockRequest, FailureKind, Outcome, leading_run
 from kvcore.requests import merge_spans
 from kvcore.threads import start_thread, thread_pool
 
@@ -289,7 +289,7 @@ class MooncakeBackend:
         # the region table holds the client's bound methods: drop them, so the client (its
         # segments, buffers and threads) is freed once its close returns, not whenever the
         # cyclic garbage collector next runs (16 opens and closes kept 250 MB before)
-        self._regions = RegionTable(_closed_client, _closed_client)
+        self._regions = RegionTable(_closed_register, _closed_unregister)
         _close_store(store, self._probes, self.config.close_timeout_s)
 
     # -- Mooncake calls ----------------------------------------------------------------------
@@ -339,7 +339,7 @@ class MooncakeBackend:
         left = request.time_left()
         if left <= 0:
             self._counters.add("miss_deadline")
-            return Outcome(0)
+            return Outcome(0, "deadline passed before the master call", FailureKind.DEADLINE)
         if left > self._inline_after_s:
             return list(call(keys))
         with self._stuck_lock:
@@ -355,7 +355,7 @@ class MooncakeBackend:
                 with self._stuck_lock:
                     self._stuck += 1
                 future.add_done_callback(self._unstick)
-            return Outcome(0)  # kvcore tells a deadline from a miss by the time
+            return Outcome(0, "no answer from the master by the deadline", FailureKind.DEADLINE)
 
     def _unstick(self, _future: object) -> None:
         with self._stuck_lock:
@@ -560,8 +560,13 @@ def _chunks(
 # -- closing ----------------------------------------------------------------------------------
 
 
-def _closed_client(ptr: int) -> int:
-    """What registering or unregistering memory with a closed client does: nothing."""
+def _closed_register(ptr: int, nbytes: int) -> int:
+    """What registering memory with a closed client does: nothing."""
+    return 0
+
+
+def _closed_unregister(ptr: int) -> int:
+    """What unregistering memory with a closed client does: nothing."""
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -180,24 +181,24 @@ class MooncakeConfig(BackendConfig):
     # -- loading ---------------------------------------------------------------------------
 
     @classmethod
-    def env_overrides(cls, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    def env_overrides(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         environ = os.environ if environ is None else environ
         found = fastdeploy_settings(environ)
         found.update(super().env_overrides(environ))
         return found
 
     @classmethod
-    def load(cls, config: Any = None, environ: dict[str, str] | None = None) -> MooncakeConfig:
+    def load(cls, config: Any = None, environ: Mapping[str, str] | None = None) -> MooncakeConfig:
         data = config.model_dump(exclude_unset=True) if hasattr(config, "model_dump") else config
         data = dict(data or {})
         environ = os.environ if environ is None else environ
         # a config_path given in the config is read like MOONCAKE_CONFIG_PATH
         if data.get("config_path") and "MOONCAKE_CONFIG_PATH" not in environ:
             environ = {**environ, "MOONCAKE_CONFIG_PATH": str(data["config_path"])}
-        return super().load(data, environ)  # type: ignore[return-value]
+        return super().load(data, environ)
 
 
-def fastdeploy_settings(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+def fastdeploy_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """Fields set by FastDeploy's JSON file and ``MOONCAKE_*`` variables (variables win)."""
     found: dict[str, Any] = {}
     path = environ.get("MOONCAKE_CONFIG_PATH")
@@ -218,4 +219,5 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"MOONCAKE_CONFIG_PATH: {str(path)!r} is not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"MOONCAKE_CONFIG_PATH: {str(path)!r} must hold a JSON object")
-    return {_FILE_ALIASES.get(k, k): v for k, v in raw.items() if v is not None}
+    fields: dict[str, Any] = raw  # a JSON object: its keys are strings
+    return {_FILE_ALIASES.get(k, k): v for k, v in fields.items() if v is not None}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -38,7 +39,7 @@ from kv_tiered.mover import Copy, Mover
 from kv_tiered.peers import PeerChanges
 from kv_tiered.stack_events import StackEvictions
 from kv_tiered.tiers import Tiers
-from kvcore import BlockRequest, HostBuffers, Outcome
+from kvcore import BlockRequest, FailureKind, HostBuffers, Outcome
 
 __all__ = ["TieredBackend"]
 
@@ -73,14 +74,13 @@ class TieredBackend:
             scales=all(c.scales for c in caps),
             concurrent=True,
             segmented_host=all(c.segmented_host for c in caps),
-            # every read is verified: by the tier, or by the digests kept beside (Tiers.store)
+            # every read is verified: by the tier, or by the digests its facade keeps beside
             checksums=True,
         )
         self._counters = kvcore.Counters()
         self._peers = PeerChanges(self.tiers, self._counters, config.default_timeout_s)
         self._mover = Mover(
-            self.tiers.store,
-            self.tiers.remove_from,
+            self.tiers,
             self.tiers.part_bytes,
             self._peers,
             max_blocks=config.backlog_blocks,
@@ -144,7 +144,7 @@ class TieredBackend:
             part = request.slice(done, n, host=host.slice(done, n))
             # straight into the caller's buffers, never abandoned (see _call): the tier's own
             # deadline handling bounds it (kv_mooncake abandons its existence checks)
-            got = self.tiers.store(i, part).read(part)
+            got = self.tiers[i].read(part)
             self._peers.after(i)
             failed += self._failed(i, "read", got)
             served = self._peers.not_removed(i, part, int(got))
@@ -197,7 +197,7 @@ class TieredBackend:
         removed = 0
         failure = None
         for i, tier in enumerate(self.tiers):
-            got = self.tiers.remove_from(i, request)
+            got = tier.remove(request)
             if got.failure is not None and tier.implements("kvcore_remove"):
                 self._failed(i, "remove", got)
                 failure = failure or got.failure
@@ -300,16 +300,17 @@ class TieredBackend:
         if op not in ("query", "write"):
             raise ValueError(f"no such tier call: {op!r}")
         if i == 0:
-            return getattr(self.tiers.store(i, request), op)(request)
+            return getattr(self.tiers[i], op)(request)
         own = None
         if host is not None:
             copy, own = private_copy(host)
             request = replace(request, host=copy)
-        run = functools.partial(getattr(self.tiers.store(i, request), op), request)
+        run = functools.partial(getattr(self.tiers[i], op), request)
         try:
             return self._calls[i].call(run, request.deadline, keep=own)
         except Missed as exc:
-            return Outcome(0, str(exc))
+            late = time.monotonic() >= request.deadline
+            return Outcome(0, str(exc), FailureKind.DEADLINE if late else None)
 
     def _failed(self, tier: int, op: str, outcome: Outcome) -> int:
         """Count a tier's failure (1) or nothing (0); the tier logged it once itself."""

@@ -95,4 +95,5 @@ class BoundedCalls:
             with self._lock:
                 self._busy -= 1
                 job.done.set()
+            # drop the references (the caller may hold the job long after): never called again
             job.keep = job.fn = None  # type: ignore[assignment]

@@ -20,6 +20,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import kvcore
 from kv_tiered.bounded import BoundedCalls, Missed
@@ -27,7 +28,6 @@ from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers
 from kvcore.evictions import Objects
 from kvcore.keys import parse_object_name
-from kvcore.transfer.integrity import VerifiedBlocks
 
 __all__ = ["EvictionHandDown"]
 
@@ -85,18 +85,9 @@ class EvictionHandDown:
             end = min(end, deadline)
         stored: list[str] = []
         for request, buffers in self._requests(objects, end):
-            store = self._tiers.store(below, request)
-            if isinstance(store, VerifiedBlocks) and not request.block_keys:
-                # names kvcore did not build in this namespace (an engine's own): the tier
-                # below keeps no checksums and their digests cannot be named, so they are not
-                # stored unverified there; they leave, as from a store without a tier below
-                for names in request.object_names:
-                    stored += names
-                self._counters.add(
-                    "evicted_unverifiable_objects", request.num_blocks * len(request.parts)
-                )
-                continue
-            write = functools.partial(_write, store, request)
+            # names kvcore did not build in this namespace (an engine's own) get a digest of
+            # their own below, like any object (kvcore.integrity): verified, never guessed
+            write = functools.partial(_write, self._tiers[below], request)
             try:  # the buffers live while the write may run, abandoned or not
                 done = self._calls[below].call(write, end, keep=buffers)
             except Missed:
@@ -123,7 +114,7 @@ class EvictionHandDown:
         layout's part order, in buffers of their own (an abandoned write may still read
         them after the eviction returned)."""
         layout_parts = self._layout_parts
-        blocks: dict[tuple, dict[str, tuple[str, memoryview]]] = {}
+        blocks: dict[tuple[Any, ...], dict[str, tuple[str, memoryview]]] = {}
         namespace = self._tiers.context.namespace
         for name, payload in objects:
             fields = parse_object_name(name)
@@ -133,11 +124,11 @@ class EvictionHandDown:
             key = (fields.block_key, fields.rank, fields.world_size, fields.weight_version)
             blocks.setdefault(key, {})[fields.part] = (name, payload)
         by_parts: dict[tuple[str, ...], list[tuple[str, dict[str, tuple[str, memoryview]]]]] = {}
-        for key, parts in blocks.items():
-            order = [p for p in layout_parts if p in parts]
-            if len(order) != len(parts):
-                order = sorted(parts)  # parts outside the layout: in a stable order
-            by_parts.setdefault(tuple(order), []).append((key[0], parts))
+        for key, block_parts in blocks.items():
+            order = [p for p in layout_parts if p in block_parts]
+            if len(order) != len(block_parts):
+                order = sorted(block_parts)  # parts outside the layout: in a stable order
+            by_parts.setdefault(tuple(order), []).append((key[0], block_parts))
         requests: list[tuple[BlockRequest, list[list[bytearray]]]] = []
         for parts, rows in by_parts.items():
             payloads = [[rows_parts[p][1] for p in parts] for _, rows_parts in rows]
@@ -165,7 +156,7 @@ class EvictionHandDown:
         return requests
 
 
-def _write(store: kvcore.Backend | VerifiedBlocks, request: BlockRequest) -> int:
+def _write(store: kvcore.Backend, request: BlockRequest) -> int:
     """Write ``request``, then count only the leading blocks the tier then finds: the tier
     above deletes what this answers, so a write that answered success yet stored nothing
     must not count (Mooncake, after a writer was killed in the middle of a put of the same

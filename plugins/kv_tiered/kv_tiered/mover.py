@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import kvcore
 from kv_tiered.buffers import own_buffers
@@ -59,8 +58,7 @@ class Mover:
 
     def __init__(
         self,
-        store: Callable[[int, BlockRequest], Any],
-        remove: Callable[[int, BlockRequest], Any],
+        tiers: Sequence[kvcore.Backend],
         part_bytes: Callable[[BlockRequest], Sequence[int] | None],
         peers: PeerChanges,
         *,
@@ -69,8 +67,7 @@ class Mover:
         timeout_s: float,
         counters: kvcore.Counters,
     ) -> None:
-        self._store = store  # tier index, request -> what reads and writes that tier
-        self._remove = remove  # tier index, request -> removes its blocks (and digests)
+        self._tiers = tiers  # each verifies its blocks itself (kvcore.integrity)
         self._part_bytes = part_bytes
         self._peers = peers
         self._max_blocks = max_blocks
@@ -194,14 +191,14 @@ class Mover:
         mark = self._peers.removal_mark()  # before the read: removals from here on count
         host, region = own_buffers(n, sizes)  # the region lives until this copy returns
         request = replace(copy.request, host=host, deadline=deadline)
-        got = int(self._store(copy.source, request).read(request))
+        got = int(self._tiers[copy.source].read(request))
         if got < n:
             self._counters.add(f"{kind}_source_missing_blocks", n - got)
         if not got:
             return
         part = request.slice(0, got, host=host.slice(0, got))
         for target in copy.targets:
-            done = int(self._store(target, part).write(part))
+            done = int(self._tiers[target].write(part))
             self._counters.add(f"{kind}_copied_blocks", done)
             if done < got:
                 self._counters.add(f"{kind}_failed_blocks", got - done)
@@ -221,12 +218,12 @@ class Mover:
             rows = part.object_names
             gone = [i for i in range(got) if removed is None or not removed.isdisjoint(rows[i])]
         else:
-            still = int(self._store(copy.source, part).query(part))
+            still = int(self._tiers[copy.source].query(part))
             gone = list(range(still, got))
         if gone:
             undo = _rows(part, gone)
             for target in copy.targets:
-                self._remove(target, undo)
+                self._tiers[target].remove(undo)
             self._counters.add(f"{kind}_undone_blocks", len(gone))
 
 

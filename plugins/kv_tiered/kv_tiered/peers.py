@@ -100,7 +100,7 @@ class PeerChanges:
         if first < run:
             stale = request.slice(first, run)
             for j in range(i, len(self._tiers)):
-                self._tiers.remove_from(j, stale)
+                self._tiers[j].remove(stale)
             self._counters.add("removed_by_peers_hidden_blocks", run - first)
         return first
 

@@ -89,6 +89,4 @@ class StackEvictions:
             deadline=time.monotonic() + self._timeout_s,
             num_blocks=1,
         )
-        return any(
-            self._tiers.store(i, request).query(request) for i in range(len(self._tiers) - 1)
-        )
+        return any(self._tiers[i].query(request) for i in range(len(self._tiers) - 1))

@@ -1,21 +1,19 @@
 """The opened tiers of a stack, and how each is read and written.
 
-Each tier is a :class:`kvcore.Backend` opened by name with the stack's context. A tier that
-verifies what it returns (``Capabilities.checksums``: kv_file) is used as it is; the others
-(memory, Mooncake) get kvcore's block digests beside their blocks
-(:class:`~kvcore.transfer.integrity.VerifiedBlocks`), so every read the stack serves is
-verified, whichever tier it comes from.
+Each tier is a :class:`kvcore.Backend` opened by name with the stack's context. An opened
+backend verifies its own blocks (kv_file by its checksums; memory and Mooncake by the block
+digests their facades keep beside every block, :mod:`kvcore.integrity`), so every read the
+stack serves is verified, whichever tier it comes from, and each tier has one facade.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import kvcore
-from kvcore import BlockRequest, Outcome
-from kvcore.transfer.integrity import VerifiedBlocks
+from kvcore import BlockRequest
 
 __all__ = ["Tiers"]
 
@@ -34,34 +32,16 @@ class Tiers(Sequence[kvcore.Backend]):
         except BaseException:
             self.close()
             raise
-        #: one digest keeper per (tier, parts of a request)
-        self._verified: dict[tuple[int, int], VerifiedBlocks] = {}
 
-    def __getitem__(self, i: int) -> kvcore.Backend:  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> kvcore.Backend: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[kvcore.Backend]: ...
+    def __getitem__(self, i: int | slice) -> kvcore.Backend | list[kvcore.Backend]:
         return self._tiers[i]
 
     def __len__(self) -> int:
         return len(self._tiers)
-
-    def store(self, i: int, request: BlockRequest) -> kvcore.Backend | VerifiedBlocks:
-        """What reads and writes tier ``i`` for ``request`` (see the module docstring)."""
-        tier = self._tiers[i]
-        if tier.capabilities.checksums:
-            return tier
-        key = (i, len(request.parts))
-        verified = self._verified.get(key)
-        if verified is None:
-            verified = self._verified[key] = VerifiedBlocks(tier, key[1])
-        return verified
-
-    def remove_from(self, i: int, request: BlockRequest) -> Outcome:
-        """Remove ``request``'s blocks from tier ``i``, and their digests where it has them."""
-        tier = self._tiers[i]
-        got = tier.remove(request)
-        store = self.store(i, request)
-        if isinstance(store, VerifiedBlocks) and request.num_blocks:
-            tier.remove(store.digests_of(request))
-        return got
 
     def part_bytes(self, request: BlockRequest) -> Sequence[int] | None:
         """Bytes of each part of ``request``'s objects (None: unknown without a layout)."""
@@ -81,7 +61,7 @@ class Tiers(Sequence[kvcore.Backend]):
 
 
 def _open_tier(
-    index: int, name: str, config: dict, context: kvcore.BackendContext
+    index: int, name: str, config: dict[str, Any], context: kvcore.BackendContext
 ) -> kvcore.Backend:
     """Open tier ``index``; an error names it (``tiers[1] (mooncake): ...``)."""
     where = f"tiers[{index}] ({name})"
