@@ -16,6 +16,7 @@ from kvcore.errors import (
     KVCoreError,
     UnknownBackendError,
 )
+from kvcore.handles import BackendHandle
 from kvcore.hookspecs import hookimpl, hookspec
 from kvcore.keys import KeyScope, block_hashes, object_names
 from kvcore.metrics import Counters, OnceLogger
@@ -51,6 +52,7 @@ __all__ = [
     "BackendConfig",
     "BackendContext",
     "BackendDefinitionError",
+    "BackendHandle",
     "BackendImportError",
     "BlockRequest",
     "ByteSize",

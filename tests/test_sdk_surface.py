@@ -22,6 +22,7 @@ SDK_MODULES = (
     "kvcore.errors",
     "kvcore.events",
     "kvcore.evictions",
+    "kvcore.handles",
     "kvcore.integrity",
     "kvcore.keys",
     "kvcore.ops",

@@ -10,7 +10,7 @@ from typing import Any
 from kvcore.backend import Backend, VerifyBlocks
 from kvcore.cli.errors import CliError, ExitCode
 from kvcore.errors import KVCoreError
-from kvcore.registry import open_backend
+from kvcore.handles import BackendHandle
 from kvcore.schemas import BackendContext
 
 __all__ = ["clear_scratch", "data_location", "open_for_cli", "scratch_namespace"]
@@ -29,7 +29,7 @@ def open_for_cli(
     anything else the backend raised while opening (an unreachable server) says so.
     """
     try:
-        return open_backend(name, config, context=context, verify_blocks=verify_blocks)
+        return BackendHandle(name, config, context=context, verify_blocks=verify_blocks).open()
     except KVCoreError:
         raise
     except ImportError as exc:

@@ -20,7 +20,8 @@ import numpy as np
 
 from kvcore.backend import Backend
 from kvcore.errors import ConfigError
-from kvcore.registry import load_backend_class, open_backend
+from kvcore.handles import BackendHandle
+from kvcore.registry import load_backend_class
 from kvcore.replay.model import Tally, block_key
 from kvcore.replay.trace import Trace
 from kvcore.schemas import BackendContext, CacheDType, CacheLayout
@@ -127,7 +128,7 @@ class IOReplay:
 
     def _open(self, settings: Mapping[str, Any]) -> Backend:
         context = BackendContext(layout=self.layout, namespace=self.namespace)
-        return open_backend(self._name, dict(settings), context=context)
+        return BackendHandle(self._name, dict(settings), context=context).open()
 
     def _block_file_bytes(self) -> int:
         """Bytes one block takes in the store (headers included): measured by storing one,

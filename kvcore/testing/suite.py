@@ -38,6 +38,7 @@ import pytest
 from kvcore.backend import Backend, VerifyBlocks
 from kvcore.errors import ConfigError
 from kvcore.events import KINDS, StoreEvent, StoreIndex
+from kvcore.handles import BackendHandle
 from kvcore.hookspecs import OPTIONAL_HOOKS, REQUIRED_HOOKS
 from kvcore.keys import parse_object_name
 from kvcore.registry import load_backend_class, open_backend
@@ -98,9 +99,9 @@ def _open_without_layout(
     target: str | type, config: dict[str, Any], context: dict[str, Any]
 ) -> Backend:
     """The backend opened as tools open it: ``layout=None`` (strict: hook errors raise)."""
-    return open_backend(
+    return BackendHandle(
         target, config, context={**context, "layout": None}, strict=True, verify_blocks="never"
-    )
+    ).open()
 
 
 def deadline_layout(num_blocks: int = _DEADLINE_MAX_BLOCKS) -> CacheLayout:
@@ -175,13 +176,13 @@ def harness_opener(
         overrides: dict[str, Any] | None = None, layout: CacheLayout | None = None, **fields: Any
     ) -> Harness:
         lay = layout or small_layout()
-        backend = open_backend(
+        backend = BackendHandle(
             target,
             {**(config or {}), **(overrides or {})},
             context={**(context or {}), **fields, "layout": lay},
             strict=True,
             verify_blocks=verify_blocks,
-        )
+        ).open()
         h = Harness(backend, lay)
         opened.append(h)
         return h

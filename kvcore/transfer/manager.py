@@ -23,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 from kvcore import ops
 from kvcore.backend import Backend
 from kvcore.errors import ConfigError
+from kvcore.handles import BackendHandle
 from kvcore.metrics import Metrics
-from kvcore.registry import open_backend
 from kvcore.schemas import (
     FlushTask,
     QueryTask,
@@ -83,13 +83,13 @@ class TransferManager:
         io_cpus()  # a bad KVCORE_IO_CPUS is refused here, naming it, not warned per thread
         self._owns_backend = isinstance(backend, str)
         if isinstance(backend, str):
-            backend = open_backend(
+            backend = BackendHandle(
                 backend,
                 backend_config,
                 context=cfg.context,
                 strict=cfg.strict,
                 verify_blocks=cfg.verify_blocks,
-            )
+            ).open()
         elif backend is not None:
             cfg.check_backend(backend)
         self.backend: Backend | None = backend

@@ -42,6 +42,7 @@ from typing import Any
 
 import kvcore
 from kvcore import BlockRequest, HostBuffers, Outcome
+from kvcore.handles import require_capabilities
 from kvcore_fastdeploy.layout import layout_from_fastdeploy
 from kvcore_fastdeploy.names import part_of
 from kvcore_fastdeploy.settings import (
@@ -82,6 +83,10 @@ def store_namespace(model_id: str, layout: kvcore.CacheLayout, tp_size: int) -> 
     return f"{model_id}.{fmt}"
 
 
+#: what FastDeploy's calls need of a backend: objects found by name, read into host memory
+NEEDS = {"addressing": "key", "io": "host"}
+
+
 class KVCoreStore:
     """FastDeploy's storage interface over one opened, key-addressed, host-I/O kvcore backend.
 
@@ -91,14 +96,11 @@ class KVCoreStore:
     """
 
     def __init__(self, backend: kvcore.Backend, *, io_timeout_s: float | None = None) -> None:
-        caps = backend.capabilities
-        if caps.addressing != "key" or caps.io != "host":
-            raise ValueError(
-                f"backend {backend.name!r} is {caps.addressing}-addressed with {caps.io} I/O; "
-                "FastDeploy's batch_get/batch_set need a key-addressed backend doing host I/O"
-            )
+        require_capabilities(
+            backend, NEEDS, "FastDeploy's batch_get/batch_set (key-addressed, host I/O)"
+        )
         layout = backend.context.layout
-        if layout is not None and layout.dtype.has_scales and not caps.scales:
+        if layout is not None and layout.dtype.has_scales and not backend.capabilities.scales:
             raise ValueError(
                 f"backend {backend.name!r} cannot store block-wise fp8 scales "
                 f"(cache_dtype {layout.dtype.value})"
@@ -154,9 +156,10 @@ class KVCoreStore:
         )
         backend_config = fastdeploy_backend_config(name, tp_rank=tp_rank, environ=environ)
         backend_config.update(config or {})
-        backend = kvcore.open_backend(
+        backend = kvcore.BackendHandle(
             name,
             backend_config,
+            requires=NEEDS,
             verify_blocks=verify_blocks_setting(environ),  # type: ignore[arg-type]
             context={
                 "layout": layout,
@@ -165,7 +168,7 @@ class KVCoreStore:
                 "device_id": device_id,
                 "namespace": store_namespace(namespace, layout, tp_size),
             },
-        )
+        ).open()
         try:
             store = cls(backend)
         except BaseException:

@@ -337,9 +337,9 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             "namespace": namespace,
             "weight_version": self.settings.weight_version,
         }
-        return kvcore.open_backend(
+        return kvcore.BackendHandle(
             self.settings.backend, self.settings.backend_config, context=context
-        )
+        ).open()
 
     def _start_events(self, backend: kvcore.Backend, fmt: PageFormat) -> None:
         """Publish the storage tier's KV events (see :mod:`kvcore_sglang.events`)."""

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore_vllm.backends import BackendHandle
+from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import backend_context, engine_world
 from kvcore_vllm.events import SchedulerEvents, events_enabled
@@ -71,7 +71,7 @@ class SchedulerSide:
         self.world_size = engine_world(vllm_config)
         self.counters = CounterSet()
         self.handles = [
-            BackendHandle(
+            connector_handle(
                 settings.backend,
                 settings.backend_config,
                 backend_context(settings, self.layout, rank, self.world_size),

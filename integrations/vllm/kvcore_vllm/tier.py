@@ -131,14 +131,14 @@ class KVCoreTier(SecondaryTierManager):
         context: dict[str, Any] = {"namespace": cfg.namespace}
         if cfg.weight_version:
             context["weight_version"] = cfg.weight_version
-        self.backend = kvcore.open_backend(cfg.backend, cfg.backend_config, context=context)
-        caps = self.backend.capabilities
-        if caps.io != "host" or caps.addressing != "key":
-            self.backend.close()
-            raise ValueError(
-                f"{cfg.backend!r} is a {caps.addressing}-addressed, {caps.io}-I/O backend; the "
-                "kvcore tier stores chunks by key from host memory"
-            )
+        # the tier stores chunks by key from host memory
+        self._handle = kvcore.BackendHandle(
+            cfg.backend,
+            cfg.backend_config,
+            context=context,
+            requires={"io": "host", "addressing": "key"},
+        )
+        self.backend = self._handle.open()
         #: what jobs read, write and query through: the opened backend (which verifies its
         #: chunks itself, kvcore.integrity); a seam tests wrap to inject faults
         self.store: kvcore.Backend = self.backend
@@ -253,7 +253,7 @@ class KVCoreTier(SecondaryTierManager):
         if self._subscription is not None:
             self._subscription.close()
         self.backend.unregister_buffer(self._base)
-        self.backend.close()
+        self._handle.close()
 
     # -- metrics ------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvcore.transfer import DeviceCache, TransferManager
-from kvcore_vllm.backends import BackendHandle
+from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import backend_context, engine_world
 from kvcore_vllm.events import BlockEvents, WorkerEvents, events_enabled
@@ -62,7 +62,7 @@ class WorkerSide:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.world_size = engine_world(vllm_config)
         self.rank = worker_rank() if rank is None else rank
-        self.handle = BackendHandle(
+        self.handle = connector_handle(
             settings.backend,
             settings.backend_config,
             backend_context(settings, self.layout, self.rank, self.world_size),

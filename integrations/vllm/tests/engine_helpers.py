@@ -33,11 +33,10 @@ def flip_bit_in_file_store(engine: Any, root: str, prompt: list[int], block: int
 
 
 def _opened_backends() -> list[Any]:
-    """The kvcore backends the connector opened in this process."""
-    from kvcore_vllm import backends
+    """The kvcore backends the connector opened in this process (shared handles)."""
+    from kvcore.handles import opened_backends
 
-    with backends._registry_lock:
-        return [entry[0] for entry in backends._registry.values()]
+    return list(opened_backends())
 
 
 def flip_bit_in_store(engine: Any, prompt: list[int], block: int) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import BLOCK_SIZE
-from kvcore_vllm.backends import BackendHandle
+from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings, SettingsError, load_settings
 from kvcore_vllm.keys import RequestKeys, engine_block_keys, engine_object_names, key_scope
 from kvcore_vllm.layout import (
@@ -54,7 +54,7 @@ def test_settings_name_the_bad_key() -> None:
 def test_unknown_backend_is_an_error_not_a_dead_backend() -> None:
     context = kvcore.BackendContext(namespace="t")
     with pytest.raises(kvcore.UnknownBackendError, match="nope"):
-        BackendHandle("nope", {}, context).get()
+        connector_handle("nope", {}, context, retry_s=30).get()
 
 
 class _Unreachable(MemoryBackend):
@@ -65,7 +65,7 @@ class _Unreachable(MemoryBackend):
 
 
 def test_backend_that_cannot_open_is_retried_not_raised(tmp_path: Path) -> None:
-    handle = BackendHandle(_Unreachable, {}, kvcore.BackendContext(), retry_s=0)
+    handle = connector_handle(_Unreachable, {}, kvcore.BackendContext(), retry_s=0)
     assert handle.get() is None
     assert handle.open_failures == 1
     assert handle.get() is None  # retry_s=0: never tried again
@@ -75,7 +75,7 @@ def test_backend_that_cannot_open_is_retried_not_raised(tmp_path: Path) -> None:
 def test_a_root_that_cannot_hold_a_store_is_a_settings_error(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    handle = BackendHandle("file", {"root": str(not_a_dir)}, kvcore.BackendContext(), retry_s=0)
+    handle = connector_handle("file", {"root": str(not_a_dir)}, kvcore.BackendContext(), retry_s=0)
     with pytest.raises(kvcore.ConfigError, match=r"root: .* is a regular file"):
         handle.get()  # raised at start-up: retrying cannot fix a setting
 

@@ -65,8 +65,10 @@ def _open_tier(
 ) -> kvcore.Backend:
     """Open tier ``index``; an error names it (``tiers[1] (mooncake): ...``)."""
     where = f"tiers[{index}] ({name})"
+    # a stack takes key-addressed, host-I/O backends without a token index
+    needs = {"addressing": "key", "io": "host", "token_index": False}
     try:
-        tier = kvcore.open_backend(name, config, context=context)
+        return kvcore.BackendHandle(name, config, context=context, requires=needs).open()
     except kvcore.ConfigError as exc:
         raise kvcore.ConfigError(f"invalid config for backend 'tiered': {where}: {exc}") from None
     except kvcore.KVCoreError:
@@ -75,11 +77,3 @@ def _open_tier(
         raise kvcore.ConfigError(
             f"backend 'tiered': {where} cannot open: {type(exc).__name__}: {exc}"
         ) from exc
-    caps = tier.capabilities
-    if caps.addressing != "key" or caps.io != "host" or caps.token_index:
-        tier.close()
-        raise kvcore.ConfigError(
-            f"invalid config for backend 'tiered': {where} is {caps.addressing}-addressed with "
-            f"{caps.io} I/O; a stack takes key-addressed, host-I/O backends"
-        )
-    return tier

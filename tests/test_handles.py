@@ -1,0 +1,94 @@
+"""kvcore.BackendHandle: the one way every caller opens a backend (issue 37)."""
+
+from __future__ import annotations
+
+import pytest
+from memory_backend import MemoryBackend
+
+import kvcore
+from kvcore.handles import opened_backends
+
+
+class _Unreachable(MemoryBackend):
+    """A backend whose server is down: opening fails, and that is not a settings error."""
+
+    opens = 0
+
+    def __init__(self, config, context) -> None:
+        type(self).opens += 1
+        raise ConnectionRefusedError("the store's server is not there")
+
+
+class _Tokens(MemoryBackend):
+    capabilities = kvcore.Capabilities(addressing="token", io="host")
+    closed = 0
+
+    @kvcore.hookimpl
+    def kvcore_close(self) -> None:
+        type(self).closed += 1
+
+
+def test_settings_errors_raise_from_both_ways_of_opening() -> None:
+    for call in ("open", "get"):
+        with pytest.raises(kvcore.UnknownBackendError, match="nope"):
+            getattr(kvcore.BackendHandle("nope"), call)()
+        with pytest.raises(kvcore.ConfigError, match="no_such_setting"):
+            getattr(kvcore.BackendHandle("memory", {"no_such_setting": 1}), call)()
+
+
+def test_a_backend_that_cannot_open_raises_from_open_and_is_retried_by_get(monkeypatch) -> None:
+    _Unreachable.opens = 0
+    with pytest.raises(ConnectionRefusedError):
+        kvcore.BackendHandle(_Unreachable).open()
+    handle = kvcore.BackendHandle(_Unreachable, retry_s=30)
+    assert handle.get() is None and handle.open_failures == 1
+    assert handle.get() is None and _Unreachable.opens == 2, "retried before retry_s"
+    clock = [1000.0]
+    monkeypatch.setattr("kvcore.handles.time.monotonic", lambda: clock[0])
+    handle._last_try = clock[0]
+    clock[0] += 31
+    assert handle.get() is None and _Unreachable.opens == 3, "not retried after retry_s"
+    never = kvcore.BackendHandle(_Unreachable, retry_s=0)
+    never.get()
+    clock[0] += 1e6
+    assert never.get() is None and never.open_failures == 1
+
+
+def test_a_missing_capability_is_refused_by_name_and_the_backend_closed() -> None:
+    handle = kvcore.BackendHandle(_Tokens, requires={"addressing": "key", "io": "host"})
+    with pytest.raises(kvcore.ConfigError, match=r"addressing='token'; .* needs addressing='key'"):
+        handle.open()
+    assert _Tokens.closed == 1, "the refused backend was left open"
+
+
+def test_shared_handles_share_one_backend_closed_with_its_last_user() -> None:
+    ctx = {"namespace": "shared"}
+    a = kvcore.BackendHandle("memory", context=ctx, share=True)
+    b = kvcore.BackendHandle("memory", context=ctx, share=True)
+    other = kvcore.BackendHandle("memory", context={"namespace": "other"}, share=True)
+    private = kvcore.BackendHandle("memory", context=ctx)
+    backend = a.open()
+    assert b.open() is backend and other.open() is not backend
+    assert private.open() is not backend, "a handle that does not share opens its own"
+    assert backend in opened_backends() and private.open() not in opened_backends()
+    a.close()
+    assert b.open() is backend and not backend._closed
+    b.close()
+    assert backend._closed and backend not in opened_backends()
+    for h in (other, private):
+        h.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.open()
+    assert a.get() is None
+
+
+def test_a_lookup_only_role_answers_queries_and_a_closed_backend_as_a_failure() -> None:
+    handle = kvcore.BackendHandle(_Unreachable, retry_s=0)
+    lookups = handle.lookup_only()
+    request = kvcore.BlockRequest("q", ("k",), (("n",),), ("k",), deadline=1e12)
+    found = lookups.query(request)
+    assert found == 0 and "is not open" in (found.failure or "")
+    with kvcore.BackendHandle("memory") as opened:
+        backend = opened.open()
+        assert opened.lookup_only().query(backend.request("q", ["k1"])) == 0
+        assert not hasattr(opened.lookup_only(), "read") and not hasattr(lookups, "write")
