@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,7 +49,9 @@ __all__ = [
     "REMOVED",
     "RESYNC",
     "STORED",
+    "BlockChange",
     "EventStream",
+    "RankBlocks",
     "StoreEvent",
     "StoreIndex",
     "Subscription",
@@ -358,3 +360,73 @@ class StoreIndex:
             seen.setdefault(block, set()).add(parsed.part)
         want = set(parts)
         return {block for block, have in seen.items() if want <= have}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChange:
+    """One block of one rank stored or gone, or everything gone (``kind`` is
+    :data:`CLEARED`, ``block_key`` empty): what a router's block events say.
+
+    .. versionadded:: 0.3
+    """
+
+    kind: str  # STORED, REMOVED (removed or evicted) or CLEARED (cleared, or a resync)
+    block_key: str
+
+
+class RankBlocks:
+    """A backend's object events as one rank's block events: the one place that groups them.
+
+    A block counts as stored once every one of ``parts`` of it is (objects of one block may
+    arrive in several events), and as gone when any part of it goes. Objects of other
+    namespaces, ranks and world sizes, other parts (kvcore's digests among them) and names
+    kvcore did not build are not this rank's blocks and are skipped. A clear or a resync ends
+    every block (and forgets half-stored ones). At most ``max_partial`` half-stored blocks are
+    remembered, oldest forgotten first.
+
+    .. versionadded:: 0.3
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        parts: Iterable[str],
+        rank: int,
+        world_size: int,
+        *,
+        max_partial: int = 200_000,
+    ) -> None:
+        self.namespace = namespace
+        self.parts = frozenset(parts)
+        self.rank, self.world_size = rank, world_size
+        self._max_partial = max_partial
+        self._partial: OrderedDict[str, set[str]] = OrderedDict()
+
+    def changes(self, event: StoreEvent) -> list[BlockChange]:
+        """The block changes ``event`` makes on this rank, in order."""
+        if event.kind in (CLEARED, RESYNC):
+            self._partial.clear()
+            return [BlockChange(CLEARED, "")]
+        out: list[BlockChange] = []
+        for name in event.names:
+            parsed = parse_object_name(name)
+            if (
+                parsed is None
+                or parsed.part not in self.parts
+                or parsed.namespace != self.namespace
+                or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
+            ):
+                continue  # another rank's, a digest, another engine's
+            key = parsed.block_key
+            if event.kind == STORED:
+                have = self._partial.setdefault(key, set())
+                have.add(parsed.part)
+                if have == self.parts:  # every part of the block: stored on this rank
+                    del self._partial[key]
+                    out.append(BlockChange(STORED, key))
+                elif len(self._partial) > self._max_partial:
+                    self._partial.popitem(last=False)
+            else:
+                self._partial.pop(key, None)
+                out.append(BlockChange(REMOVED, key))
+        return out

@@ -279,3 +279,31 @@ def test_kvcore_events_cli_prints_json_lines(tmp_path) -> None:
     assert np.diff([e["seq"] for e in events]).tolist() == [1]
     writer.close()
     h.release()
+
+
+def test_rank_blocks_groups_one_ranks_objects_into_blocks() -> None:
+    """kvcore.events.RankBlocks: the one place object events become one rank's block events
+    (what vLLM's and SGLang's KV events publish)."""
+    from kvcore.keys import object_names
+
+    def names(keys, parts=("k", "v"), rank=0, world=2, ns="m"):
+        rows = object_names(keys, parts, namespace=ns, rank=rank, world_size=world)
+        return [n for row in rows for n in row]
+
+    def event(kind, objects):
+        return ev.StoreEvent(seq=0, kind=kind, namespace="m", names=tuple(objects))
+
+    blocks = ev.RankBlocks("m", ("k", "v"), rank=0, world_size=2, max_partial=1)
+    k_only = names(["a"], ("k",))
+    assert blocks.changes(event(ev.STORED, k_only)) == []  # half a block is not a block
+    assert blocks.changes(event(ev.STORED, names(["a"], ("v",)))) == [ev.BlockChange("stored", "a")]
+    others = names(["b"], rank=1) + names(["b"], ns="other") + names(["b"], ("sum",))
+    assert blocks.changes(event(ev.STORED, [*others, "engine-own-name"])) == []
+    assert blocks.changes(event(ev.EVICTED, names(["a"], ("v",)))) == [
+        ev.BlockChange("removed", "a")
+    ]
+    assert blocks.changes(event(ev.RESYNC, [])) == [ev.BlockChange("cleared", "")]
+    # at most max_partial half-stored blocks are remembered, oldest forgotten first
+    blocks.changes(event(ev.STORED, names(["c", "d"], ("k",))))
+    assert blocks.changes(event(ev.STORED, names(["d"], ("v",)))) == [ev.BlockChange("stored", "d")]
+    assert blocks.changes(event(ev.STORED, names(["c"], ("v",)))) == []  # c's k was forgotten

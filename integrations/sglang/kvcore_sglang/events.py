@@ -25,12 +25,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from kvcore import events as ev
-from kvcore.keys import parse_object_name
 from kvcore.threads import start_thread
 
 __all__ = ["StorageEventPublisher"]
@@ -66,7 +64,10 @@ class StorageEventPublisher:
         self.namespace = backend.context.namespace
         self._publisher = ZmqEventPublisher(0, endpoint=endpoint, topic=topic)
         self._sub = backend.events.subscribe()
-        self._partial: OrderedDict[str, set[str]] = OrderedDict()
+        # this rank's pages from the store's object events (kvcore groups them)
+        self._blocks = ev.RankBlocks(
+            self.namespace, parts, rank, world_size, max_partial=_MAX_PARTIAL
+        )
         self.published = 0
         self._stop = threading.Event()
         self._thread = start_thread(self._follow, "kvcore-sglang-events")
@@ -87,33 +88,15 @@ class StorageEventPublisher:
 
         out: list[Any] = []
         for event in self._sub.drain():
-            if event.kind in (ev.CLEARED, ev.RESYNC):
-                self._partial.clear()
-                out.append(AllBlocksCleared())
-                continue
             stored: list[int] = []
             removed: list[int] = []
-            for name in event.names:
-                parsed = parse_object_name(name)
-                if (
-                    parsed is None
-                    or parsed.part not in self.parts
-                    or parsed.namespace != self.namespace
-                    or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
-                ):
-                    continue  # another rank's, a digest, another engine's
-                key = parsed.block_key
-                if event.kind == ev.STORED:
-                    have = self._partial.setdefault(key, set())
-                    have.add(parsed.part)
-                    if have == self.parts:
-                        del self._partial[key]
-                        stored.append(_page_hash(hash_str_to_int64, key))
-                    elif len(self._partial) > _MAX_PARTIAL:
-                        self._partial.popitem(last=False)
+            for change in self._blocks.changes(event):
+                if change.kind == ev.CLEARED:
+                    out.append(AllBlocksCleared())
+                elif change.kind == ev.STORED:
+                    stored.append(_page_hash(hash_str_to_int64, change.block_key))
                 else:
-                    self._partial.pop(key, None)
-                    removed.append(_page_hash(hash_str_to_int64, key))
+                    removed.append(_page_hash(hash_str_to_int64, change.block_key))
             if stored:
                 out.append(
                     BlockStored(

@@ -41,7 +41,6 @@ from vllm.distributed.kv_events import (
 )
 
 from kvcore import events as ev
-from kvcore.keys import parse_object_name
 
 __all__ = ["BlockEvents", "SchedulerEvents", "WorkerEvents", "events_enabled"]
 
@@ -95,36 +94,17 @@ class WorkerEvents:
         self.namespace = backend.context.namespace
         self.parts = frozenset(parts)
         self._sub = backend.events.subscribe()
-        self._partial: OrderedDict[str, set[str]] = OrderedDict()  # key -> parts stored
+        # this rank's blocks from the store's object events (kvcore groups them)
+        self._blocks = ev.RankBlocks(
+            self.namespace, parts, rank, world_size, max_partial=DEFAULT_KNOWN_BLOCKS
+        )
 
     def take(self) -> BlockEvents | None:
-        records: list[tuple[str, str, int]] = []
-        for event in self._sub.drain():
-            if event.kind in (ev.CLEARED, ev.RESYNC):
-                self._partial.clear()
-                records.append((CLEARED, "", self.rank))
-                continue
-            for name in event.names:
-                parsed = parse_object_name(name)
-                if (
-                    parsed is None
-                    or parsed.part not in self.parts
-                    or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
-                    or parsed.namespace != self.namespace
-                ):
-                    continue  # another rank's, a digest object, another engine's
-                key = parsed.block_key
-                if event.kind == ev.STORED:
-                    have = self._partial.setdefault(key, set())
-                    have.add(parsed.part)
-                    if have == self.parts:  # every part of the block: stored on this rank
-                        del self._partial[key]
-                        records.append((STORED, key, self.rank))
-                    elif len(self._partial) > DEFAULT_KNOWN_BLOCKS:
-                        self._partial.popitem(last=False)
-                else:
-                    self._partial.pop(key, None)
-                    records.append((REMOVED, key, self.rank))
+        records = [
+            (change.kind, change.block_key, self.rank)
+            for event in self._sub.drain()
+            for change in self._blocks.changes(event)
+        ]
         return BlockEvents(records) if records else None
 
     def close(self) -> None:
