@@ -1,7 +1,8 @@
 """kv_mooncake through kvcore against raw MooncakeDistributedStore calls, in one run.
 
 Starts a mooncake_master on 127.0.0.1 (inside a loopback-only network namespace when run as
-root), opens the ``mooncake`` backend through ``kvcore.open_backend`` and registers its host
+root), opens the ``mooncake`` backend through ``kvcore.open_backend`` (``verify_blocks=
+"never"``: the backend's own overhead, without kvcore's block digests) and registers its host
 staging buffers as an engine would. Each repetition writes and reads the same bytes twice
 with the same client: once through the backend (``Backend.request`` + ``write``/``read``,
 which adds the existence check, key mapping and leading-run accounting) and once with raw
@@ -83,7 +84,12 @@ def main() -> None:
 
     with MooncakeCluster(storage_bytes=0) as cluster:
         config = cluster.config(global_segment_size=args.segment_mib << 20)
-        backend = kvcore.open_backend("mooncake", config, context={"layout": layout})
+        # the backend's own path against the raw client's: without kvcore's block digests,
+        # which every caller gets by default (their cost is measured where callers are:
+        # bench_vllm's verify_blocks="never" run against the default one)
+        backend = kvcore.open_backend(
+            "mooncake", config, context={"layout": layout}, verify_blocks="never"
+        )
         try:
             report = run(backend, layout, n, sizes, total, args)
         finally:
