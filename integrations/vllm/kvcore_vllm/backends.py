@@ -20,7 +20,21 @@ __all__ = ["connector_handle"]
 
 
 def connector_handle(
-    name: str | type, config: dict[str, Any], context: kvcore.BackendContext, *, retry_s: float
+    name: str | type,
+    config: dict[str, Any],
+    context: kvcore.BackendContext,
+    *,
+    retry_s: float,
+    verify_blocks: str = "auto",
 ) -> kvcore.BackendHandle:
-    """The handle of one (rank, world size) context's backend, shared within the process."""
-    return kvcore.BackendHandle(name, config, context=context, retry_s=retry_s, share=True)
+    """The handle of one (rank, world size) context's backend, shared within the process.
+    ``verify_blocks`` is the connector's ``transfer.verify_blocks`` (the opened backend keeps
+    the digests, for the scheduler's lookups and the worker's transfers alike)."""
+    return kvcore.BackendHandle(
+        name,
+        config,
+        context=context,
+        retry_s=retry_s,
+        share=True,
+        verify_blocks=verify_blocks,  # type: ignore[arg-type]
+    )

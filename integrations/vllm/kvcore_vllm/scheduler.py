@@ -76,6 +76,7 @@ class SchedulerSide:
                 settings.backend_config,
                 backend_context(settings, self.layout, rank, self.world_size),
                 retry_s=settings.reopen_interval_s,
+                verify_blocks=settings.transfer.get("verify_blocks", "auto"),
             )
             for rank in range(self.world_size)
         ]

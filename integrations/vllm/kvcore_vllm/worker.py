@@ -67,6 +67,7 @@ class WorkerSide:
             settings.backend_config,
             backend_context(settings, self.layout, self.rank, self.world_size),
             retry_s=settings.reopen_interval_s,
+            verify_blocks=settings.transfer.get("verify_blocks", "auto"),
         )
         self.counters = CounterSet()
         self.mapping: LayerMapping | None = None

@@ -358,3 +358,18 @@ def test_kv_role_decides_restoring_and_storing(
     request.num_computed_tokens = len(tokens)
     assert side.request_finished(request, [0, 1, 2, 3]) == (stores, None)
     side.close()
+
+
+def test_the_connectors_verify_blocks_setting_is_the_opened_backends() -> None:
+    """``transfer.verify_blocks`` reaches the backend the handle opens (the worker's
+    TransferManager refuses an opened backend whose setting differs from a non-auto one)."""
+    context = kvcore.BackendContext(namespace="verify")
+    never = connector_handle("memory", {}, context, retry_s=0, verify_blocks="never")
+    auto = connector_handle("memory", {}, context, retry_s=0)
+    try:
+        assert never.get().verifies_blocks is False
+        assert auto.get().verifies_blocks is True
+        assert never.get() is not auto.get(), "shared across different verify_blocks"
+    finally:
+        never.close()
+        auto.close()
