@@ -18,7 +18,7 @@ import pluggy
 from kvcore import events as ev
 from kvcore.errors import describe
 from kvcore.integrity import BlockDigests
-from kvcore.keys import object_names
+from kvcore.keys import ObjectName, identities, object_names
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import BlockRequest, DeviceBuffers, FailureKind, HostBuffers, Outcome
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
@@ -416,16 +416,22 @@ class Backend:
             self.metrics.add("watch", invalid_results=1)
             self._failures.warning(("watch", "report"), "%s; dropped", msg)
             return
+        if not self.events.active:
+            return
+        # a backend reports names as text (the hook contract): read once, here
+        objects = [ObjectName.parse(name) for name in names]
         if self._digests is not None and names:
             # the digests kvcore keeps beside blocks are its own business, not the store's
             # content: an index of objects (a router's) never sees them
-            keep = [i for i, name in enumerate(names) if not self._digests.is_digest(name)]
+            is_digest = self._digests.is_digest
+            keep = [i for i, name in enumerate(names) if not is_digest(name, objects[i])]
             if len(keep) < len(names):
                 if not keep:
                     return
                 names = [names[i] for i in keep]
+                objects = [objects[i] for i in keep]
                 sizes = None if sizes is None else [sizes[i] for i in keep]
-        self.events.publish(kind, names, sizes, origin=origin)
+        self.events.publish(kind, names, sizes, origin=origin, objects=objects)
 
     def _publish_blocks(self, kind: str, request: BlockRequest, n: int) -> None:
         """Every object of the first ``n`` blocks of ``request``, as one event."""
@@ -435,7 +441,8 @@ class Backend:
             else self._expected_part_bytes(request) or [0] * len(request.parts)
         )
         names = [name for row in request.object_names[:n] for name in row]
-        self.events.publish(kind, names, list(sizes_per_part) * n)
+        objects = identities(request.object_names, n)
+        self.events.publish(kind, names, list(sizes_per_part) * n, objects=objects)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvcore.keys import parse_object_name
+from kvcore.keys import BlockId, ObjectName
 
 __all__ = [
     "CLEARED",
@@ -90,6 +90,10 @@ class StoreEvent:
     :param weight_version: the weight version the names carry (``""`` for none).
     :param origin: ``local`` (this opened backend) or ``peer`` (another process sharing it).
     :param time: wall-clock seconds when the event was published.
+    :param objects: each name's identity (:class:`kvcore.keys.ObjectName`; None for names
+        kvcore did not build), so a consumer never reads fields back from a name.
+
+    .. versionchanged:: 0.4 ``objects``.
     """
 
     seq: int
@@ -101,10 +105,20 @@ class StoreEvent:
     weight_version: str = ""
     origin: str = LOCAL
     time: float = 0.0
+    objects: tuple[ObjectName | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.objects) != len(self.names):
+            if self.objects:
+                raise ValueError(f"{len(self.objects)} identities for {len(self.names)} names")
+            # an event built by hand (0.3 code): its names are read once, here
+            object.__setattr__(self, "objects", tuple(ObjectName.parse(n) for n in self.names))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``kvcore events`` prints one per line)."""
+        """A JSON-ready dict (``kvcore events`` prints one per line; the names stand for
+        their identities)."""
         out = asdict(self)
+        del out["objects"]
         for field in ("names", "sizes", "parts"):
             out[field] = list(out[field])
         return out
@@ -247,10 +261,15 @@ class EventStream:
         sizes: Sequence[int] | None = None,
         *,
         origin: str = LOCAL,
+        objects: Sequence[ObjectName | None] | None = None,
     ) -> None:
         """Give every subscriber one event per weight version among ``names``.
 
         :param sizes: each object's payload bytes (None: unknown, 0 each).
+        :param objects: each name's identity where the publisher has it (a request's
+            :class:`kvcore.keys.NameRows`); None: the names are read once, here.
+
+        .. versionchanged:: 0.4 ``objects``.
         """
         if not self._subs:
             return
@@ -263,9 +282,13 @@ class EventStream:
             sizes = (0,) * len(names)
         elif len(sizes) != len(names):
             raise ValueError(f"{len(sizes)} sizes for {len(names)} names")
+        if objects is None:
+            objects = [ObjectName.parse(name) for name in names]
+        elif len(objects) != len(names):
+            raise ValueError(f"{len(objects)} identities for {len(names)} names")
         now = time.time()
         with self._lock:  # one order for every subscriber
-            for version, group in _by_weight_version(names, sizes):
+            for version, group in _by_weight_version(names, sizes, objects):
                 self._seq += 1
                 event = StoreEvent(
                     seq=self._seq,
@@ -273,10 +296,11 @@ class EventStream:
                     namespace=self.namespace,
                     names=tuple(n for n, _, _ in group),
                     sizes=tuple(int(s) for _, s, _ in group),
-                    parts=tuple(p for _, _, p in group),
+                    parts=tuple("" if o is None else o.part for _, _, o in group),
                     weight_version=version,
                     origin=origin,
                     time=now,
+                    objects=tuple(o for _, _, o in group),
                 )
                 for sub in self._subs:
                     sub._offer(event)
@@ -290,17 +314,19 @@ class EventStream:
             sub.close()
 
 
+_Named = tuple[str, int, "ObjectName | None"]
+
+
 def _by_weight_version(
-    names: tuple[str, ...], sizes: Sequence[int]
-) -> list[tuple[str, list[tuple[str, int, str]]]]:
-    """``(weight version, [(name, size, part), ...])`` groups, in the names' order."""
+    names: tuple[str, ...], sizes: Sequence[int], objects: Sequence[ObjectName | None]
+) -> list[tuple[str, list[_Named]]]:
+    """``(weight version, [(name, size, identity), ...])`` groups, in the names' order."""
     if not names:
         return [("", [])]
-    groups: dict[str, list[tuple[str, int, str]]] = {}
-    for name, size in zip(names, sizes, strict=True):
-        parsed = parse_object_name(name)
-        version, part = ("", "") if parsed is None else (parsed.weight_version, parsed.part)
-        groups.setdefault(version, []).append((name, size, part))
+    groups: dict[str, list[_Named]] = {}
+    for name, size, obj in zip(names, sizes, objects, strict=True):
+        version = "" if obj is None else obj.weight_version
+        groups.setdefault(version, []).append((name, size, obj))
     return list(groups.items())
 
 
@@ -313,6 +339,7 @@ class StoreIndex:
 
     def __init__(self) -> None:
         self.objects: dict[str, int] = {}
+        self._identities: dict[str, ObjectName] = {}  # the names kvcore built, typed
         self.last_seq = 0
         self.resyncs = 0
 
@@ -320,11 +347,16 @@ class StoreIndex:
         kind = event.kind
         if kind == STORED:
             self.objects.update(zip(event.names, event.sizes, strict=True))
+            self._identities.update(
+                (n, o) for n, o in zip(event.names, event.objects, strict=True) if o is not None
+            )
         elif kind in (REMOVED, EVICTED):
             for name in event.names:
                 self.objects.pop(name, None)
+                self._identities.pop(name, None)
         elif kind in (CLEARED, RESYNC):
             self.objects.clear()
+            self._identities.clear()
             self.resyncs += kind == RESYNC
         self.last_seq = event.seq
 
@@ -345,19 +377,9 @@ class StoreIndex:
     def blocks(self, parts: Sequence[str] = ("k", "v")) -> set[tuple[str, str, int, int, str]]:
         """Blocks whose every part in ``parts`` is held, as ``(namespace, block key, rank,
         world size, weight version)`` (names kvcore built only)."""
-        seen: dict[tuple[str, str, int, int, str], set[str]] = {}
-        for name in self.objects:
-            parsed = parse_object_name(name)
-            if parsed is None:
-                continue
-            block = (
-                parsed.namespace,
-                parsed.block_key,
-                parsed.rank,
-                parsed.world_size,
-                parsed.weight_version,
-            )
-            seen.setdefault(block, set()).add(parsed.part)
+        seen: dict[BlockId, set[str]] = {}
+        for obj in self._identities.values():
+            seen.setdefault(obj.block, set()).add(obj.part)
         want = set(parts)
         return {block for block, have in seen.items() if want <= have}
 
@@ -408,8 +430,7 @@ class RankBlocks:
             self._partial.clear()
             return [BlockChange(CLEARED, "")]
         out: list[BlockChange] = []
-        for name in event.names:
-            parsed = parse_object_name(name)
+        for parsed in event.objects:
             if (
                 parsed is None
                 or parsed.part not in self.parts

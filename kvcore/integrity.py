@@ -42,7 +42,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from kvcore.keys import NameRows, name_columns, names_in_scope, parse_object_name
+from kvcore.keys import NameRows, ObjectName, name_columns, object_names
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import BlockRequest, FailureKind, HostBuffers, Outcome
 
@@ -124,24 +124,43 @@ class BlockDigests:
         )
 
     def _kvcore_digest_names(self, request: BlockRequest) -> NameRows | None:
-        """The per-block digest names when every block's first object is named as
-        :meth:`kvcore.Backend.request` names it (in one scope: a weight version changed since
-        must not split a block from its digest); else None."""
+        """The per-block digest names when every block's objects are named as
+        :meth:`kvcore.Backend.request` names them, in this namespace and one scope (a weight
+        version changed since must not split a block from its digest); else None."""
+        names = request.object_names
+        if isinstance(names, NameRows) and names.typed:  # the identity came with the names
+            first = names.identity(0, 0) if len(names) else None
+            if first is None or first.namespace != self._namespace:
+                return None
+            return names.with_parts((DIGEST_PART,))
+        # plain rows (a request built by other code): kvcore's names only if every first
+        # object's name is exactly the one kvcore would build
         keys = request.block_keys
         if not keys or len(keys) != request.num_blocks:
             return None
-        first_column = name_columns(request.object_names, 1)[0]
-        prefix = f"{self._namespace}/{keys[0]}/{request.parts[0]}"
-        first = first_column[0]
-        if not first.startswith(prefix):
+        first_column = name_columns(names, 1)[0]
+        first = ObjectName.parse(first_column[0])
+        if (
+            first is None
+            or first.namespace != self._namespace
+            or first.block_key != keys[0]
+            or first.part != request.parts[0]
+        ):
             return None
-        scope = first[len(prefix) :]
-        if not scope.startswith("/"):
+
+        def names_of(parts: Sequence[str]) -> NameRows:
+            return object_names(
+                keys,
+                parts,
+                namespace=self._namespace,
+                rank=first.rank,
+                world_size=first.world_size,
+                weight_version=first.weight_version,
+            )
+
+        if names_of(request.parts[:1]).column(0) != list(first_column):
             return None
-        expected = names_in_scope(keys, request.parts[:1], namespace=self._namespace, scope=scope)
-        if list(expected.column(0)) != list(first_column):
-            return None
-        return names_in_scope(keys, (DIGEST_PART,), namespace=self._namespace, scope=scope)
+        return names_of((DIGEST_PART,))
 
     def _request(
         self, request: BlockRequest, layout: _Layout, host: HostBuffers | None = None
@@ -159,14 +178,12 @@ class BlockDigests:
         )
 
     @staticmethod
-    def is_digest(name: str) -> bool:
-        """Whether ``name`` names a digest object (of either layout)."""
-        if name.endswith(FOREIGN_SUFFIX):
-            return True
-        if f"/{DIGEST_PART}/" not in name:
-            return False
-        fields = parse_object_name(name)
-        return fields is not None and fields.part == DIGEST_PART
+    def is_digest(name: str, identity: ObjectName | None) -> bool:
+        """Whether ``name`` (of identity ``identity``) names a digest object (of either
+        layout)."""
+        if identity is not None:
+            return identity.part == DIGEST_PART
+        return name.endswith(FOREIGN_SUFFIX)
 
     def digests_of(self, request: BlockRequest) -> BlockRequest:
         """The request naming the digest objects of ``request``'s blocks (no buffers)."""

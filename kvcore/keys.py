@@ -21,11 +21,13 @@ from kvcore.schemas import StrictModel
 
 __all__ = [
     "THIS_PROCESS_ONLY",
+    "BlockId",
     "KeyScope",
     "NameRows",
     "ObjectName",
     "ScopedKeys",
     "block_hashes",
+    "identities",
     "name_columns",
     "names_in_scope",
     "object_name",
@@ -176,11 +178,14 @@ class NameRows(Sequence[tuple[str, ...]]):
     until a backend asks for one. Slices share nothing mutable and stay lazy.
     """
 
-    __slots__ = ("_columns", "_n")
+    __slots__ = ("_columns", "_keys", "_n", "_origin")
 
     def __init__(self, columns: Sequence[list[str]], n: int) -> None:
         self._columns = tuple(columns)
         self._n = n
+        # set by object_names: the names' identity, so it is never read back from the text
+        self._origin: _Origin | None = None
+        self._keys: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -193,7 +198,10 @@ class NameRows(Sequence[tuple[str, ...]]):
         if isinstance(index, slice):
             lo, hi, step = index.indices(self._n)
             cols = [c[lo:hi:step] for c in self._columns]
-            return NameRows(cols, len(range(lo, hi, step)))
+            rows = NameRows(cols, len(range(lo, hi, step)))
+            if self._keys is not None:
+                rows._origin, rows._keys = self._origin, self._keys[lo:hi:step]
+            return rows
         if not self._columns:
             if not -self._n <= index < self._n:
                 raise IndexError(index)
@@ -222,6 +230,60 @@ class NameRows(Sequence[tuple[str, ...]]):
         """Every block's name of part ``part`` (index into the request's ``parts``)."""
         return self._columns[part]
 
+    @property
+    def typed(self) -> bool:
+        """Whether these names carry their identity (:func:`object_names` built them)."""
+        return self._keys is not None
+
+    def identity(self, block: int, part: int) -> ObjectName | None:
+        """The identity of ``self[block][part]``, without reading the name; None for names
+        built otherwise (see :meth:`ObjectName.parse`).
+
+        .. versionadded:: 0.4
+        """
+        origin, keys = self._origin, self._keys
+        if origin is None or keys is None:
+            return None
+        return ObjectName(
+            origin.namespace,
+            keys[block],
+            origin.parts[part],
+            origin.rank,
+            origin.world_size,
+            origin.weight_version,
+        )
+
+    def with_parts(self, parts: Sequence[str]) -> NameRows | None:
+        """The same blocks' names of other ``parts`` (e.g. their digests); None for names
+        that do not carry their identity.
+
+        .. versionadded:: 0.4
+        """
+        origin, keys = self._origin, self._keys
+        if origin is None or keys is None:
+            return None
+        return object_names(
+            keys,
+            parts,
+            namespace=origin.namespace,
+            rank=origin.rank,
+            world_size=origin.world_size,
+            weight_version=origin.weight_version,
+        )
+
+
+def identities(names: Sequence[Sequence[str]], first: int | None = None) -> list[ObjectName | None]:
+    """The identity of every object of the first ``first`` rows of ``names`` (all: None), row
+    by row: carried by :class:`NameRows` that kvcore built, read from the text otherwise.
+
+    .. versionadded:: 0.4
+    """
+    rows = names if first is None else names[:first]
+    if isinstance(rows, NameRows) and rows.typed:
+        width = len(rows._columns)
+        return [rows.identity(i, j) for i in range(len(rows)) for j in range(width)]
+    return [ObjectName.parse(name) for row in rows for name in row]
+
 
 def name_columns(names: Sequence[Sequence[str]], num_parts: int) -> list[list[str]]:
     """A request's object names as one sequence per part (``names[i][j]`` for every block
@@ -248,8 +310,26 @@ def object_names(
 
     .. versionchanged:: 0.2 a :class:`NameRows` (a sequence of row tuples, built lazily).
     """
-    scope = f"/r{rank}of{world_size}" + (f"/w{weight_version}" if weight_version else "")
-    return names_in_scope(block_keys, parts, namespace=namespace, scope=scope)
+    names = names_in_scope(
+        block_keys, parts, namespace=namespace, scope=_scope(rank, world_size, weight_version)
+    )
+    names._origin = _Origin(namespace, tuple(parts), rank, world_size, weight_version)
+    names._keys = tuple(block_keys)
+    return names
+
+
+def _scope(rank: int, world_size: int, weight_version: str) -> str:
+    return f"/r{rank}of{world_size}" + (f"/w{weight_version}" if weight_version else "")
+
+
+class _Origin(NamedTuple):
+    """What a run of names kvcore built shares: every field of their identity but the key."""
+
+    namespace: str
+    parts: tuple[str, ...]
+    rank: int
+    world_size: int
+    weight_version: str
 
 
 def names_in_scope(
@@ -271,10 +351,30 @@ def names_in_scope(
     return NameRows(columns, len(keys))
 
 
+class BlockId(NamedTuple):
+    """One block of one rank, as its objects' names say: every part of it shares this.
+
+    .. versionadded:: 0.4
+    """
+
+    namespace: str
+    block_key: str
+    rank: int
+    world_size: int
+    weight_version: str
+
+
 class ObjectName(NamedTuple):
-    """The fields of an object name kvcore built (:func:`object_names`).
+    """The identity of one object kvcore names (:func:`object_names`): the one type an object
+    name has from the request that builds it to the event that reports it.
+
+    A request's :class:`NameRows` give each name's identity (:meth:`NameRows.identity`) and
+    events carry them (:attr:`kvcore.events.StoreEvent.objects`), so nothing re-reads fields
+    from a string. :meth:`parse` is the one way back from a string, for names that arrive as
+    text: a backend's own reports, a store's journal, the hook contract's plain rows.
 
     .. versionadded:: 0.3
+    .. versionchanged:: 0.4 :meth:`parse`, :meth:`format`, :attr:`block`, :meth:`with_part`.
     """
 
     namespace: str
@@ -283,6 +383,42 @@ class ObjectName(NamedTuple):
     rank: int
     world_size: int
     weight_version: str
+
+    @classmethod
+    def parse(cls, name: str) -> ObjectName | None:
+        """The identity of ``name`` if kvcore built it, else None (an adapter may store
+        objects under an engine's own names, FastDeploy's say: those are opaque)."""
+        m = _NAME_RE.match(name)
+        if m is None:
+            return None
+        return cls(
+            m["namespace"],
+            m["key"],
+            m["part"],
+            int(m["rank"]),
+            int(m["world"]),
+            m["version"] or "",
+        )
+
+    def format(self) -> str:
+        """The object's name (what :func:`object_names` builds)."""
+        return f"{self.namespace}/{self.block_key}/{self.part}{self.scope}"
+
+    @property
+    def scope(self) -> str:
+        """The name's tail after the part: rank, world size and weight version."""
+        return _scope(self.rank, self.world_size, self.weight_version)
+
+    @property
+    def block(self) -> BlockId:
+        """The block (of its rank) this object is a part of."""
+        return BlockId(
+            self.namespace, self.block_key, self.rank, self.world_size, self.weight_version
+        )
+
+    def with_part(self, part: str) -> ObjectName:
+        """The identity of the same block's object ``part``."""
+        return self._replace(part=part)
 
 
 # {namespace}/{key}/{part}/r{rank}of{world}[/w{version}]; the namespace may hold slashes
@@ -294,19 +430,9 @@ _NAME_RE = re.compile(
 
 
 def parse_object_name(name: str) -> ObjectName | None:
-    """The fields of ``name`` if kvcore built it, else None (an adapter may store objects
-    under an engine's own names, FastDeploy's say: those are opaque).
+    """The fields of ``name`` if kvcore built it, else None.
 
     .. versionadded:: 0.3
+    .. deprecated:: 0.4 use :meth:`ObjectName.parse` (kept until 0.5).
     """
-    m = _NAME_RE.match(name)
-    if m is None:
-        return None
-    return ObjectName(
-        m["namespace"],
-        m["key"],
-        m["part"],
-        int(m["rank"]),
-        int(m["world"]),
-        m["version"] or "",
-    )
+    return ObjectName.parse(name)

@@ -40,7 +40,7 @@ from kvcore.errors import ConfigError
 from kvcore.events import KINDS, StoreEvent, StoreIndex
 from kvcore.handles import BackendHandle
 from kvcore.hookspecs import OPTIONAL_HOOKS, REQUIRED_HOOKS
-from kvcore.keys import parse_object_name
+from kvcore.keys import ObjectName
 from kvcore.registry import load_backend_class, open_backend
 from kvcore.requests import BlockRequest, FailureKind, HostBuffers
 from kvcore.schemas import CacheDType, CacheLayout, Capabilities
@@ -1255,10 +1255,11 @@ def _check_event(event: StoreEvent, namespace: str) -> None:
     assert event.namespace == namespace, (
         f"event of namespace {event.namespace!r} on a backend opened for {namespace!r}"
     )
-    assert len(event.sizes) == len(event.names) == len(event.parts), event
-    for name, part in zip(event.names, event.parts, strict=True):
-        parsed = parse_object_name(name)
-        assert parsed is not None and parsed.part == part, (name, part)
+    assert len(event.sizes) == len(event.names) == len(event.parts) == len(event.objects), event
+    for name, part, obj in zip(event.names, event.parts, event.objects, strict=True):
+        # the identity the event carries is the name's, whoever built it
+        assert obj is not None and obj.part == part and obj.format() == name, (name, part, obj)
+        assert ObjectName.parse(name) == obj, (name, obj)
 
 
 def _backend_class(target: str | type) -> type[Any]:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvcore
-from kvcore.keys import THIS_PROCESS_ONLY, ScopedKeys, parse_object_name
+from kvcore.keys import THIS_PROCESS_ONLY, ObjectName, ScopedKeys
 from kvcore_vllm.config import ConnectorSettings, TierSettings
 from kvcore_vllm.context import engine_world
 
@@ -396,7 +396,7 @@ class ChunkKeys(ScopedKeys):
 
     __slots__ = ()
 
-    def offload_key(self, name: str) -> bytes | None:
-        """The chunk key of object ``name``; None for objects of another scope."""
-        parsed = parse_object_name(name)
-        return None if parsed is None else self.digest(parsed.block_key)
+    def offload_key(self, identity: ObjectName | None) -> bytes | None:
+        """The chunk key of the object of ``identity`` (an event's
+        :attr:`~kvcore.events.StoreEvent.objects`); None for objects of another scope."""
+        return None if identity is None else self.digest(identity.block_key)

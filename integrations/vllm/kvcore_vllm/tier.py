@@ -415,10 +415,10 @@ class KVCoreTier(SecondaryTierManager):
         removed = event.kind != ev.STORED
         keys: list[OffloadKey] = []
         unmapped = 0
-        for name, part in zip(event.names, event.parts, strict=True):
-            if part != PART:
-                continue  # block digests beside chunks (kvcore.integrity)
-            key = self.keys.offload_key(name)
+        for identity in event.objects:
+            if identity is None or identity.part != PART:
+                continue  # block digests beside chunks (kvcore.integrity), others' objects
+            key = self.keys.offload_key(identity)
             if key is None:
                 unmapped += 1
             else:

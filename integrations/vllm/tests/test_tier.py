@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 )
 
 import kvcore
+from kvcore.keys import ObjectName
 
 ROW = 64 << 10
 
@@ -180,8 +181,9 @@ def test_keys_are_scoped_and_the_same_in_every_process(tmp_path, model_dir) -> N
     try:
         names = {t: object_names(t, key(5))[0] for t in tiers}
         assert len(set(names.values())) == 5, names  # model, TP, weights, RoPE: all apart
-        assert a.keys.offload_key(names[a]) == key(5)
-        assert a.keys.offload_key(names[b]) is None  # another scope: never this tier's chunk
+        assert a.keys.offload_key(ObjectName.parse(names[a])) == key(5)
+        # another scope: never this tier's chunk
+        assert a.keys.offload_key(ObjectName.parse(names[b])) is None
         code = (
             "import sys; sys.path.insert(0, sys.argv[1]); from tier_helpers import *\n"
             "with engine_config(sys.argv[2]):\n"

@@ -19,25 +19,21 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from kvcore.keys import parse_object_name
+from kvcore.keys import BlockId, ObjectName
 
 __all__ = ["Entry", "Index", "block_of"]
 
 
-def block_of(name: str | None) -> str | None:
-    """The block an object belongs to, for names kvcore built (its name without the part):
-    the objects of one block (K and V, scales) are evicted together, since a block missing one
-    part is no block. None for other names (and unknown ones): such an object is its own unit.
+def block_of(name: str | None) -> BlockId | None:
+    """The block an object belongs to, for names kvcore built: the objects of one block (K and
+    V, scales) are evicted together, since a block missing one part is no block. None for
+    other names (and unknown ones): such an object is its own unit. (Names reach the index as
+    text: from the hook's requests and from the journal.)
     """
     if name is None:
         return None
-    fields = parse_object_name(name)
-    if fields is None:
-        return None
-    return (
-        f"{fields.namespace}/{fields.block_key}/r{fields.rank}of{fields.world_size}/"
-        f"w{fields.weight_version}"
-    )
+    identity = ObjectName.parse(name)
+    return None if identity is None else identity.block
 
 
 @dataclass(slots=True)
@@ -46,7 +42,7 @@ class Entry:
     name: str | None = None  # learned on first use; None for files found by a scan
     stamp: int = 0  # when it was indexed, so a scan that started earlier cannot drop it
     logged_touch: float = 0.0  # when this process last put a read of it in the journal
-    block: str | None = None  # see block_of
+    block: BlockId | None = None  # see block_of
 
 
 class Index:
@@ -59,7 +55,7 @@ class Index:
         self.lock = threading.Lock()
         self.lru: OrderedDict[int, Entry] = OrderedDict()  # oldest first
         self.by_name: dict[str, int] = {}
-        self.blocks: dict[str, set[int]] = {}  # block_of(name) -> the digests of its parts
+        self.blocks: dict[BlockId, set[int]] = {}  # block_of(name) -> the digests of its parts
         self.files_bytes = 0  # bytes of the indexed files
         self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit here
         self._stamps = itertools.count(1)

@@ -27,7 +27,7 @@ from kv_tiered.bounded import BoundedCalls, Missed
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers
 from kvcore.evictions import Objects
-from kvcore.keys import parse_object_name
+from kvcore.keys import ObjectName
 
 __all__ = ["EvictionHandDown"]
 
@@ -117,7 +117,7 @@ class EvictionHandDown:
         blocks: dict[tuple[Any, ...], dict[str, tuple[str, memoryview]]] = {}
         namespace = self._tiers.context.namespace
         for name, payload in objects:
-            fields = parse_object_name(name)
+            fields = ObjectName.parse(name)  # the hand-over names objects as text
             if fields is None or fields.namespace != namespace:  # not kvcore's name here
                 blocks[("", name)] = {"": (name, payload)}
                 continue
