@@ -4,7 +4,8 @@
   tier's leading run, then the next tier's from where it ended, and so on.
 - **read**: each block from the first tier that holds it, in the same order; blocks that only
   a lower tier had are **promoted** into the tiers above it by a background copy (bounded
-  queue, never past the read's deadline, nothing copied on the read's own path).
+  queue, never past the read's deadline) of the bytes the read already has: copied once out
+  of the caller's buffers on the read's path (a memcpy), so the lower tier is not read twice.
 - **write**: acknowledged when the first tier that works stores it; with ``write-through``
   the tiers below receive it by a background copy (bounded backlog, drops counted), with
   ``write-back-on-evict`` a tier below receives what the tier above evicts
@@ -141,6 +142,7 @@ class TieredBackend:
         for i in range(len(self.tiers)):
             if done >= n or (i and request.expired()):
                 break
+            mark = self._peers.removal_mark() if i and self.config.promote else None
             part = request.slice(done, n, host=host.slice(done, n))
             # straight into the caller's buffers, never abandoned (see _call): the tier's own
             # deadline handling bounds it (kv_mooncake abandons its existence checks)
@@ -150,13 +152,21 @@ class TieredBackend:
             served = self._peers.not_removed(i, part, int(got))
             if served:
                 self._counters.add(f"tier{i}_read_blocks", served)
-                if i and self.config.promote:
-                    self._mover.submit(
-                        Copy("promote", i, tuple(range(i)),
-                             request.slice(done, done + served), request.deadline)
-                    )  # fmt: skip
+                if mark is not None and self._mover.has_room(served):
+                    self._promote(i, request.slice(done, done + served), part.host, mark)
             done += served
         return self._answer(done, n, failed, "read")
+
+    def _promote(self, source: int, blocks: BlockRequest, read_into: HostBuffers | None,
+                 mark: int) -> None:  # fmt: skip
+        """Queue the promotion of ``blocks``, which tier ``source`` just read into the leading
+        blocks of ``read_into``: their bytes are copied now, before the caller may reuse its
+        buffers, so the copy needs no second read of the source."""
+        assert read_into is not None
+        payload = private_copy(read_into.slice(0, blocks.num_blocks))
+        copy = Copy("promote", source, tuple(range(source)), blocks, blocks.deadline,
+                    payload=payload, removal_mark=mark)  # fmt: skip
+        self._mover.submit(copy)
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:

@@ -2,8 +2,10 @@
 tiers above it, after a read found them there) and write-through (an acknowledged write's
 blocks into the tiers below the one that acknowledged it).
 
-A copy reads the blocks back from its source tier into buffers of its own and writes them to
-its targets: the read or write that caused it copies nothing and waits for nothing. The queue
+A write-through copy reads the blocks back from its source tier into buffers of its own and
+writes them to its targets: the write that caused it copies nothing and waits for nothing. A
+promotion comes with the bytes the read already has (:attr:`Copy.payload`, verified by the
+read, copied once out of the caller's buffers): the source tier is not read again. The queue
 is bounded in blocks; a copy that does not fit, or whose deadline passed while it waited, is
 dropped and counted (a later miss in that tier, never an error).
 """
@@ -11,6 +13,7 @@ dropped and counted (a later miss in that tier, never an error).
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections import deque
@@ -20,7 +23,7 @@ from dataclasses import dataclass, replace
 import kvcore
 from kv_tiered.buffers import own_buffers
 from kv_tiered.peers import PeerChanges
-from kvcore import BlockRequest
+from kvcore import BlockRequest, HostBuffers
 from kvcore.threads import start_thread
 
 __all__ = ["Copy", "Mover"]
@@ -40,6 +43,12 @@ class Copy:
     #: a ``time.monotonic()`` instant after which the copy is not started; None: its own
     #: timeout from when it starts
     deadline: float | None
+    #: the blocks' bytes, already read (and verified) from the source, in buffers of the
+    #: stack's own (the mmap keeps them); None: the copy reads the source itself
+    payload: tuple[HostBuffers, mmap.mmap] | None = None
+    #: the peers' removals seen before the source was read (:meth:`PeerChanges.removal_mark`);
+    #: None: taken when the copy reads the source
+    removal_mark: int | None = None
 
     @property
     def blocks(self) -> int:
@@ -80,6 +89,12 @@ class Mover:
         self._stopping = False
         self._threads = [start_thread(self._work, f"kv_tiered-mover-{i}") for i in range(threads)]
 
+    def has_room(self, blocks: int) -> bool:
+        """Whether ``blocks`` more would fit in the queue now (so a caller copies bytes for a
+        copy only when it is likely to be taken)."""
+        with self._cond:
+            return not self._stopping and self._queued_blocks + blocks <= self._max_blocks
+
     def submit(self, copy: Copy) -> bool:
         """Queue ``copy``; False (and counted as dropped) when the backlog is full or closed."""
         n = copy.blocks
@@ -109,8 +124,14 @@ class Mover:
                     if not keep:
                         continue
                     request = copy.request
+                    payload = copy.payload
+                    if payload is not None:  # the kept blocks' bytes, in the same region
+                        host, region = payload
+                        kept_ptrs = tuple(host.ptrs[i] for i in keep)
+                        payload = (HostBuffers(kept_ptrs, host.nbytes), region)
                     copy = replace(
                         copy,
+                        payload=payload,
                         request=replace(
                             request,
                             block_keys=tuple(request.block_keys[i] for i in keep)
@@ -188,14 +209,20 @@ class Mover:
             self._counters.add(f"{kind}_failed_blocks", n)
             return
         deadline = copy.deadline if copy.deadline is not None else now + self._timeout_s
-        mark = self._peers.removal_mark()  # before the read: removals from here on count
-        host, region = own_buffers(n, sizes)  # the region lives until this copy returns
-        request = replace(copy.request, host=host, deadline=deadline)
-        got = int(self._tiers[copy.source].read(request))
-        if got < n:
-            self._counters.add(f"{kind}_source_missing_blocks", n - got)
-        if not got:
-            return
+        if copy.payload is not None:  # the bytes the caller's read verified: no second read
+            host, region = copy.payload
+            mark = copy.removal_mark if copy.removal_mark is not None else -1
+            request = replace(copy.request, host=host, deadline=deadline)
+            got = n
+        else:
+            mark = self._peers.removal_mark()  # before the read: removals from here on count
+            host, region = own_buffers(n, sizes)  # the region lives until this copy returns
+            request = replace(copy.request, host=host, deadline=deadline)
+            got = int(self._tiers[copy.source].read(request))
+            if got < n:
+                self._counters.add(f"{kind}_source_missing_blocks", n - got)
+            if not got:
+                return
         part = request.slice(0, got, host=host.slice(0, got))
         for target in copy.targets:
             done = int(self._tiers[target].write(part))

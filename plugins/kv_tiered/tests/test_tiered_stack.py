@@ -70,6 +70,8 @@ def test_a_read_takes_each_block_from_the_fastest_tier_and_promotes_the_rest(tmp
         assert stats["backend_tier0_read_blocks"] == 2 and stats["backend_tier1_read_blocks"] == 3
         flush(h)
         assert near.query(seq) == 5, "blocks 2-4 were not promoted into the near tier"
+        # the promotion copied the bytes the read had: the far tier was read once, not twice
+        assert h.backend.plugin.tiers[1].metrics.get("blocks_done", "read") == 3
         done, got = h.read(seq)
         assert done == 5 and blocks_equal(got, h.payload(seq, 0, 5)) == []
         stats = h.backend.stats()
