@@ -39,7 +39,7 @@ def test_hookspecs_lists_name_every_spec() -> None:
 def test_every_hook_is_exercised_by_a_kit_test() -> None:
     missing = spec_names() - set(exercised_hooks())
     assert not missing, (
-        f"no kit test exercises {sorted(missing)}: add one to kvcore/testing/suite.py"
+        f"no kit test exercises {sorted(missing)}: add one to a mixin in kvcore/testing/kit/"
     )
 
 

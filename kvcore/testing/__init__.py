@@ -9,7 +9,10 @@ import pytest
 # The kit's asserts must explain failures in the tests of whoever runs it, also when kvcore
 # is installed editable (pytest only rewrites plugin modules it can list from the dist).
 pytest.register_assert_rewrite(
-    "kvcore.testing.harness", "kvcore.testing.suite", "kvcore.testing.identity"
+    "kvcore.testing.harness",
+    "kvcore.testing.kit",  # the kit's tests, one module per capability (and its submodules)
+    "kvcore.testing.suite",
+    "kvcore.testing.identity",
 )
 
 from kvcore.testing.harness import (  # noqa: E402
