@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -70,6 +70,12 @@ class BackendHandle:
         never again).
     :param share: share one opened backend with every handle of the same settings in this
         process.
+    :param on_open: called with the backend each time this handle opens it, before anyone
+        gets it (what a caller sets up once per opened backend: a buffer registration, an
+        event subscription); if it raises, the open failed (and :meth:`get` tries again
+        later).
+
+    .. versionchanged:: 0.4 ``on_open``; :attr:`opened`.
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class BackendHandle:
         share: bool = False,
         strict: bool = False,
         verify_blocks: VerifyBlocks = "auto",
+        on_open: Callable[[Backend], object] | None = None,
     ) -> None:
         self.name = name
         self.config = config
@@ -92,6 +99,7 @@ class BackendHandle:
         self.share = share
         self.strict = strict
         self.verify_blocks = verify_blocks
+        self._on_open = on_open
         self._backend: Backend | None = None
         self._last_try = -float("inf")
         self._failures = 0
@@ -101,6 +109,11 @@ class BackendHandle:
     @property
     def label(self) -> str:
         return self.name if isinstance(self.name, str) else self.name.__name__
+
+    @property
+    def opened(self) -> Backend | None:
+        """The backend if it is open now; never tries to open it (for shutdown, stats)."""
+        return self._backend
 
     @property
     def open_failures(self) -> int:
@@ -197,6 +210,19 @@ class BackendHandle:
         )
 
     def _acquire(self) -> Backend:
+        backend = self._acquire_shared()
+        if self._on_open is not None:
+            try:
+                self._on_open(backend)
+            except BaseException:
+                if self.share:
+                    _release(backend)
+                else:
+                    backend.close()
+                raise
+        return backend
+
+    def _acquire_shared(self) -> Backend:
         if not self.share:
             return self._open_checked()
         key = self._sharing_key()

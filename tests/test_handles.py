@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from memory_backend import MemoryBackend
 
@@ -92,3 +94,30 @@ def test_a_lookup_only_role_answers_queries_and_a_closed_backend_as_a_failure() 
         backend = opened.open()
         assert opened.lookup_only().query(backend.request("q", ["k1"])) == 0
         assert not hasattr(opened.lookup_only(), "read") and not hasattr(lookups, "write")
+
+
+def test_on_open_runs_once_per_opened_backend_and_a_failing_one_is_a_failed_open() -> None:
+    seen: list[kvcore.Backend] = []
+    handle = kvcore.BackendHandle("memory", on_open=seen.append)
+    assert handle.opened is None and seen == []  # opening is on first use, not construction
+    backend = handle.get()
+    assert backend is not None and seen == [backend] and handle.opened is backend
+    assert handle.get() is backend and seen == [backend], "set up again for the same backend"
+    handle.close()
+    assert handle.opened is None
+
+    _Tokens.closed = 0
+    calls = []
+
+    def refuse(backend: kvcore.Backend) -> None:
+        calls.append(backend)
+        if len(calls) == 1:
+            raise OSError("registering the engine's memory failed")
+
+    flaky = kvcore.BackendHandle(_Tokens, on_open=refuse, retry_s=0.01)
+    assert flaky.get() is None and flaky.open_failures == 1
+    assert _Tokens.closed == 1, "the backend a failed setup left behind was not closed"
+    time.sleep(0.02)
+    again = flaky.get()
+    assert again is not None and calls[-1] is again and flaky.opened is again
+    flaky.close()

@@ -47,6 +47,9 @@ class _StoreSettings(BaseModel):
     weight_version: str = Field(
         default="", description="ends every object name; bump it when the weights change"
     )
+    reopen_interval_s: float = interval_field(
+        30.0, "a backend that failed to open is tried again after this long (0: never)"
+    )
 
 
 def _validated(
@@ -90,9 +93,6 @@ class ConnectorSettings(_StoreSettings):
         default="recompute",
         description="what vLLM does with blocks that failed to load: recompute them (a cache "
         "tier's failure is a miss) or fail the request",
-    )
-    reopen_interval_s: float = interval_field(
-        30.0, "a backend that failed to open is tried again after this long (0: never)"
     )
     transfer: dict[str, Any] = Field(
         default_factory=dict,

@@ -88,6 +88,10 @@ def _metric(name: str) -> str:
     return f"vllm:kv_offload_tiering_kvcore_{name}"
 
 
+class StoreUnavailable(RuntimeError):
+    """The tier's backend is not open (it failed to open and is tried again on schedule)."""
+
+
 class _Lookups(AsyncLookupManager):
     """vLLM's asynchronous lookups; each request's batch is one leading-run ``query`` per gap."""
 
@@ -131,18 +135,30 @@ class KVCoreTier(SecondaryTierManager):
         context: dict[str, Any] = {"namespace": cfg.namespace}
         if cfg.weight_version:
             context["weight_version"] = cfg.weight_version
-        # the tier stores chunks by key from host memory
+        self._store_override: kvcore.Backend | None = None
+        self._events: list[OffloadingEvent] | None = None
+        self._subscription: ev.Subscription | None = None
+        if cfg.enable_kv_events:
+            events_config = getattr(offloading_spec, "kv_events_config", None)
+            if events_config is not None and events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning(
+                    "kvcore tier: enable_kv_events is set but vLLM's KV cache events are off "
+                    "(kv_events_config); the tier publishes none"
+                )
+        # the tier stores chunks by key from host memory. A store that cannot be reached
+        # does not stop the engine: every lookup is a miss, every job fails (vLLM recomputes),
+        # and the handle tries again every reopen_interval_s (bad settings still raise here)
         self._handle = kvcore.BackendHandle(
             cfg.backend,
             cfg.backend_config,
             context=context,
             requires={"io": "host", "addressing": "key"},
+            retry_s=cfg.reopen_interval_s,
+            on_open=self._attach,
         )
-        self.backend = self._handle.open()
-        #: what jobs read, write and query through: the opened backend (which verifies its
-        #: chunks itself, kvcore.integrity); a seam tests wrap to inject faults
-        self.store: kvcore.Backend = self.backend
-        self.backend.register_buffer(self._base, self._region_bytes)  # once, for every job
+        self._handle.get()
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._reported: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._facade_reported: dict[str, float] = {}
@@ -155,18 +171,6 @@ class KVCoreTier(SecondaryTierManager):
         self._loads = thread_pool(cfg.load_workers, "kvcore-tier-load")
         self._stores = thread_pool(cfg.store_workers, "kvcore-tier-store")
         self._closed = False
-        self._events: list[OffloadingEvent] | None = None
-        self._subscription: ev.Subscription | None = None
-        if cfg.enable_kv_events:
-            events_config = getattr(offloading_spec, "kv_events_config", None)
-            if events_config is not None and events_config.enable_kv_cache_events:
-                self._events = []
-                self._subscription = self.backend.events.subscribe()
-            else:
-                log.warning(
-                    "kvcore tier: enable_kv_events is set but vLLM's KV cache events are off "
-                    "(kv_events_config); the tier publishes none"
-                )
         self._lookups = _Lookups(self, tier_type)
         log.info(
             "kvcore tier %r: backend %r, %d chunks of %d bytes registered, namespace %r",
@@ -176,6 +180,37 @@ class KVCoreTier(SecondaryTierManager):
             self._chunk_bytes,
             cfg.namespace,
         )
+
+    def _attach(self, backend: kvcore.Backend) -> None:
+        """What each opened backend gets once: the primary tier's region, registered for every
+        job, and the tier's event subscription."""
+        backend.register_buffer(self._base, self._region_bytes)
+        if self._events is not None:
+            self._subscription = backend.events.subscribe()
+
+    @property
+    def backend(self) -> kvcore.Backend | None:
+        """The opened backend; None while it cannot be opened (tried again on schedule)."""
+        return self._handle.get()
+
+    @property
+    def store(self) -> kvcore.Backend:
+        """What jobs read, write and query through: the opened backend (which verifies its
+        chunks itself, kvcore.integrity), or what a test put in its place to inject faults.
+
+        :raises StoreUnavailable: the backend is not open (the job fails, as a miss)."""
+        backend = self._opened()
+        return self._store_override if self._store_override is not None else backend
+
+    @store.setter
+    def store(self, wrapped: kvcore.Backend) -> None:
+        self._store_override = wrapped
+
+    def _opened(self) -> kvcore.Backend:
+        backend = self._handle.get()
+        if backend is None:
+            raise StoreUnavailable(f"backend {self.settings.backend!r} is not open")
+        return backend
 
     # -- vLLM's tier contract -----------------------------------------------------------------
 
@@ -252,7 +287,9 @@ class KVCoreTier(SecondaryTierManager):
         self._lookups.shutdown()
         if self._subscription is not None:
             self._subscription.close()
-        self.backend.unregister_buffer(self._base)
+        backend = self._handle.opened
+        if backend is not None:
+            backend.unregister_buffer(self._base)
         self._handle.close()
 
     # -- metrics ------------------------------------------------------------------------------
@@ -282,7 +319,8 @@ class KVCoreTier(SecondaryTierManager):
                 if step:
                     stats.increase_counter(_metric(name), step, label)
                     self._reported[name] = value
-        snapshot = self.backend.metrics.snapshot()
+        backend = self._handle.opened
+        snapshot = backend.metrics.snapshot() if backend is not None else {}
         for name, keys in _FACADE_COUNTERS_FROM.items():
             now = sum(v for k, v in snapshot.items() if k.split(".")[0] in keys)
             step = now - self._facade_reported.get(name, 0.0)
@@ -302,7 +340,7 @@ class KVCoreTier(SecondaryTierManager):
             if any(not 0 <= c < self._num_chunks for c in ids):
                 raise ValueError(f"chunk ids {ids} outside the primary tier's {self._num_chunks}")
             host = HostBuffers(ptrs=tuple((base + c * size,) for c in ids), nbytes=(size,))
-        return self.backend.request(
+        return self._opened().request(
             task,
             [self.keys.key(k) for k in keys],
             timeout_s=timeout_s,
@@ -312,9 +350,14 @@ class KVCoreTier(SecondaryTierManager):
         )
 
     def _exists(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
-        """Which of ``keys`` are stored: one leading-run query per gap."""
+        """Which of ``keys`` are stored: one leading-run query per gap (none while the store
+        is not open)."""
         found = [False] * len(keys)
-        request = self._request(f"{req_id}/lookup", keys, self.settings.lookup_timeout_s)
+        try:
+            request = self._request(f"{req_id}/lookup", keys, self.settings.lookup_timeout_s)
+        except StoreUnavailable:
+            self._count(lookup_chunks=len(keys), lookup_errors=1)
+            return found
         start = 0
         errors = 0
         while start < len(keys):
@@ -339,7 +382,7 @@ class KVCoreTier(SecondaryTierManager):
                 f"store/{job.job_id}", job.keys, self.settings.store_timeout_s, job.chunk_ids
             )
             # the store's admission first: a refused chunk is not a failure, and not written
-            admitted = int(self.backend.admit(request))
+            admitted = int(self._opened().admit(request))
             if admitted:
                 host = request.host.slice(0, admitted) if request.host is not None else None
                 written = int(self.store.write(request.slice(0, admitted, host=host)))

@@ -236,6 +236,42 @@ def test_backend_failures_are_misses_never_raised(tmp_path) -> None:
         tier.shutdown()
 
 
+def test_a_store_not_up_at_start_is_a_miss_until_it_opens() -> None:
+    """A Mooncake master that is not up yet when vLLM builds its tiers: the engine starts,
+    lookups miss, jobs fail (vLLM recomputes), and once the master is up the tier opens on the
+    next try and stores and loads chunks (kvcore's handle: the connector's policy)."""
+    from kv_mooncake.testing import MooncakeCluster, free_port
+
+    cluster = MooncakeCluster(storage_bytes=64 << 20)
+    cluster.master.rpc_port, cluster.master.metrics_port = free_port(), free_port()
+    config = cluster.config(connect_timeout_s=1.0)  # where no master listens yet
+    tier, tensor = make_tier("mooncake", "", aligned_tensor(random=True),
+                             backend_config=config, reopen_interval_s=0.5)  # fmt: skip
+    try:
+        assert tier.backend is None
+        assert lookup_and_wait(tier, [key(1)]) == [LookupResult.MISS]
+        tier.submit_store(make_job(1, [key(1)], [0]))
+        tier.submit_load(make_job(2, [key(1)], [1], promotion=True))
+        assert [r.success for r in drain(tier)] == [False, False]
+        stats = tier.get_stats()
+        assert _metric(stats, "lookup_errors") == 1 and _metric(stats, "load_failed_chunks") == 1
+        assert _metric(stats, "store_failed_chunks") == 1
+
+        cluster.start()
+        time.sleep(0.6)  # past reopen_interval_s: the next call opens it
+        tier.submit_store(make_job(3, [key(1)], [0]))
+        assert [r.success for r in drain(tier)] == [True]
+        assert tier._handle.open_failures >= 1
+        tier.on_request_finished(CTX)  # vLLM keeps a request's lookup verdicts until it ends
+        assert lookup_and_wait(tier, [key(1)]) == [LookupResult.HIT]
+        tier.submit_load(make_job(4, [key(1)], [1], promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        assert torch.equal(tensor[1], tensor[0])
+    finally:
+        tier.shutdown()
+        cluster.close()
+
+
 def test_a_full_store_queue_drops_stores_and_counts_them(tmp_path) -> None:
     tier, _ = make_tier("memory", "", store_workers=1, max_queued_stores=1)
     gate = threading.Event()
