@@ -34,9 +34,11 @@ __all__ = [
     "EXTRA_CONFIG_ENV",
     "FASTDEPLOY_FILE_ENV",
     "FASTDEPLOY_MOONCAKE_ENV",
+    "REOPEN_ENV",
     "VERIFY_BLOCKS_ENV",
     "fastdeploy_backend_config",
     "parse_backend_spec",
+    "reopen_interval_setting",
     "verify_blocks_setting",
 ]
 
@@ -98,6 +100,24 @@ def verify_blocks_setting(environ: Mapping[str, str] | None = None) -> str:
     value = env.get(VERIFY_BLOCKS_ENV) or "auto"
     if value not in ("auto", "always", "never"):
         raise ValueError(f"{VERIFY_BLOCKS_ENV} is {value!r}; it is one of auto, always, never")
+    return value
+
+
+#: seconds after which a backend that could not be opened (a Mooncake master not up yet) is
+#: tried again; until then every call is a miss (0: never again)
+REOPEN_ENV = "KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S"
+
+
+def reopen_interval_setting(environ: Mapping[str, str] | None = None) -> float:
+    """The reopen interval (:data:`REOPEN_ENV`, default 30 s)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(REOPEN_ENV) or "30"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{REOPEN_ENV} is {raw!r}; it is a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{REOPEN_ENV} is {raw!r}; it is a finite number of seconds >= 0")
     return value
 
 

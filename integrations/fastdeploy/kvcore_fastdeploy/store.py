@@ -35,10 +35,11 @@ raise ``ValueError`` naming the argument.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import kvcore
 from kvcore import BlockRequest, HostBuffers, Outcome
@@ -48,12 +49,15 @@ from kvcore_fastdeploy.names import part_of
 from kvcore_fastdeploy.settings import (
     fastdeploy_backend_config,
     parse_backend_spec,
+    reopen_interval_setting,
     verify_blocks_setting,
 )
 
-__all__ = ["FAILED", "NOT_FOUND", "KVCoreStore", "store_namespace"]
+__all__ = ["FAILED", "NOT_FOUND", "KVCoreStore", "StoreUnavailable", "store_namespace"]
 
 log = logging.getLogger("kvcore_fastdeploy")
+
+T = TypeVar("T")
 
 #: batch_get's answer for an object of a block past the restored run (Mooncake's OBJECT_NOT_FOUND)
 NOT_FOUND = -704
@@ -87,32 +91,82 @@ def store_namespace(model_id: str, layout: kvcore.CacheLayout, tp_size: int) -> 
 NEEDS = {"addressing": "key", "io": "host"}
 
 
+class StoreUnavailable(RuntimeError):
+    """The backend is not open (it failed to open and is tried again on schedule)."""
+
+
 class KVCoreStore:
-    """FastDeploy's storage interface over one opened, key-addressed, host-I/O kvcore backend.
+    """FastDeploy's storage interface over one key-addressed, host-I/O kvcore backend.
 
     Build it with :meth:`open` (what the patched cache transfer manager calls), or wrap an
-    already opened :class:`kvcore.Backend`. Thread-safe as far as the backend is (kvcore
-    serialises backends that are not).
+    already opened :class:`kvcore.Backend`, or a :class:`kvcore.BackendHandle` (opened on
+    first use; while it cannot open, every call is a miss or a failure FastDeploy handles,
+    and it is tried again on the handle's schedule). Thread-safe as far as the backend is
+    (kvcore serialises backends that are not).
+
+    .. versionchanged:: 0.2 a :class:`kvcore.BackendHandle` is accepted.
     """
 
-    def __init__(self, backend: kvcore.Backend, *, io_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        backend: kvcore.Backend | kvcore.BackendHandle,
+        *,
+        io_timeout_s: float | None = None,
+    ) -> None:
+        self._handle: kvcore.BackendHandle | None = None
+        self._fixed: kvcore.Backend | None = None
+        self._buffers: dict[int, int] = {}  # regions FastDeploy registered: each opened backend's
+        self._attached: kvcore.Backend | None = None  # the opened backend _attach saw
+        self._lock = threading.Lock()
+        if isinstance(backend, kvcore.BackendHandle):
+            self._handle = backend
+            config = kvcore.check_backend_config(str(backend.name), backend.config)
+            layout = backend.context.layout
+            name = backend.label
+        else:
+            self._check(backend)
+            self._fixed = backend
+            config, layout, name = backend.config, backend.context.layout, backend.name
+        self.name = name
+        self.layout = layout
+        #: deadline of batch_get / batch_set, which take no timeout in FastDeploy's interface
+        self.io_timeout_s = config.default_timeout_s if io_timeout_s is None else io_timeout_s
+        self._owned = False
+        self._counters = kvcore.Counters()
+
+    @staticmethod
+    def _check(backend: kvcore.Backend) -> None:
         require_capabilities(
             backend, NEEDS, "FastDeploy's batch_get/batch_set (key-addressed, host I/O)"
         )
         layout = backend.context.layout
         if layout is not None and layout.dtype.has_scales and not backend.capabilities.scales:
-            raise ValueError(
+            raise kvcore.ConfigError(
                 f"backend {backend.name!r} cannot store block-wise fp8 scales "
                 f"(cache_dtype {layout.dtype.value})"
             )
-        self.backend = backend
-        self.layout = layout
-        #: deadline of batch_get / batch_set, which take no timeout in FastDeploy's interface
-        self.io_timeout_s = (
-            backend.config.default_timeout_s if io_timeout_s is None else io_timeout_s
-        )
-        self._owned = False
-        self._counters = kvcore.Counters()
+
+    def _attach(self, backend: kvcore.Backend) -> None:
+        """What each opened backend gets once: the checks, and FastDeploy's regions."""
+        self._check(backend)
+        for ptr, size in self._buffers.items():
+            backend.register_buffer(ptr, size)
+
+    @property
+    def backend(self) -> kvcore.Backend:
+        """The opened backend. :raises StoreUnavailable: it cannot be opened now."""
+        if self._fixed is not None:
+            return self._fixed
+        assert self._handle is not None
+        backend = self._handle.get()
+        if backend is None:
+            raise StoreUnavailable(f"kvcore backend {self.name!r} is not open")
+        if backend is not self._attached:  # opened (or reopened) since the last call
+            with self._lock:
+                if backend is not self._attached:
+                    self._attach(backend)
+                    self._attached = backend
+        return backend
 
     @classmethod
     def open(
@@ -156,11 +210,12 @@ class KVCoreStore:
         )
         backend_config = fastdeploy_backend_config(name, tp_rank=tp_rank, environ=environ)
         backend_config.update(config or {})
-        backend = kvcore.BackendHandle(
+        handle = kvcore.BackendHandle(
             name,
             backend_config,
             requires=NEEDS,
             verify_blocks=verify_blocks_setting(environ),  # type: ignore[arg-type]
+            retry_s=reopen_interval_setting(environ),
             context={
                 "layout": layout,
                 "rank": tp_rank,
@@ -168,13 +223,18 @@ class KVCoreStore:
                 "device_id": device_id,
                 "namespace": store_namespace(namespace, layout, tp_size),
             },
-        ).open()
-        try:
-            store = cls(backend)
-        except BaseException:
-            backend.close()
-            raise
+        )
+        store = cls(handle)
         store._owned = True
+        try:
+            # now if it can: settings errors raise here; a store that is not up does not stop
+            # FastDeploy (logged by the handle; every call is a miss until it opens)
+            store.backend  # noqa: B018
+        except StoreUnavailable:
+            pass
+        except BaseException:
+            handle.close()
+            raise
         log.info(
             "kvcore backend %r serves FastDeploy rank %d/%d (namespace %r, %s)",
             name,
@@ -188,8 +248,13 @@ class KVCoreStore:
     # -- FastDeploy's storage calls --------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, buffer_size: int) -> None:
-        """A staging region later calls point into (zero-copy transports register it)."""
-        self.backend.register_buffer(int(buffer_ptr), int(buffer_size))
+        """A staging region later calls point into (zero-copy transports register it; a
+        backend opened later, or reopened, gets it too)."""
+        with self._lock:
+            self._buffers[int(buffer_ptr)] = int(buffer_size)
+            opened = self._attached if self._fixed is None else self._fixed
+        if opened is not None:
+            opened.register_buffer(int(buffer_ptr), int(buffer_size))
 
     def query(
         self,
@@ -215,7 +280,10 @@ class KVCoreStore:
         columns = list(runs.values())
         names = tuple(tuple(col[i] for col in columns) for i in range(n))
         request = self._request(names, parts, timeout_s=timeout)
-        return int(self.backend.query(request))
+        try:
+            return int(self.backend.query(request))
+        except StoreUnavailable:
+            return self._unavailable("query", 0)
 
     def batch_get(
         self,
@@ -244,11 +312,15 @@ class KVCoreStore:
     def exists(self, keys: Sequence[str]) -> dict[str, bool]:
         """Whether each object is stored (one query per run of present keys plus each miss)."""
         found: dict[str, bool] = {}
+        try:
+            backend = self.backend
+        except StoreUnavailable:
+            return self._unavailable("exists", dict.fromkeys(keys, False))
         i = 0
         while i < len(keys):
             rest = keys[i:]
             names = tuple((k,) for k in rest)
-            present = int(self.backend.query(self._request(names, (part_of(rest[0]),))))
+            present = int(backend.query(self._request(names, (part_of(rest[0]),))))
             for k in rest[:present]:
                 found[k] = True
             if i + present < len(keys):
@@ -259,28 +331,47 @@ class KVCoreStore:
     def delete(self, key: str, timeout: float | None = None) -> bool:
         """Remove one object; True when it was stored and is gone (``kvcore_remove``)."""
         request = self._request(((key,),), (part_of(key),), timeout_s=timeout)
-        return int(self.backend.remove(request)) > 0
+        try:
+            return int(self.backend.remove(request)) > 0
+        except StoreUnavailable:
+            return self._unavailable("delete", False)
 
     def clear(self) -> bool:
         """Drop every object of this backend's namespace; False when the backend cannot."""
-        outcome = self.backend.clear()
+        try:
+            outcome = self.backend.clear()
+        except StoreUnavailable:
+            return self._unavailable("clear", False)
         if outcome.failure is not None:
-            log.warning("kvcore backend %r clear: %s", self.backend.name, outcome.failure)
+            log.warning("kvcore backend %r clear: %s", self.name, outcome.failure)
             return False
         return True
 
     def close(self) -> None:
         """Close the backend if :meth:`open` opened it."""
-        if self._owned:
-            self.backend.close()
+        if not self._owned:
+            return
+        if self._handle is not None:
+            self._handle.close()
+        elif self._fixed is not None:
+            self._fixed.close()
 
     def stats(self) -> dict[str, float]:
         """kvcore's counters for this backend (blocks the admission policy refused:
         ``blocks_refused.admit``) and the adapter's own, for FastDeploy's metrics or a log
         line. ``blocks_refused`` is the same count under its 0.1 name, until 0.2."""
-        out = {**self.backend.stats(), **self._counters.snapshot()}
+        opened = self._fixed if self._fixed is not None else self._attached
+        own = opened.stats() if opened is not None else {}
+        out = {**own, **self._counters.snapshot()}
         out["blocks_refused"] = out.get("blocks_refused.admit", 0.0)
+        if self._handle is not None:
+            out["open_failures"] = float(self._handle.open_failures)
         return out
+
+    def _unavailable(self, op: str, answer: T) -> T:
+        """The answer of a call the backend is not open for (counted ``unavailable.<op>``)."""
+        self._counters.add(f"unavailable.{op}")
+        return answer
 
     # -- internals -------------------------------------------------------------------------
 
@@ -355,9 +446,13 @@ class KVCoreStore:
     def _run(self, op: str, request: BlockRequest, nbytes: Sequence[int]) -> list[int]:
         """Read, or write what the store admits; the answers per key in FastDeploy's order."""
         n = request.num_blocks
+        try:
+            backend = self.backend
+        except StoreUnavailable:
+            return self._unavailable(op, [FAILED] * (n * len(request.parts)))
         if op == "read":
-            return _read_answers(self.backend.read(request), n, nbytes)
-        written, admitted = self.backend.write_admitted(request)  # refusals counted there
+            return _read_answers(backend.read(request), n, nbytes)
+        written, admitted = backend.write_admitted(request)  # refusals counted there
         return _write_answers(int(written), admitted, n, len(request.parts))
 
     def _parts_for(self, total: int) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -275,3 +276,49 @@ def test_layout_is_fastdeploys_staging_stride() -> None:
 )
 def test_part_of_reads_fastdeploys_suffixes(name: str, part: str) -> None:
     assert part_of(name) == part
+
+
+def test_a_master_not_up_at_start_is_a_miss_until_it_opens() -> None:
+    """FastDeploy's cache transfer manager opens its store while the Mooncake master is not up
+    yet: opening works, every call is a miss or FAILED, and once the master is up the backend
+    opens on the next try, with FastDeploy's registered region, and stores and reads."""
+    from kv_mooncake.testing import MooncakeCluster, free_port
+
+    cluster = MooncakeCluster(storage_bytes=64 << 20)
+    cluster.master.rpc_port, cluster.master.metrics_port = free_port(), free_port()
+    config = cluster.config(connect_timeout_s=1.0)  # where no master listens yet
+    store = KVCoreStore.open(
+        "kvcore:mooncake",
+        namespace="m",
+        tp_rank=0,
+        tp_size=1,
+        device_id=0,
+        config=config,
+        environ={"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S": "0.5"},
+        **LAYOUT,
+    )
+    try:
+        names = fastdeploy_names(["a", "b"], 0)
+        keys = names["k"] + names["v"]
+        arrays, locations, sizes = _regions(store, 2, ("k", "v"), fill=True)
+        staging = np.zeros(1 << 20, dtype=np.uint8)
+        store.register_buffer(staging.ctypes.data, staging.nbytes)  # before it opens
+        assert store.batch_set(keys, locations, sizes) == [FAILED] * 4
+        assert store.query(names["k"], names["v"]) == 0
+        assert store.exists(keys) == dict.fromkeys(keys, False)
+        stats = store.stats()
+        assert stats["unavailable.write"] == 1 and stats["open_failures"] >= 1
+
+        cluster.start()
+        time.sleep(0.6)  # past the reopen interval: the next call opens it
+        assert store.batch_set(keys, locations, sizes) == [0] * 4
+        assert store.query(names["k"], names["v"]) == 2
+        read, into, _ = _regions(store, 2, ("k", "v"), fill=False)
+        assert store.batch_get(keys, into, sizes) == sizes
+        assert [a.tobytes() for a in read["k"] + read["v"]] == [
+            a.tobytes() for a in arrays["k"] + arrays["v"]
+        ]
+        assert store.stats()["backend_registered_regions"] == 1  # the region it was given
+    finally:
+        store.close()
+        cluster.close()

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcore.keys import THIS_PROCESS_ONLY
-from kvcore.schemas import timeout_field
+from kvcore.schemas import interval_field, timeout_field
 
 __all__ = [
     "SGLANG_KEYS",
@@ -161,6 +161,11 @@ class StorageSettings(BaseModel):
         default=True,
         description="announce the host pool's memory to the backend once (zero-copy "
         "transports such as Mooncake over RDMA need it)",
+    )
+    reopen_interval_s: float = interval_field(
+        30.0,
+        "a backend that cannot be opened (a Mooncake master not up yet) does not stop SGLang: "
+        "every call is a miss until it opens, tried again after this long (0: never)",
     )
 
     @field_validator("namespace")

@@ -54,14 +54,31 @@ MLA_PARTS = ("kv",)
 KV_LAYOUTS = ("page_first", "page_first_direct", "page_head", "layer_first")
 
 
-class _Tier:
-    """One opened kvcore backend and the identity its objects are named with."""
+class StoreUnavailable(RuntimeError):
+    """The backend is not open (it failed to open and is tried again on schedule)."""
 
-    def __init__(self, backend: kvcore.Backend, rank: int, world_size: int) -> None:
-        self.backend = backend
+
+class _Tier:
+    """One kvcore backend (by handle: opened when it can be, reopened on kvcore's schedule)
+    and the identity its objects are named with."""
+
+    def __init__(self, namespace: str, rank: int, world_size: int) -> None:
+        self.namespace = namespace
         self.rank = rank
         self.world_size = world_size
+        self.handle: kvcore.BackendHandle | None = None
         self.registered: list[int] = []
+
+    @property
+    def backend(self) -> kvcore.Backend:
+        """The opened backend. :raises StoreUnavailable: it cannot be opened now (a miss)."""
+        assert self.handle is not None
+        backend = self.handle.get()
+        if backend is None:
+            raise StoreUnavailable(
+                f"the kvcore backend of namespace {self.namespace!r} is not open"
+            )
+        return backend
 
 
 class KVCoreHiCacheStorage(HiCacheStorage):
@@ -121,7 +138,9 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         """Describe the host KV pool's pages and open the kvcore backend for them.
 
         Raises (SGLang's attach then fails with the message) when the pool's pages cannot be
-        described through ``get_page_buffer_meta`` or the backend cannot be opened.
+        described through ``get_page_buffer_meta`` or the backend's settings are wrong. A
+        backend that cannot be opened now (a store that is not up) does not fail the attach:
+        every call is a miss until it opens, tried every ``reopen_interval_s``.
         """
         super().register_mem_pool_host(mem_pool_host)
         if getattr(mem_pool_host, "kv_buffer", True) is None:
@@ -146,17 +165,22 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         layout = None if self.identity.is_mla else kv_cache_layout(mem_pool_host, fmt)
         if self._kv is not None:
             self._close_tier(self._kv)
-        backend = self._open(self.identity.kv_namespace(fmt.tag), layout)
-        self._kv = _Tier(backend, self.identity.rank, self.identity.world_size)
+
+        def attach(backend: kvcore.Backend) -> None:  # each time the backend opens
+            self._register_memory(tier, backend, mem_pool_host)
+            self._start_events(backend, fmt)
+
+        namespace = self.identity.kv_namespace(fmt.tag)
+        self._kv = tier = self._open(namespace, layout, attach)
         self._kv_format, self._kv_layout = fmt, layout
         self._pools.setdefault(str(PoolName.KV), mem_pool_host)
-        self._register_memory(self._kv, mem_pool_host)
-        self._start_events(backend, fmt)
+        assert tier.handle is not None
+        tier.handle.get()  # now if it can (a store that is not up: logged, tried again later)
         log.info(
             "kvcore storage: backend %r, namespace %r, rank %d of %d, %s pages of %d tokens "
             "(%s bytes per part, %s)",
             self.settings.backend,
-            backend.context.namespace,
+            namespace,
             self.identity.rank,
             self.identity.world_size,
             fmt.layout,
@@ -307,8 +331,11 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         each opened backend's kvcore counters under ``kv.`` and ``side.``."""
         out = self._counters.snapshot()
         for prefix, tier in (("kv.", self._kv), ("side.", self._side)):
-            if tier is not None and not self._closed:
-                out.update({prefix + k: v for k, v in tier.backend.stats().items()})
+            backend = tier.handle.opened if tier is not None and tier.handle else None
+            if backend is not None and not self._closed:
+                out.update({prefix + k: v for k, v in backend.stats().items()})
+            if tier is not None and tier.handle is not None:
+                out[prefix + "open_failures"] = float(tier.handle.open_failures)
         # the 0.1 name of the facade's refusal count (kv. and side. together), until 0.2
         out["pages_refused"] = out.get("kv.blocks_refused.admit", 0.0) + out.get(
             "side.blocks_refused.admit", 0.0
@@ -329,7 +356,13 @@ class KVCoreHiCacheStorage(HiCacheStorage):
 
     # -- internals: opening -----------------------------------------------------------------
 
-    def _open(self, namespace: str, layout: kvcore.CacheLayout | None) -> kvcore.Backend:
+    def _open(
+        self,
+        namespace: str,
+        layout: kvcore.CacheLayout | None,
+        on_open: Callable[[kvcore.Backend], None] | None = None,
+    ) -> _Tier:
+        """A tier whose backend opens on first use (settings errors raise here)."""
         context = {
             "layout": layout,
             "rank": self.identity.rank,
@@ -337,9 +370,16 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             "namespace": namespace,
             "weight_version": self.settings.weight_version,
         }
-        return kvcore.BackendHandle(
-            self.settings.backend, self.settings.backend_config, context=context
-        ).open()
+        kvcore.check_backend_config(self.settings.backend, self.settings.backend_config)
+        tier = _Tier(namespace, self.identity.rank, self.identity.world_size)
+        tier.handle = kvcore.BackendHandle(
+            self.settings.backend,
+            self.settings.backend_config,
+            context=context,
+            retry_s=self.settings.reopen_interval_s,
+            on_open=on_open,
+        )
+        return tier
 
     def _start_events(self, backend: kvcore.Backend, fmt: PageFormat) -> None:
         """Publish the storage tier's KV events (see :mod:`kvcore_sglang.events`)."""
@@ -365,7 +405,8 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             world_size=self.identity.world_size,
         )
 
-    def _register_memory(self, tier: _Tier, pool: Any) -> None:
+    def _register_memory(self, tier: _Tier, backend: kvcore.Backend, pool: Any) -> None:
+        tier.registered.clear()  # a reopened backend: registered anew
         if not self.settings.register_host_pool:
             return
         buffers = []
@@ -376,14 +417,17 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             buffers = [b for b in pool.get_hybrid_pool_buffer() if isinstance(b, torch.Tensor)]
         for buf in buffers:
             if buf.device.type == "cpu" and buf.numel():
-                tier.backend.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
+                backend.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
                 tier.registered.append(buf.data_ptr())
 
     def _close_tier(self, tier: _Tier) -> None:
-        for ptr in tier.registered:
-            tier.backend.unregister_buffer(ptr)
+        assert tier.handle is not None
+        backend = tier.handle.opened
+        if backend is not None:
+            for ptr in tier.registered:
+                backend.unregister_buffer(ptr)
         tier.registered.clear()
-        tier.backend.close()
+        tier.handle.close()
 
     def _kv_tier(self) -> _Tier:
         if self._closed:
@@ -396,8 +440,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         if self._side is None:
             with self._lock:
                 if self._side is None:
-                    backend = self._open(self.identity.side_namespace(), None)
-                    self._side = _Tier(backend, self.identity.rank, self.identity.world_size)
+                    self._side = self._open(self.identity.side_namespace(), None)
         return self._side
 
     # -- internals: requests ----------------------------------------------------------------

@@ -4,6 +4,7 @@ kvcore's counters reach get_stats."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -64,6 +65,39 @@ def test_a_killed_mooncake_master_gives_misses_not_exceptions(
         # storage node find its master again before the fixture closes it
         if cluster.master.process is not None and cluster.master.process.poll() is not None:
             cluster.master.start()
+
+
+def test_a_master_not_up_at_start_is_a_miss_until_it_opens() -> None:
+    """SGLang attaches its storage while the Mooncake master is not up yet: attaching works,
+    every call is a miss, and once the master is up the backend opens on the next try (with
+    the host pool registered and pages stored and read back)."""
+    from kv_mooncake.testing import MooncakeCluster, free_port
+
+    cluster = MooncakeCluster(storage_bytes=64 << 20)
+    cluster.master.rpc_port, cluster.master.metrics_port = free_port(), free_port()
+    config = cluster.config(connect_timeout_s=1.0)  # where no master listens yet
+    extra = extra_config("mooncake", config, reopen_interval_s=0.5)
+    pool = filled_pool(6)
+    storage = create_storage("dynamic", storage_config(extra), pool)
+    try:
+        keys = page_keys(3)
+        assert storage.batch_exists(keys) == 0
+        assert storage.batch_set_v1(keys, page_indices(pool, 0, 3)) == [False] * 3
+        assert storage.batch_get_v1(keys, page_indices(pool, 8, 3)) == [False] * 3
+        stats = storage.kvcore_stats()
+        assert stats["errors.exists"] == 1 and stats["errors.set"] == 1
+        assert stats["kv.open_failures"] >= 1
+
+        cluster.start()
+        time.sleep(0.6)  # past reopen_interval_s: the next call opens it
+        assert storage.batch_set_v1(keys, page_indices(pool, 0, 3)) == [True] * 3
+        assert storage.batch_exists(keys) == 3
+        assert storage.batch_get_v1(keys, page_indices(pool, 8, 3)) == [True] * 3
+        assert page_bytes(pool, 8, 3) == page_bytes(pool, 0, 3)
+        assert storage.kvcore_stats()["kv.blocks_done.write"] == 3
+    finally:
+        storage.close()
+        cluster.close()
 
 
 @pytest.mark.parametrize("backend_spec", ["memory"], indirect=True)
