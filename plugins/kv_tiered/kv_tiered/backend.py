@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import kvcore
+from kv_tiered.activity import Activity
 from kv_tiered.bounded import BoundedCalls, Missed
 from kv_tiered.buffers import private_copy
 from kv_tiered.config import TieredConfig
@@ -43,6 +44,15 @@ from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, FailureKind, HostBuffers, Outcome
 
 __all__ = ["TieredBackend"]
+
+
+def _next_tier(i: int, served: int) -> int:
+    """The tier to ask after tier ``i`` served ``served`` blocks of a run: the next one, or,
+    after a lower tier served, the first again. Evictions hand blocks down one by one and
+    write-through copies only the leading run its source still has, so one run's blocks may
+    alternate between tiers (0-1 below, 2-7 above); each tier is asked from where the run
+    stands until none has the next block. A run held by one tier costs one call per tier."""
+    return 0 if served and i else i + 1
 
 
 def host_of(request: BlockRequest, n: int) -> HostBuffers | None:
@@ -80,6 +90,7 @@ class TieredBackend:
         )
         self._counters = kvcore.Counters()
         self._peers = PeerChanges(self.tiers, self._counters, config.default_timeout_s)
+        self._activity = Activity()
         self._mover = Mover(
             self.tiers,
             self.tiers.part_bytes,
@@ -88,6 +99,8 @@ class TieredBackend:
             threads=config.mover_threads,
             timeout_s=config.lower_timeout_s,
             counters=self._counters,
+            activity=self._activity,
+            max_yield_s=config.copy_yield_s,
         )
         self._write_through = config.write_policy == "write-through"
         self._stack_events: StackEvictions | None = None
@@ -120,42 +133,53 @@ class TieredBackend:
         self._peers.before_call()
         n = request.num_blocks
         found = 0
-        failed = 0
-        for i in range(len(self.tiers)):
-            if found >= n:
-                break
+        failed: set[int] = set()
+        i = 0
+        while i < len(self.tiers) and found < n:
             part = request.slice(found, n)
             got = self._call(i, "query", part, None)
             self._peers.after(i)
-            failed += self._failed(i, "query", got)
-            found += self._peers.not_removed(i, part, int(got))
-        return self._answer(found, n, failed, "query")
+            if self._failed(i, "query", got):
+                failed.add(i)
+            served = self._peers.not_removed(i, part, int(got))
+            found += served
+            i = _next_tier(i, served)
+        return self._answer(found, n, len(failed), "query")
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
+        with self._activity:
+            return self._read(request)
+
+    def _read(self, request: BlockRequest) -> int:
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         self._peers.before_call()
         n = request.num_blocks
         done = 0
-        failed = 0
-        for i in range(len(self.tiers)):
-            if done >= n or (i and request.expired()):
+        failed: set[int] = set()
+        i = 0
+        calls = 0
+        while i < len(self.tiers) and done < n:
+            if calls and request.expired():
                 break
+            calls += 1
             mark = self._peers.removal_mark() if i and self.config.promote else None
             part = request.slice(done, n, host=host.slice(done, n))
             # straight into the caller's buffers, never abandoned (see _call): the tier's own
             # deadline handling bounds it (kv_mooncake abandons its existence checks)
             got = self.tiers[i].read(part)
             self._peers.after(i)
-            failed += self._failed(i, "read", got)
+            if self._failed(i, "read", got):
+                failed.add(i)
             served = self._peers.not_removed(i, part, int(got))
             if served:
                 self._counters.add(f"tier{i}_read_blocks", served)
                 if mark is not None and self._mover.has_room(served):
                     self._promote(i, request.slice(done, done + served), part.host, mark)
             done += served
-        return self._answer(done, n, failed, "read")
+            i = _next_tier(i, served)
+        return self._answer(done, n, len(failed), "read")
 
     def _promote(self, source: int, blocks: BlockRequest, read_into: HostBuffers | None,
                  mark: int) -> None:  # fmt: skip
@@ -170,6 +194,10 @@ class TieredBackend:
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
+        with self._activity:
+            return self._write(request)
+
+    def _write(self, request: BlockRequest) -> int:
         n = request.num_blocks
         self._peers.stored_again(request)
         for i in range(len(self.tiers)):

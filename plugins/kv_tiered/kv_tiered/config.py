@@ -62,6 +62,13 @@ class TieredConfig(kvcore.BackendConfig):
         "before further ones are dropped and counted",
     )
     mover_threads: int = Field(default=1, ge=1, le=16, description="background copy threads")
+    copy_yield_s: float = Field(
+        default=0.5,
+        ge=0,
+        le=60,
+        description="seconds a background copy waits for the stack's reads and writes to "
+        "pause before it runs beside them (never past its deadline; 0: it never waits)",
+    )
     lower_timeout_s: float = timeout_field(
         30.0,
         "seconds a background write-through copy may take (promotions keep the read's deadline)",

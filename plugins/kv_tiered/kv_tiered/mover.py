@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import kvcore
+from kv_tiered.activity import Activity
 from kv_tiered.buffers import own_buffers
 from kv_tiered.peers import PeerChanges
 from kvcore import BlockRequest, HostBuffers
@@ -75,8 +76,12 @@ class Mover:
         threads: int,
         timeout_s: float,
         counters: kvcore.Counters,
+        activity: Activity | None = None,
+        max_yield_s: float = 0.0,
     ) -> None:
         self._tiers = tiers  # each verifies its blocks itself (kvcore.integrity)
+        self._activity = activity
+        self._max_yield_s = max_yield_s
         self._part_bytes = part_bytes
         self._peers = peers
         self._max_blocks = max_blocks
@@ -208,6 +213,17 @@ class Mover:
         if sizes is None:
             self._counters.add(f"{kind}_failed_blocks", n)
             return
+        if self._activity is not None and self._max_yield_s > 0:
+            # the callers first (kv_tiered.activity): a copy runs in their pauses
+            until = now + self._max_yield_s
+            if copy.deadline is not None:
+                until = min(until, copy.deadline)
+            if not self._activity.wait_quiet(until):
+                self._counters.add(f"{kind}_unyielded_blocks", n)
+            now = time.monotonic()
+            if copy.deadline is not None and now >= copy.deadline:
+                self._counters.add(f"{kind}_expired_blocks", n)
+                return
         deadline = copy.deadline if copy.deadline is not None else now + self._timeout_s
         if copy.payload is not None:  # the bytes the caller's read verified: no second read
             host, region = copy.payload

@@ -81,6 +81,27 @@ def test_a_read_takes_each_block_from_the_fastest_tier_and_promotes_the_rest(tmp
         h.backend.close()
 
 
+def test_a_run_split_back_and_forth_between_tiers_is_read_whole(tmp_path) -> None:
+    """Evictions hand blocks down one by one, so a run may be 0-1 below and 2-4 above: every
+    block is found, from whichever tier has it, in as many rounds as the run alternates."""
+    h = open_stack(tmp_path, promote=False)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        seq = h.new_sequence(6)
+        assert far.write(seq, 0, 2) == 2
+        assert near.write(seq, 2, 3) == 3  # block 5 is nowhere: the run ends at 5
+        before = (calls(h, 0, "query"), calls(h, 1, "query"))
+        assert h.query(seq) == 5
+        # near (miss), far (0-1), near again (2-4), far again (miss at 5)
+        assert (calls(h, 0, "query"), calls(h, 1, "query")) == (before[0] + 2, before[1] + 2)
+        done, got = h.read(seq)
+        assert done == 5 and blocks_equal(got[:5], h.payload(seq, 0, 5)) == []
+        stats = h.backend.stats()
+        assert stats["backend_tier0_read_blocks"] == 3 and stats["backend_tier1_read_blocks"] == 2
+    finally:
+        h.backend.close()
+
+
 def test_write_through_acknowledges_with_the_first_tier_and_fills_the_others(tmp_path) -> None:
     h = open_stack(tmp_path)
     near, far = tier_harness(h, 0), tier_harness(h, 1)
@@ -111,6 +132,37 @@ def test_background_copies_are_bounded_and_drops_are_counted(tmp_path) -> None:
         stats = h.backend.stats()
         assert stats["backend_lower_dropped_blocks"] == 2
         assert stats["backend_lower_queued_blocks"] == 3
+    finally:
+        h.backend.close()
+
+
+def test_background_copies_wait_for_the_callers_to_pause(tmp_path) -> None:
+    """A write-through copy does not run beside the stack's callers: it waits while a call is
+    in flight (bounded by copy_yield_s), then runs."""
+    h = open_stack(tmp_path, copy_yield_s=5.0)
+    far = tier_harness(h, 1)
+    activity = h.backend.plugin._activity
+    try:
+        seq = h.new_sequence(3)
+        with activity:  # a caller's call in flight (another thread's read, say)
+            assert h.write(seq) == 3
+            time.sleep(0.3)
+            assert far.query(seq) == 0, "the copy ran beside a call in flight"
+        flush(h)
+        assert far.query(seq) == 3
+        stats = h.backend.stats()
+        assert stats["backend_lower_copied_blocks"] == 3
+        assert stats.get("backend_lower_unyielded_blocks", 0) == 0
+
+        h.backend.plugin._mover._max_yield_s = 0.2  # under constant load it runs anyway
+        more = h.new_sequence(2)
+        with activity:
+            assert h.write(more) == 2
+            deadline = time.monotonic() + 10
+            while far.query(more) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert far.query(more) == 2, "a copy waited past copy_yield_s"
+        assert h.backend.stats()["backend_lower_unyielded_blocks"] == 2
     finally:
         h.backend.close()
 
