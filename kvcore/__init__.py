@@ -8,6 +8,7 @@ Engine authors open a backend by name (:func:`open_backend`) or embed a
 from __future__ import annotations
 
 from kvcore.backend import Backend
+from kvcore.config import BackendConfig
 from kvcore.errors import (
     BackendDefinitionError,
     BackendImportError,
@@ -29,20 +30,8 @@ from kvcore.requests import (
     Outcome,
     leading_run,
 )
-from kvcore.schemas import (
-    BackendConfig,
-    BackendContext,
-    ByteSize,
-    CacheDType,
-    CacheLayout,
-    Capabilities,
-    FlushTask,
-    QueryTask,
-    ReadTask,
-    SwapTask,
-    TaskResult,
-    WriteTask,
-)
+from kvcore.schemas import BackendContext, ByteSize, CacheDType, CacheLayout, Capabilities
+from kvcore.tasks import FlushTask, QueryTask, ReadTask, SwapTask, TaskResult, WriteTask
 from kvcore.versions import installed_version as _installed_version
 
 __version__ = _installed_version("kvcore")

@@ -17,7 +17,7 @@ from typing import NamedTuple, overload
 import numpy as np
 from pydantic import Field
 
-from kvcore.schemas import StrictModel
+from kvcore.config import StrictModel
 
 __all__ = [
     "THIS_PROCESS_ONLY",

@@ -13,9 +13,10 @@ import threading
 
 from pydantic import Field
 
+from kvcore.config import BackendConfig
 from kvcore.hookspecs import hookimpl
 from kvcore.requests import BlockRequest, Outcome, leading_run
-from kvcore.schemas import BackendConfig, BackendContext, Capabilities
+from kvcore.schemas import BackendContext, Capabilities
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
 

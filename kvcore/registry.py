@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvcore import hookspecs
 from kvcore.backend import Backend, VerifyBlocks
+from kvcore.config import BackendConfig, parse_config_arg
 from kvcore.errors import (
     BackendDefinitionError,
     BackendImportError,
@@ -25,7 +26,7 @@ from kvcore.errors import (
     DuplicateBackendError,
     UnknownBackendError,
 )
-from kvcore.schemas import BackendConfig, BackendContext, Capabilities, parse_config_arg
+from kvcore.schemas import BackendContext, Capabilities
 from kvcore.threads import io_affinity
 
 __all__ = [

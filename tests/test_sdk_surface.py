@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SDK_MODULES = (
     "kvcore",
     "kvcore.admission",
+    "kvcore.config",
     "kvcore.errors",
     "kvcore.events",
     "kvcore.evictions",
@@ -30,6 +31,7 @@ SDK_MODULES = (
     "kvcore.replay",
     "kvcore.requests",
     "kvcore.schemas",
+    "kvcore.tasks",
     "kvcore.testing",
     "kvcore.testing.corruption",
     "kvcore.testing.harness",

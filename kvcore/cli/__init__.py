@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from kvcore.cli.console import LOG_DIR_ENV, CommandConsole, make_console, quiet_stderr
 from kvcore.cli.errors import CliError, ExitCode, classify
-from kvcore.schemas import parse_config_arg
+from kvcore.config import parse_config_arg
 
 __all__ = ["DEBUG_ENV", "load_config_arg", "main"]
 

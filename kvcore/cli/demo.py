@@ -27,7 +27,8 @@ from kvcore.cli.errors import ExitCode
 from kvcore.errors import ConfigError
 from kvcore.keys import KeyScope, block_hashes
 from kvcore.metrics import serve_prometheus
-from kvcore.schemas import BackendContext, CacheDType, CacheLayout, TaskResult
+from kvcore.schemas import BackendContext, CacheDType, CacheLayout
+from kvcore.tasks import TaskResult
 from kvcore.transfer import DeviceCache, TransferConfig, TransferManager
 
 LAYOUT = CacheLayout(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.schemas import parse_config_arg
+from kvcore.config import parse_config_arg
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -18,7 +18,7 @@ from kvcore.backend import Backend
 from kvcore.errors import ConfigError
 from kvcore.metrics import Metrics
 from kvcore.requests import BlockRequest
-from kvcore.schemas import FlushTask, QueryTask, ReadTask, TaskResult, WriteTask
+from kvcore.tasks import FlushTask, QueryTask, ReadTask, TaskResult, WriteTask
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
 from kvcore.transfer.policy import WritePolicy

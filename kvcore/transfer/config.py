@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from kvcore.config import EnvConfig, timeout_field
 from kvcore.errors import ConfigError
-from kvcore.schemas import BackendContext, ByteSize, CacheLayout, EnvConfig, timeout_field
+from kvcore.schemas import BackendContext, ByteSize, CacheLayout
 
 if TYPE_CHECKING:
     from kvcore.backend import Backend

@@ -25,7 +25,7 @@ from kvcore.backend import Backend
 from kvcore.errors import ConfigError
 from kvcore.handles import BackendHandle
 from kvcore.metrics import Metrics
-from kvcore.schemas import (
+from kvcore.tasks import (
     FlushTask,
     QueryTask,
     ReadTask,

@@ -27,7 +27,7 @@ from typing import Any, get_args
 
 from kvcore.metrics import Metrics
 from kvcore.requests import FailureKind
-from kvcore.schemas import TaskOp, TaskOutcome, TaskResult
+from kvcore.tasks import TaskOp, TaskOutcome, TaskResult
 from kvcore.threads import start_thread
 
 __all__ = [

@@ -1,0 +1,278 @@
+"""Configuration read from dicts and the environment, on the strict base all kvcore models share.
+
+``StrictModel`` (unknown fields are errors) is the base of configs, tasks and the cache layout
+alike; ``EnvConfig`` adds environment overrides (``<env_prefix><FIELD>`` variables, errors that
+name the variable), ``BackendConfig`` is every backend's config base, ``timeout_field`` and
+``interval_field`` declare durations, ``parse_config_arg`` reads a config given on a command line.
+``kvcore.schemas`` re-exports all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import InitErrorDetails
+from pydantic_settings import EnvSettingsSource
+from typing_extensions import Self
+
+__all__ = [
+    "MAX_TIMEOUT_S",
+    "BackendConfig",
+    "EnvConfig",
+    "StrictModel",
+    "interval_field",
+    "parse_config_arg",
+    "timeout_field",
+]
+
+
+class StrictModel(BaseModel):
+    """Base for every kvcore model: unknown fields are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def parse_config_arg(value: str | None) -> dict[str, Any]:
+    """A config given on a command line: inline JSON object, or a path to a JSON file.
+
+    Raises ValueError with a message that says which of the two went wrong.
+    """
+    if not value:
+        return {}
+    text = value.strip()
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a JSON object nor a file")
+        text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    return data
+
+
+class _EnvironSource(EnvSettingsSource):
+    """pydantic-settings' environment source, reading a given mapping instead of os.environ
+    (so :meth:`EnvConfig.load` can be tested, and called with an engine's own environment)."""
+
+    def __init__(self, model: type[BaseModel], prefix: str, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        # typed for BaseSettings, but the source only reads the model's fields and config, so
+        # any pydantic model will do
+        super().__init__(model, case_sensitive=False, env_prefix=prefix)  # type: ignore[arg-type]
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {name.lower(): value for name, value in self._environ.items()}
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type takes a bool (``bool``, ``Any``, a union or literal holding one)."""
+    if annotation in (bool, Any, object) or annotation is None:
+        return True
+    if isinstance(annotation, str):  # an unresolved forward reference: do not judge it
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in args)
+    return any(_admits_bool(a) for a in args if a is not type(None))
+
+
+class EnvConfig(StrictModel):
+    """A config whose fields operators can override with environment variables.
+
+    Subclasses set ``env_prefix`` (e.g. ``"KVCORE_FILE_"``); :meth:`load` then applies
+    ``KVCORE_FILE_ROOT=/data`` as ``root``. Values in the environment override the given config
+    (an operator's knob beats a baked-in file). Variables are read by pydantic-settings'
+    environment source, so they follow its conventions: names are matched case-insensitively,
+    lists, dicts and models are JSON, scalars are coerced by the field's type (``true``,
+    ``42``, ``64GiB`` for a size). An invalid value is an error that names the variable.
+    """
+
+    env_prefix: ClassVar[str] = ""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number field takes numbers: ``True`` is not a size or a rate (Python's bool is an
+        int), and a subnormal float (below 2.2e-308) means nothing as a setting.
+
+        .. versionadded:: 0.3
+        """
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or not isinstance(value, (bool, float)):
+            return value
+        if isinstance(value, bool) and not _admits_bool(field.annotation):
+            raise ValueError("must be a number, not a boolean")
+        if isinstance(value, float) and 0 < abs(value) < sys.float_info.min:
+            raise ValueError(f"{value!r} is a subnormal number: too small to be a setting")
+        return value
+
+    #: names accepted from the environment besides the fields (moved into place by a
+    #: validator), with whether their value is a plain string
+    env_extra_fields: ClassVar[tuple[str, ...]] = ()
+    env_extra_strings: ClassVar[frozenset[str]] = frozenset({"namespace", "weight_version"})
+
+    @classmethod
+    def env_overrides(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The values set by ``<env_prefix><FIELD>`` variables, by field name.
+
+        Raises ValidationError naming the variable when a list, dict or model field's value
+        is not JSON.
+        """
+        environ = os.environ if environ is None else environ
+        found: dict[str, Any] = {}
+        if not cls.env_prefix:
+            return found
+        source = _EnvironSource(cls, cls.env_prefix, environ)
+        bad: list[InitErrorDetails] = []
+        for name, field in cls.model_fields.items():
+            raw, key, complex_value = source.get_field_value(field, name)
+            try:
+                value = source.prepare_field_value(name, field, raw, complex_value)
+            except ValueError as exc:  # a complex field whose value is not JSON
+                variable = cls.env_variable(name)
+                bad.append(
+                    {
+                        "type": "json_invalid",
+                        "loc": (_env_loc(name, variable),),
+                        "input": raw,
+                        "ctx": {"error": str(exc)},
+                    }
+                )
+                continue
+            if value is not None:
+                found[key] = value
+        if bad:
+            raise ValidationError.from_exception_data(cls.__name__, bad)
+        # names that are not fields (a validator moves them into place): JSON unless a string
+        for name in cls.env_extra_fields:
+            raw = environ.get(cls.env_variable(name))
+            if raw is None:
+                continue
+            if name in cls.env_extra_strings:
+                found[name] = raw
+            else:
+                try:
+                    found[name] = json.loads(raw)
+                except json.JSONDecodeError:
+                    found[name] = raw  # let pydantic coerce or report it
+        return found
+
+    @classmethod
+    def env_variable(cls, name: str) -> str:
+        """The variable that overrides field (or extra name) ``name``."""
+        return f"{cls.env_prefix}{name.upper()}"
+
+    @classmethod
+    def env_variables_set(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``{name: variable}`` for the ``<env_prefix><NAME>`` variables present in ``environ``
+        (subclasses that read other variables add theirs, so errors can name them)."""
+        environ = os.environ if environ is None else environ
+        if not cls.env_prefix:
+            return {}
+        present = {k.upper() for k in environ}
+        names = (*cls.model_fields, *cls.env_extra_fields)
+        return {n: cls.env_variable(n) for n in names if cls.env_variable(n) in present}
+
+    @classmethod
+    def load(
+        cls,
+        config: BaseModel | Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Self:
+        """Validate ``config`` (a dict, a model or None) with environment overrides applied.
+
+        :raises ValidationError: naming each invalid field, and for a value that came from the
+            environment the variable that set it.
+        """
+        if isinstance(config, BaseModel):
+            data = config.model_dump(exclude_unset=True)
+        else:
+            data = dict(config or {})
+        data.update(cls.env_overrides(environ))
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            variables = cls.env_variables_set(environ)
+            if not variables:
+                raise
+            raise _name_variables(cls.__name__, exc, variables) from None
+
+
+def _env_loc(name: str, variable: str) -> str:
+    return f"{name} (environment variable {variable})"
+
+
+def _name_variables(
+    title: str, exc: ValidationError, variables: Mapping[str, str]
+) -> ValidationError:
+    """``exc`` with each error caused by an environment value saying which variable set it."""
+    details: list[InitErrorDetails] = []
+    for err in exc.errors(include_url=False):
+        loc = list(err["loc"])
+        for i, part in enumerate(loc):
+            if isinstance(part, str) and part in variables:
+                loc[i] = _env_loc(part, variables[part])
+                break
+        detail: InitErrorDetails = {"type": err["type"], "loc": tuple(loc), "input": err["input"]}
+        if "ctx" in err:
+            detail["ctx"] = err["ctx"]
+        try:  # a custom error type (ByteSize's) cannot be rebuilt: keep its message
+            ValidationError.from_exception_data(title, [detail])
+        except (KeyError, TypeError, ValueError):
+            detail = {
+                "type": "value_error",
+                "loc": tuple(loc),
+                "input": err["input"],
+                "ctx": {"error": ValueError(err["msg"])},
+            }
+        details.append(detail)
+    return ValidationError.from_exception_data(title, details)
+
+
+#: The longest timeout anything in kvcore accepts: a week. Longer (or infinite) values would
+#: overflow the deadline thread's waits; no cache operation is worth waiting longer.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def timeout_field(default: float | None, description: str) -> Any:
+    """A timeout in seconds: positive, finite, at most :data:`MAX_TIMEOUT_S`."""
+    return Field(
+        default=default, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description=description
+    )
+
+
+def interval_field(default: float, description: str) -> Any:
+    """A duration in seconds where 0 means "never" or "at once": finite, at most
+    :data:`MAX_TIMEOUT_S`, like every timeout (a backend's config uses it for its own waits).
+
+    .. versionadded:: 0.3
+    """
+    return Field(
+        default=default, ge=0, le=MAX_TIMEOUT_S, allow_inf_nan=False, description=description
+    )
+
+
+class BackendConfig(EnvConfig):
+    """Base of every backend's own config model (see :class:`EnvConfig` for ``env_prefix``)."""
+
+    default_timeout_s: float = timeout_field(
+        5.0, "deadline of a call whose request has none; the transfer manager's task default"
+    )
