@@ -11,19 +11,16 @@ call (duplicates raise ValueError: the result would depend on copy order); sourc
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcore import _swap
+from kvcore.cuda_lib import cuda_available, require_cuda
+from kvcore.host_memory import HostBuffer
 
 __all__ = [
     "TO_DEVICE",
@@ -41,72 +38,6 @@ __all__ = [
 
 TO_HOST = 0
 TO_DEVICE = 1
-PAGE_SIZE = 4096
-
-_EINVAL = 1
-
-
-# --------------------------------------------------------------------------- CUDA library
-
-
-class _CudaLib:
-    """ctypes wrapper of kvcore/_swap_cuda.so (see csrc/swap_ops_cuda.h)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.lib = lib = ctypes.CDLL(path)
-        p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-        err = [ctypes.c_char_p, i32]
-        # (device, stream, ptr arrays..., nlayers, block_bytes, limit, [staging,] ids, n, mode, sync)
-        all_layers = [i32, u64, p, p, p, i32, i64, i64, p, p, i64, i32, i32, *err]
-        layout = [i32, u64, p, p, i32, i64, u64, i64, p, p, i64, i32, i32, *err]
-        sigs: dict[str, list[Any]] = {
-            "kvc_cuda_device_count": [ctypes.POINTER(i32), *err],
-            "kvc_cuda_host_alloc": [i64, ctypes.POINTER(u64), *err],
-            "kvc_cuda_host_free": [u64, *err],
-            "kvc_cuda_swap_all_layers": all_layers,
-            "kvc_cuda_swap_layout": layout,
-        }
-        for name, argtypes in sigs.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, i32
-
-    def call(self, name: str, *args: Any) -> None:
-        err = ctypes.create_string_buffer(512)
-        rc = getattr(self.lib, name)(*args, err, len(err))
-        if rc != 0:
-            msg = err.value.decode(errors="replace")
-            raise (ValueError if rc == _EINVAL else RuntimeError)(msg)
-
-    def device_count(self) -> int:
-        count = ctypes.c_int(0)
-        self.call("kvc_cuda_device_count", ctypes.byref(count))
-        return count.value
-
-
-_cuda_lock = threading.Lock()
-_cuda_state: dict[str, Any] = {}
-
-
-def _cuda_lib() -> _CudaLib | None:
-    """The CUDA library if it was built (or KVCORE_CUDA_LIB points at one), loaded once."""
-    with _cuda_lock:
-        if "lib" not in _cuda_state:
-            path = os.environ.get("KVCORE_CUDA_LIB") or str(
-                Path(__file__).with_name("_swap_cuda.so")
-            )
-            lib = None
-            if os.path.exists(path):
-                try:
-                    lib = _CudaLib(path)
-                except OSError as exc:
-                    _cuda_state["load_error"] = f"{path}: {exc}"
-            else:
-                _cuda_state["load_error"] = (
-                    f"{path} not built (reinstall with KVCORE_CUDA=1 or KVCORE_CUDA=auto)"
-                )
-            _cuda_state["lib"] = lib
-        return _cuda_state["lib"]
 
 
 def copy_threads(num_threads: int | None, nbytes: int) -> int:
@@ -117,112 +48,6 @@ def copy_threads(num_threads: int | None, nbytes: int) -> int:
     .. versionadded:: 0.3
     """
     return int(_swap.resolve_threads(num_threads or 0, nbytes))
-
-
-def cuda_available() -> bool:
-    """True when the CUDA library is built and loadable and at least one device is usable."""
-    lib = _cuda_lib()
-    if lib is None:
-        return False
-    try:
-        return lib.device_count() > 0
-    except RuntimeError:  # e.g. error 35 on a machine with the toolkit but no driver
-        return False
-
-
-def _require_cuda() -> _CudaLib:
-    lib = _cuda_lib()
-    if lib is None:
-        raise RuntimeError(
-            f"GPU tensors need the CUDA swap library: {_cuda_state.get('load_error', '')}"
-        )
-    return lib
-
-
-# --------------------------------------------------------------------------- host memory
-
-
-class _PinnedOwner:
-    """Frees pinned memory once the last numpy view of it is gone (it hangs off the view base)."""
-
-    def __init__(self, lib: _CudaLib, ptr: int) -> None:
-        self.lib, self.ptr = lib, ptr
-
-    def __del__(self) -> None:
-        # At interpreter shutdown the library may already be gone: nothing sensible left to do.
-        with contextlib.suppress(Exception):
-            self.lib.call("kvc_cuda_host_free", self.ptr)
-
-
-class HostBuffer:
-    """Host memory for swap targets: pinned (cudaHostAlloc) or page-aligned ordinary memory.
-
-    ``pinned="auto"`` pins when the CUDA library is built and a device is present. The memory is
-    owned by the base object of ``.array``: ``close()`` only drops this buffer's reference, so it
-    is never freed while a numpy view is alive.
-    """
-
-    def __init__(self, nbytes: int, pinned: bool | str = "auto") -> None:
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be positive, got {nbytes}")
-        if pinned == "auto":
-            pinned = cuda_available()
-        elif not isinstance(pinned, bool):
-            raise ValueError(f"pinned must be True, False or 'auto', got {pinned!r}")
-        if pinned:
-            lib = _require_cuda()
-            ptr = ctypes.c_uint64(0)
-            lib.call("kvc_cuda_host_alloc", nbytes, ctypes.byref(ptr))
-            raw = (ctypes.c_uint8 * nbytes).from_address(ptr.value)
-            # the array carries its allocation's owner (ctypes arrays take new attributes)
-            raw._kvcore_owner = _PinnedOwner(lib, ptr.value)  # type: ignore[attr-defined]
-            # ctypes arrays export the buffer protocol; numpy's stubs accept them from 3.12 only
-            pinned_array = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
-            self._array: np.ndarray | None = pinned_array
-        else:
-            raw_np = np.empty(nbytes + PAGE_SIZE, dtype=np.uint8)
-            start = -raw_np.ctypes.data % PAGE_SIZE
-            self._array = raw_np[start : start + nbytes]
-        self.pinned: bool = pinned
-        self.nbytes: int = nbytes
-
-    @property
-    def array(self) -> np.ndarray:
-        """The whole buffer as a 1-D uint8 array (keeps the memory alive)."""
-        if self._array is None:
-            raise ValueError("HostBuffer is closed")
-        return self._array
-
-    @property
-    def ptr(self) -> int:
-        return int(self.array.ctypes.data)
-
-    @property
-    def closed(self) -> bool:
-        return self._array is None
-
-    def view(self, dtype: Any, shape: Sequence[int] | None = None) -> np.ndarray:
-        """A typed view of the first prod(shape) elements (the whole buffer if shape is None)."""
-        dt = np.dtype(dtype)
-        count = self.nbytes // dt.itemsize if shape is None else math.prod(shape)
-        if count * dt.itemsize > self.nbytes:
-            raise ValueError(f"{count} x {dt} does not fit in {self.nbytes} bytes")
-        out = self.array[: count * dt.itemsize].view(dt)
-        return out if shape is None else out.reshape(tuple(shape))
-
-    def close(self) -> None:
-        self._array = None
-
-    def __enter__(self) -> HostBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else hex(self.ptr)
-        return f"HostBuffer(nbytes={self.nbytes}, pinned={self.pinned}, {state})"
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -424,7 +249,7 @@ def _cuda(name: str, layers: LayerSet, device_id: int, stream: int | None, *args
     *head, first_ids, second_ids, mode = args
     s = _current_stream(layers.tensors[0], device_id) if stream is None else stream
     pointers = [_p(a) if isinstance(a, np.ndarray) else a for a in head]
-    _require_cuda().call(name, int(device_id), s, *pointers, _p(first_ids), _p(second_ids),
+    require_cuda().call(name, int(device_id), s, *pointers, _p(first_ids), _p(second_ids),
                          len(first_ids), mode, 1)  # fmt: skip
 
 

@@ -70,14 +70,14 @@ def test_driverless_machine_reports_error_35(lib, device_count: int) -> None:
 
 
 def test_ops_loads_cuda_library_via_env(lib, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvcore import ops
+    from kvcore import cuda_lib, ops
 
     monkeypatch.setenv("KVCORE_CUDA_LIB", lib.lib._name)
-    monkeypatch.setattr(ops, "_cuda_state", {})
-    loaded = ops._cuda_lib()
+    monkeypatch.setattr(cuda_lib, "_cuda_state", {})
+    loaded = cuda_lib.load_cuda_lib()
     assert loaded is not None and loaded.path == lib.lib._name
     assert ops.cuda_available() == _has_device(lib)
-    monkeypatch.setattr(ops, "_cuda_state", {})  # back to the default lookup for later tests
+    monkeypatch.setattr(cuda_lib, "_cuda_state", {})  # back to the default lookup for later tests
 
 
 def _has_device(lib) -> bool:

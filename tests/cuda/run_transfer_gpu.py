@@ -40,6 +40,7 @@ import torch
 
 import kvcore
 from kvcore import ops
+from kvcore.cuda_lib import require_cuda
 from kvcore.transfer import DeviceCache, TransferManager
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,7 +248,7 @@ class _Memcpy:
     """cudaMemcpy through kvcore's own CUDA library (the same runtime the swap ops use)."""
 
     def __init__(self) -> None:
-        lib = ops._require_cuda().lib
+        lib = require_cuda().lib
         fn = lib.kvc_cuda_memcpy
         fn.argtypes = [
             ctypes.c_uint64,
