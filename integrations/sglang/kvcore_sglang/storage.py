@@ -11,10 +11,7 @@ operator attaches the backend, and should fail loudly there).
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,7 +20,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
@@ -31,15 +27,20 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import kvcore
 from kvcore.registry import load_backend_class
-from kvcore_sglang.pages import (
-    PageFormat,
-    describe_pool,
-    kv_cache_layout,
-    page_buffers,
-    pointer_buffers,
-    tensor_buffers,
-)
+from kvcore_sglang import legacy
+from kvcore_sglang.pages import PageFormat, describe_pool, kv_cache_layout
 from kvcore_sglang.settings import StorageIdentity, StorageSettings
+from kvcore_sglang.side_pools import Route, SidePools, pool_hits, present_pages
+from kvcore_sglang.stats import TransferMetrics, kvcore_counters
+from kvcore_sglang.tiers import StoreUnavailable as StoreUnavailable
+from kvcore_sglang.tiers import (
+    Tier,
+    close_tier,
+    events_publisher,
+    open_tier,
+    register_memory,
+)
+from kvcore_sglang.transfers import MHA_PARTS, MLA_PARTS, PageTransfers
 
 __all__ = ["KVCoreHiCacheStorage"]
 
@@ -47,38 +48,8 @@ log = logging.getLogger("kvcore_sglang")
 
 T = TypeVar("T")
 
-#: Part names of a KV page: MHA stores K and V, MLA one latent row per token.
-MHA_PARTS = ("k", "v")
-MLA_PARTS = ("kv",)
 #: Host layouts whose pages are K/V (or latent) parts, one region each or one per layer.
 KV_LAYOUTS = ("page_first", "page_first_direct", "page_head", "layer_first")
-
-
-class StoreUnavailable(RuntimeError):
-    """The backend is not open (it failed to open and is tried again on schedule)."""
-
-
-class _Tier:
-    """One kvcore backend (by handle: opened when it can be, reopened on kvcore's schedule)
-    and the identity its objects are named with."""
-
-    def __init__(self, namespace: str, rank: int, world_size: int) -> None:
-        self.namespace = namespace
-        self.rank = rank
-        self.world_size = world_size
-        self.handle: kvcore.BackendHandle | None = None
-        self.registered: list[int] = []
-
-    @property
-    def backend(self) -> kvcore.Backend:
-        """The opened backend. :raises StoreUnavailable: it cannot be opened now (a miss)."""
-        assert self.handle is not None
-        backend = self.handle.get()
-        if backend is None:
-            raise StoreUnavailable(
-                f"the kvcore backend of namespace {self.namespace!r} is not open"
-            )
-        return backend
 
 
 class KVCoreHiCacheStorage(HiCacheStorage):
@@ -112,24 +83,15 @@ class KVCoreHiCacheStorage(HiCacheStorage):
                 "every page through batch_get/batch_set; add it for zero-copy I/O"
             )
         self.registered_pools: dict[Any, Any] = {}
-        # SGLang's PoolName is a str Enum whose hash is its member name's: look pools up by value
-        self._pools: dict[str, Any] = {}
-        self._kv: _Tier | None = None
-        self._kv_format: PageFormat | None = None
-        self._kv_layout: kvcore.CacheLayout | None = None
-        self._side: _Tier | None = None
-        self._side_formats: dict[str, PageFormat] = {}
+        # the v2 API's pools by name, and the side tier that stores all but the KV pool
+        self._side_pools = SidePools(self.settings, self.identity)
+        self._kv: Tier | None = None
+        self._kv_format: PageFormat | None = None  # the KV tier's layout is tier.layout
         self._counters = kvcore.Counters()
         self._failures = kvcore.OnceLogger(log)
-        self._lock = threading.Lock()
-        self._tasks = itertools.count()
+        self._metrics = TransferMetrics(storage_config)
+        self._io = PageTransfers(self.settings, self._counters, self._metrics)
         self._events: Any = None  # a StorageEventPublisher, with events_endpoint set
-        self._metrics: dict[str, list[float]] = {
-            "prefetch_pgs": [],
-            "backup_pgs": [],
-            "prefetch_bandwidth": [],
-            "backup_bandwidth": [],
-        }
         self._closed = False
 
     # -- pools -----------------------------------------------------------------------------
@@ -164,16 +126,16 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             )
         layout = None if self.identity.is_mla else kv_cache_layout(mem_pool_host, fmt)
         if self._kv is not None:
-            self._close_tier(self._kv)
+            close_tier(self._kv)
 
         def attach(backend: kvcore.Backend) -> None:  # each time the backend opens
-            self._register_memory(tier, backend, mem_pool_host)
+            register_memory(tier, backend, mem_pool_host, enabled=self.settings.register_host_pool)
             self._start_events(backend, fmt)
 
         namespace = self.identity.kv_namespace(fmt.tag)
-        self._kv = tier = self._open(namespace, layout, attach)
-        self._kv_format, self._kv_layout = fmt, layout
-        self._pools.setdefault(str(PoolName.KV), mem_pool_host)
+        self._kv = tier = open_tier(self.settings, self.identity, namespace, layout, attach)
+        self._kv_format = fmt
+        self._side_pools.pools.setdefault(str(PoolName.KV), mem_pool_host)
         assert tier.handle is not None
         tier.handle.get()  # now if it can (a store that is not up: logged, tried again later)
         log.info(
@@ -191,8 +153,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self._pools[str(host_pool_name)] = host_pool
-        self._side_formats.pop(str(host_pool_name), None)
+        self._side_pools.register(host_pool_name, host_pool)
 
     # -- the v1 API (zero-copy through get_page_buffer_meta) ---------------------------------
 
@@ -209,7 +170,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; True for the leading run read."""
-        return self._guard("get", [False] * len(keys), self._read_pages, None, keys, host_indices)
+        return self._guard("get", [False] * len(keys), self._read_kv_pages, keys, host_indices)
 
     def batch_set_v1(
         self,
@@ -218,7 +179,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the host pool's pages at ``host_indices``; True for the leading run stored."""
-        return self._guard("set", [False] * len(keys), self._write_pages, None, keys, host_indices)
+        return self._guard("set", [False] * len(keys), self._write_kv_pages, keys, host_indices)
 
     # -- the legacy API (flat pages, or raw addresses) --------------------------------------
 
@@ -318,29 +279,15 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         ``enable_storage_metrics``) with ``.kvcore``: the adapter's and kvcore's counters."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        with self._lock:
-            lists = {name: list(values) for name, values in self._metrics.items()}
-            for values in self._metrics.values():
-                values.clear()
-        metrics = StorageMetrics(**lists)
+        metrics = StorageMetrics(**self._metrics.take())
         metrics.kvcore = self.kvcore_stats()
         return metrics
 
     def kvcore_stats(self) -> dict[str, float]:
         """Flat counters: the adapter's (``pages_*``, ``errors.<op>``, ``failures.<op>``) and
         each opened backend's kvcore counters under ``kv.`` and ``side.``."""
-        out = self._counters.snapshot()
-        for prefix, tier in (("kv.", self._kv), ("side.", self._side)):
-            backend = tier.handle.opened if tier is not None and tier.handle else None
-            if backend is not None and not self._closed:
-                out.update({prefix + k: v for k, v in backend.stats().items()})
-            if tier is not None and tier.handle is not None:
-                out[prefix + "open_failures"] = float(tier.handle.open_failures)
-        # the 0.1 name of the facade's refusal count (kv. and side. together), until 0.2
-        out["pages_refused"] = out.get("kv.blocks_refused.admit", 0.0) + out.get(
-            "side.blocks_refused.admit", 0.0
-        )
-        return out
+        tiers = (("kv.", self._kv), ("side.", self._side_pools.tier))
+        return kvcore_counters(self._counters, tiers, self._closed)
 
     def close(self) -> None:
         """Unregister the host memory and close the backends; later calls are misses."""
@@ -350,105 +297,38 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         if self._events is not None:
             self._events.close()
             self._events = None
-        for tier in (self._kv, self._side):
+        for tier in (self._kv, self._side_pools.tier):
             if tier is not None:
-                self._close_tier(tier)
+                close_tier(tier)
 
     # -- internals: opening -----------------------------------------------------------------
-
-    def _open(
-        self,
-        namespace: str,
-        layout: kvcore.CacheLayout | None,
-        on_open: Callable[[kvcore.Backend], None] | None = None,
-    ) -> _Tier:
-        """A tier whose backend opens on first use (settings errors raise here)."""
-        context = {
-            "layout": layout,
-            "rank": self.identity.rank,
-            "world_size": self.identity.world_size,
-            "namespace": namespace,
-            "weight_version": self.settings.weight_version,
-        }
-        kvcore.check_backend_config(self.settings.backend, self.settings.backend_config)
-        tier = _Tier(namespace, self.identity.rank, self.identity.world_size)
-        tier.handle = kvcore.BackendHandle(
-            self.settings.backend,
-            self.settings.backend_config,
-            context=context,
-            retry_s=self.settings.reopen_interval_s,
-            on_open=on_open,
-        )
-        return tier
 
     def _start_events(self, backend: kvcore.Backend, fmt: PageFormat) -> None:
         """Publish the storage tier's KV events (see :mod:`kvcore_sglang.events`)."""
         if self._events is not None:
             self._events.close()
             self._events = None
-        endpoint = self.settings.events_endpoint
-        if endpoint is None:
-            return
-        from kvcore_sglang.events import StorageEventPublisher
+        self._events = events_publisher(self.settings, self.identity, backend, fmt)
 
-        medium = self.settings.events_medium or (
-            "DISK" if self.settings.backend == "file" else "EXTERNAL"
-        )
-        self._events = StorageEventPublisher(
-            backend,
-            fmt.parts,
-            fmt.page_size,
-            endpoint,
-            medium,
-            topic=self.settings.events_topic,
-            rank=self.identity.rank,
-            world_size=self.identity.world_size,
-        )
-
-    def _register_memory(self, tier: _Tier, backend: kvcore.Backend, pool: Any) -> None:
-        tier.registered.clear()  # a reopened backend: registered anew
-        if not self.settings.register_host_pool:
-            return
-        buffers = []
-        kv_buffer = getattr(pool, "kv_buffer", None)
-        if isinstance(kv_buffer, torch.Tensor):
-            buffers = [kv_buffer]
-        elif hasattr(pool, "get_hybrid_pool_buffer"):
-            buffers = [b for b in pool.get_hybrid_pool_buffer() if isinstance(b, torch.Tensor)]
-        for buf in buffers:
-            if buf.device.type == "cpu" and buf.numel():
-                backend.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
-                tier.registered.append(buf.data_ptr())
-
-    def _close_tier(self, tier: _Tier) -> None:
-        assert tier.handle is not None
-        backend = tier.handle.opened
-        if backend is not None:
-            for ptr in tier.registered:
-                backend.unregister_buffer(ptr)
-        tier.registered.clear()
-        tier.handle.close()
-
-    def _kv_tier(self) -> _Tier:
+    def _kv_tier(self) -> Tier:
         if self._closed:
             raise RuntimeError("the kvcore storage is closed")
         if self._kv is None or self._kv_format is None:
             raise RuntimeError("register_mem_pool_host() has not been called")
         return self._kv
 
-    def _side_tier(self) -> _Tier:
-        if self._side is None:
-            with self._lock:
-                if self._side is None:
-                    self._side = self._open(self.identity.side_namespace(), None)
-        return self._side
+    def _kv_route(self) -> tuple[Tier, PageFormat]:
+        """The KV tier and its page format. :raises RuntimeError: closed, or no KV pool."""
+        tier = self._kv_tier()
+        assert self._kv_format is not None
+        return tier, self._kv_format
 
     # -- internals: requests ----------------------------------------------------------------
 
     def _request(
         self,
         op: str,
-        tier: _Tier,
+        tier: Tier,
         fmt: PageFormat,
         keys: Sequence[str],
         host: kvcore.HostBuffers | None = None,
@@ -456,22 +336,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> kvcore.BlockRequest:
-        backend = tier.backend
-        task = f"sglang-{op}-{next(self._tasks)}"
-        if tier is self._kv and fmt.parts == MHA_PARTS and self._kv_layout is not None:
-            return backend.request(task, keys, timeout_s=self.settings.timeout_s, host=host)
-        # MLA's single latent part and the side pools' parts are not a CacheLayout's parts:
-        # the request names them, with their sizes (checked at kvcore's door) and identity
-        return backend.request(
-            task,
-            keys,
-            timeout_s=self.settings.timeout_s,
-            host=host,
-            parts=fmt.parts,
-            part_bytes=fmt.part_nbytes,
-            rank=tier.rank if rank is None else rank,
-            world_size=tier.world_size if world_size is None else world_size,
-        )
+        return self._io.request(op, tier, fmt, keys, host, rank=rank, world_size=world_size)
 
     def _guard(self, op: str, miss: T, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -490,211 +355,40 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             )
             return miss
 
-    def _outcome(self, op: str, outcome: kvcore.Outcome) -> int:
-        failure = getattr(outcome, "failure", None)
-        if failure is not None:
-            self._counters.add(f"failures.{op}")
-        return int(outcome)
-
-    @staticmethod
-    def _run(done: int, total: int) -> list[bool]:
-        return [True] * done + [False] * (total - done)
-
-    def _record(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
-        if not self.storage_config.enable_storage_metrics or pages <= 0:
-            return
-        with self._lock:
-            self._metrics[f"{kind}_pgs"].append(pages)
-            self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
-
-    # -- internals: v1 ----------------------------------------------------------------------
+    # -- internals: v1 and legacy (the KV pool, see kvcore_sglang.transfers and .legacy) -----
 
     def _exists(self, keys: list[str]) -> int:
-        tier = self._kv_tier()
-        if not keys:
-            return 0
-        assert self._kv_format is not None
-        found = self._outcome(
-            "exists", tier.backend.query(self._request("exists", tier, self._kv_format, keys))
-        )
-        self._counters.add("pages_queried", len(keys))
-        self._counters.add("pages_found", found)
-        return found
+        return self._io.exists(*self._kv_route(), keys)
 
-    def _read_pages(
-        self,
-        tier: _Tier | None,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        fmt: PageFormat | None = None,
-        pool: Any = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> list[bool]:
-        tier, fmt, pool = self._pages_of(tier, fmt, pool)
-        if not keys:
-            return []
-        t0 = time.monotonic()
-        host, staging = page_buffers(
-            pool, fmt, host_indices, len(keys), segmented_ok=self._segmented(tier)
-        )
-        request = self._request("get", tier, fmt, keys, host, rank=rank, world_size=world_size)
-        done = self._outcome("get", tier.backend.read(request))
-        if staging is not None:
-            staging.scatter(done)
-            self._counters.add("pages_staged", done)
-        self._counters.add("pages_read", len(keys))
-        self._counters.add("pages_read_ok", done)
-        self._record("prefetch", done, done * fmt.page_nbytes, time.monotonic() - t0)
-        return self._run(done, len(keys))
+    def _read_kv_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        tier, fmt = self._kv_route()
+        return self._io.read_pages(tier, fmt, self.mem_pool_host, keys, host_indices)
 
-    def _write_pages(
-        self,
-        tier: _Tier | None,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        fmt: PageFormat | None = None,
-        pool: Any = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        writer: bool | None = None,
-    ) -> list[bool]:
-        tier, fmt, pool = self._pages_of(tier, fmt, pool)
-        if not keys:
-            return []
-        if not (self.identity.is_writer if writer is None else writer):
-            # replicated pages (MLA) are written by the storage-writer rank alone; the others
-            # report what is already stored, which is the truth about those pages
-            request = self._request("set", tier, fmt, keys, rank=rank, world_size=world_size)
-            present = self._outcome("set", tier.backend.query(request))
-            self._counters.add("pages_write_skipped", len(keys))
-            return self._run(present, len(keys))
-        t0 = time.monotonic()
-        offered = len(keys)
-        # built once: asked of the admission policy, then sliced to what it admits and written
-        request = self._request("set", tier, fmt, keys, rank=rank, world_size=world_size)
-        if len(host_indices) % offered == 0:  # else page_buffers below says what is wrong
-            admitted = self._admitted(tier, request)
-            if admitted == 0:
-                return [True] * offered
-            keys = keys[:admitted]
-            host_indices = host_indices[: admitted * (len(host_indices) // offered)]
-        host, staging = page_buffers(
-            pool, fmt, host_indices, len(keys), segmented_ok=self._segmented(tier)
-        )
-        if staging is not None:
-            staging.gather()
-            self._counters.add("pages_staged", len(keys))
-        done = self._outcome("set", tier.backend.write(request.slice(0, len(keys), host=host)))
-        self._counters.add("pages_written", len(keys))
-        self._counters.add("pages_written_ok", done)
-        self._record("backup", done, done * fmt.page_nbytes, time.monotonic() - t0)
-        return self._run(done, len(keys)) + [True] * (offered - len(keys))
-
-    def _admitted(self, tier: _Tier, request: kvcore.BlockRequest) -> int:
-        """How many leading pages of ``keys`` the store's admission policy takes, asked before
-        anything is staged (a refused page costs no copy). A refused page is not written and is
-        not a failure: it is reported as handled, so HiCache neither logs a failed backup nor
-        stops the operation's later batches (as vLLM's tier reports a refused chunk's job as a
-        success), and counted by kvcore's facade (``kv.blocks_refused.admit``)."""
-        return int(tier.backend.admit(request))
-
-    def _pages_of(
-        self, tier: _Tier | None, fmt: PageFormat | None, pool: Any
-    ) -> tuple[_Tier, PageFormat, Any]:
-        """The tier, page format and pool a page call works on (the KV pool's by default)."""
-        if tier is None:
-            tier, fmt, pool = self._kv_tier(), self._kv_format, self.mem_pool_host
-        assert fmt is not None
-        return tier, fmt, pool
-
-    @staticmethod
-    def _segmented(tier: _Tier) -> bool:
-        return bool(getattr(tier.backend.capabilities, "segmented_host", False))
-
-    # -- internals: legacy ------------------------------------------------------------------
+    def _write_kv_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        tier, fmt = self._kv_route()
+        writer = self.identity.is_writer
+        return self._io.write_pages(tier, fmt, self.mem_pool_host, keys, host_indices, writer)
 
     def _read_tensors(
         self, keys: list[str], targets: Sequence[torch.Tensor] | None
     ) -> list[torch.Tensor | None]:
-        tier = self._kv_tier()
-        fmt = self._kv_format
-        assert fmt is not None
-        if not keys:
-            return []
-        if targets is None or len(targets) != len(keys):
-            raise ValueError("batch_get needs one target page tensor per key")
-        # read into the targets themselves when they are contiguous, else into stand-ins
-        landing = [
-            t if t.is_contiguous() and t.device.type == "cpu" else _flat_like(t) for t in targets
-        ]
-        host = tensor_buffers(fmt, landing)
-        done = self._outcome("get", tier.backend.read(self._request("get", tier, fmt, keys, host)))
-        for target, landed in zip(targets[:done], landing[:done], strict=True):
-            if landed is not target:
-                target.copy_(landed.view(target.dtype).view(target.shape))
-        self._counters.add("pages_read", len(keys))
-        self._counters.add("pages_read_ok", done)
-        return [*targets[:done], *([None] * (len(keys) - done))]
+        return legacy.read_tensors(self._io, *self._kv_route(), keys, targets)
 
     def _read_pointers(self, keys: list[str], locations: Any, sizes: Any) -> int:
-        tier = self._kv_tier()
-        fmt = self._kv_format
-        assert fmt is not None
-        if not keys:
-            return 0
-        host = pointer_buffers(fmt, locations, sizes)
-        done = self._outcome("get", tier.backend.read(self._request("get", tier, fmt, keys, host)))
-        self._counters.add("pages_read", len(keys))
-        self._counters.add("pages_read_ok", done)
-        return done
+        return legacy.read_pointers(self._io, *self._kv_route(), keys, locations, sizes)
 
     def _write_tensors(self, keys: list[str], values: Sequence[torch.Tensor] | None) -> bool:
-        tier = self._kv_tier()
-        fmt = self._kv_format
-        assert fmt is not None
-        if not keys:
-            return True
-        if values is None or len(values) != len(keys):
-            raise ValueError("batch_set needs one page tensor per key")
-        if not self.identity.is_writer:
-            return self._exists(keys) == len(keys)
-        request = self._request("set", tier, fmt, keys)
-        admitted = self._admitted(tier, request)
-        if admitted == 0:
-            return True
-        keys = keys[:admitted]
-        pages = [v.contiguous().cpu() for v in values[:admitted]]  # pool views: zero-copy
-        host = tensor_buffers(fmt, pages)
-        done = self._outcome("set", tier.backend.write(request.slice(0, admitted, host=host)))
-        self._counters.add("pages_written", len(keys))
-        self._counters.add("pages_written_ok", done)
-        return done == len(keys)
+        tier, fmt = self._kv_route()
+        return legacy.write_tensors(self._io, tier, fmt, keys, values, self.identity.is_writer)
 
     def _write_pointers(self, keys: list[str], locations: Any, sizes: Any) -> bool:
-        tier = self._kv_tier()
-        fmt = self._kv_format
-        assert fmt is not None
-        if not keys:
-            return True
-        if not self.identity.is_writer:
-            return self._exists(keys) == len(keys)
-        request = self._request("set", tier, fmt, keys)
-        if len(locations) == len(sizes) == len(keys):  # else pointer_buffers says what is wrong
-            admitted = self._admitted(tier, request)
-            if admitted == 0:
-                return True
-            keys = keys[:admitted]
-            locations, sizes = locations[:admitted], sizes[:admitted]
-        host = pointer_buffers(fmt, locations, sizes)
-        done = self._outcome("set", tier.backend.write(request.slice(0, len(keys), host=host)))
-        self._counters.add("pages_written", len(keys))
-        self._counters.add("pages_written_ok", done)
-        return done == len(keys)
+        tier, fmt = self._kv_route()
+        writer = self.identity.is_writer
+        return legacy.write_pointers(self._io, tier, fmt, keys, locations, sizes, writer)
 
     def _clear(self) -> bool:
         ok = True
-        for tier in (self._kv_tier(), self._side):
+        for tier in (self._kv_tier(), self._side_pools.tier):
             if tier is None:
                 continue
             outcome = tier.backend.clear()
@@ -709,31 +403,19 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             self._counters.add("objects_cleared", int(outcome))
         return ok
 
-    # -- internals: v2 ----------------------------------------------------------------------
+    # -- internals: v2 (see kvcore_sglang.side_pools) ----------------------------------------
 
-    def _pool_route(self, name: Any) -> tuple[_Tier, PageFormat, Any, int, int, bool]:
+    def _pool_route(self, name: Any) -> Route:
         """(tier, page format, host pool, rank, world size, writes?) of the pool ``name``."""
         name = str(name)
-        pool = self._pools.get(name)
-        if pool is None:
-            raise ValueError(f"pool {name!r} was not registered with register_mem_host_pool_v2")
+        pool = self._side_pools.pool(name)
         if name == PoolName.KV.value and pool is getattr(self, "mem_pool_host", None):
             tier = self._kv_tier()
             assert self._kv_format is not None
-            return tier, self._kv_format, pool, tier.rank, tier.world_size, self.identity.is_writer
-        fmt = self._side_formats.get(name)
-        if fmt is None:
-            probe = pool.get_page_buffer_meta(torch.arange(pool.page_size or 1))[0]
-            parts = tuple(f"{name}.{j}" for j in range(len(probe)))
-            fmt = describe_pool(pool, parts, str(name))
-            self._side_formats[name] = fmt
-        if name == PoolName.MAMBA.value:
-            # Mamba state is sharded over TP ranks even when the attention KV is replicated
-            rank, world, writer = self.identity.tp_rank, self.identity.tp_size, True
-        else:
-            rank, world = self.identity.rank, self.identity.world_size
-            writer = self.identity.is_writer
-        return self._side_tier(), fmt, pool, rank, world, writer
+            return Route(
+                tier, self._kv_format, pool, tier.rank, tier.world_size, self.identity.is_writer
+            )
+        return self._side_pools.route(name, pool)
 
     def _transfer_v2(self, op: str, transfer: PoolTransfer) -> list[bool]:
         keys = list(transfer.keys or [])
@@ -746,61 +428,17 @@ class KVCoreHiCacheStorage(HiCacheStorage):
             if transfer.host_indices is None:
                 raise ValueError(f"pool {transfer.name!r}: the transfer has no host_indices")
             if op == "get":
-                return self._read_pages(tier, keys, transfer.host_indices, fmt, pool, rank, world)
-            return self._write_pages(
-                tier, keys, transfer.host_indices, fmt, pool, rank, world, writer
+                return self._io.read_pages(
+                    tier, fmt, pool, keys, transfer.host_indices, rank, world
+                )
+            return self._io.write_pages(
+                tier, fmt, pool, keys, transfer.host_indices, writer, rank, world
             )
 
         return self._guard(f"{op}_v2", miss, run)
 
     def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
-        kv_pages = self._exists(keys)
-        hits: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        restorable = set(range(1, kv_pages + 1))
-        for transfer in transfers:
-            if not restorable:
-                break
-            if transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
-                self._failures.warning(
-                    ("exists_v2", "block_groups"),
-                    "kvcore storage: pool %r asks for the block_groups hit policy, which is "
-                    "not served; it reports no pages",
-                    transfer.name,
-                )
-                continue
-            present = self._present_pages(transfer.name, keys[:kv_pages])
-            if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                window = max(1, len(transfer.keys or ()))
-                ok = {
-                    end
-                    for end in range(1, kv_pages + 1)
-                    if all(present[max(0, end - window) : end])
-                }
-            else:  # all_pages
-                first_missing = present.index(False) if False in present else kv_pages
-                ok = set(range(1, first_missing + 1))
-            if ok:
-                hits[transfer.name] = max(ok)
-            restorable &= ok
-        ordered = sorted(restorable)
-        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+        return pool_hits(keys, self._exists(keys), transfers, self._present_pages, self._failures)
 
     def _present_pages(self, name: Any, keys: list[str]) -> list[bool]:
-        """Which of ``keys`` the pool ``name`` holds, from as few leading-run queries as there
-        are gaps (kvcore answers runs, not per-page flags)."""
-        tier, fmt, _, rank, world, _ = self._pool_route(name)
-        present = [False] * len(keys)
-        i = 0
-        while i < len(keys):
-            request = self._request("exists", tier, fmt, keys[i:], rank=rank, world_size=world)
-            outcome = tier.backend.query(request)
-            run = self._outcome("exists", outcome)
-            present[i : i + run] = [True] * run
-            if outcome.failure is not None and i + run < len(keys):
-                break  # the backend is failing: the rest counts as absent
-            i += run + 1
-        return present
-
-
-def _flat_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)
+        return present_pages(self._io, self._pool_route(name), keys)

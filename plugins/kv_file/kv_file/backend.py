@@ -20,59 +20,37 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import itertools
+import functools
 import logging
 import os
-import stat
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import kvcore
 from kv_file.admission import StoreAdmission
+from kv_file.batch import READ_COUNTERS, Batches, answer
 from kv_file.catalog import Catalog
 from kv_file.config import FileConfig, safe_namespace
-from kv_file.journal import Kind
+from kv_file.files import ObjectFiles, describe, fsync_dir, retire_files
+from kv_file.handover import HandOver
 from kv_file.model import StoreModel
 from kv_file.objfile import encode_name, header_size
-from kv_file.objio import DirectReads, ReadOutcome, read_name, read_object, write_object
-from kv_file.paths import StoreDir, discard, name_digest
-from kvcore import BlockRequest, Outcome, leading_run
-from kvcore import events as ev
+from kv_file.objio import DirectReads, ReadOutcome, read_object, write_object
+from kv_file.paths import StoreDir, name_digest
+from kv_file.removal import clear_objects, remove_blocks
+from kv_file.watch import Watch
+from kvcore import BlockRequest
 from kvcore.evictions import EvictionSink, sink_caller
 from kvcore.keys import name_columns
-from kvcore.threads import start_thread, thread_pool, usable_cpus
+from kvcore.threads import start_thread, usable_cpus
 
 __all__ = ["FileBackend"]
 
 log = logging.getLogger("kvcore.file")
 
-#: Batches smaller than this run in the calling thread: a thread hand-off costs more.
-_INLINE_BYTES = 1 << 20
 #: Queries check their deadline every this many blocks.
 _QUERY_DEADLINE_STRIDE = 1024
-#: Blocks whose names a query hashes at once when the index has not learned them yet.
-_QUERY_HASH_CHUNK = 512
-#: While watched, other processes' changes are applied (and reported) this often at least.
-_FOLLOW_INTERVAL_S = 0.05
-
-_READ_COUNTERS = {
-    ReadOutcome.OK: "read_hits",
-    ReadOutcome.MISSING: "read_missing",
-    ReadOutcome.WRONG_SIZE: "read_wrong_size",
-    ReadOutcome.MISNAMED: "read_misnamed",
-    ReadOutcome.FOREIGN: "foreign_removed",
-    ReadOutcome.CORRUPT: "corrupt_removed",
-}
-#: Per-object outcomes that store or find the object.
-_GOOD = frozenset(("read_hits", "write_stored", "write_skipped"))
-#: Per-object outcomes that are failures rather than absence (reported in ``Outcome.failure``).
-_FAILURES = {
-    "io_errors": "I/O error",
-    "write_errors": "write failed",
-    "corrupt_removed": "corrupt object (checksum mismatch), removed",
-}
 
 
 class FileBackend:
@@ -100,7 +78,7 @@ class FileBackend:
             self._dir.create()
         except OSError as exc:  # one line naming the setting, not a raw OS error
             failed = exc.filename or config.root
-            why = _describe(exc)
+            why = describe(exc)
             parent = os.path.dirname(os.path.abspath(failed))
             if exc.errno == errno.ENOENT and os.path.isdir(parent):
                 why = f"the file system at {parent!r} does not let directories be created"
@@ -134,10 +112,18 @@ class FileBackend:
             config.high_watermark,
             config.low_watermark,
             fits=fits,
-            retire_files=self._retire,
+            retire_files=functools.partial(retire_files, self._dir),
             counters=self._counters,
         )
         self._index = self._catalog.index
+        self._files = ObjectFiles(
+            self._dir,
+            self._catalog,
+            self._payload,
+            self._counters,
+            self._failures,
+            sync_dirs=self._sync_dirs,
+        )
         # A store over its capacity (it was lowered, or a crash left files) is brought down
         # to it by the first call, not here: a stack that opens this store attaches its
         # hand-over (kvcore_evict_to) before anything else, and what that first eviction
@@ -151,13 +137,13 @@ class FileBackend:
             doorkeeper_factor=config.admission_doorkeeper,
             sample_rate=config.admission_sample_rate,
         )
-        self._pool = thread_pool(config.io_threads, "kv_file-io")
+        self._batches = Batches(config.io_threads, self._counters, self._failures)
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
         if config.rescan_interval_s > 0:
             self._rescanner = start_thread(self._rescan_loop, "kv_file-rescan")
-        self._watch_stop: threading.Event | None = None
-        self._evict_sink: EvictionSink | None = None
+        self._watch = Watch(self._catalog, self._failures)
+        self._hand_over = HandOver(self._counters)
         log.info(
             "kv_file store at %s: %d objects, %d of %d bytes, fsync=%s",
             self._dir.path,
@@ -183,46 +169,10 @@ class FileBackend:
             # 10,000-block query
             if not all(all(map(known, column[lo:hi])) for column in columns):
                 first = next(i for i in range(lo, hi) if not all(map(known, names[i])))
-                return self._query_unlearned(request, first)
+                return self._files.learn(request, first)  # looked for on disk
             if hi < total and request.expired():
                 return hi
         return total
-
-    def _query_unlearned(self, request: BlockRequest, start: int) -> int:
-        """The rest of a query from block ``start``, whose names the index has not all learned.
-
-        Names are hashed a chunk at a time and learned under one lock (with the layout, only
-        for files of the size the name's part has); the first one that does not qualify is
-        looked for on disk (another process may have written it since the last scan) before
-        it ends the run.
-        """
-        parts = request.parts
-        nparts = len(parts)
-        payload = self._payload
-        index = self._index
-        i = start
-        while i < request.num_blocks:
-            chunk = [n for block in request.object_names[i : i + _QUERY_HASH_CHUNK] for n in block]
-            raws = [encode_name(n) for n in chunk]
-            digests = [name_digest(r) for r in raws]
-            sizes = None
-            if payload is not None:  # None for a part the layout does not have: any size
-                part_sizes = [payload.get(p) for p in parts]
-                sizes = [
-                    None if (n := part_sizes[k % nparts]) is None else header_size(len(r)) + n
-                    for k, r in enumerate(raws)
-                ]
-            known = index.learn_many(chunk, digests, sizes)
-            if known < len(chunk):
-                size = None if sizes is None else sizes[known]
-                if not self._adopt(digests[known], chunk[known], size):
-                    return i + known // nparts
-                i += known // nparts  # adopted: go on from its block
-            else:
-                i += len(chunk) // nparts
-            if request.expired():
-                return i
-        return request.num_blocks
 
     @kvcore.hookimpl
     def kvcore_admit(self, request: BlockRequest) -> int:
@@ -260,11 +210,13 @@ class FileBackend:
                 index.unname(name)
             elif outcome is not ReadOutcome.WRONG_SIZE:  # the file is gone or was removed
                 gone.append(digest)
-            return _READ_COUNTERS[outcome]
+            return READ_COUNTERS[outcome]
 
         workers = self._read_workers(request)
         try:
-            outcomes, errors = self._run(request, read_one, host.nbytes, workers, "io_errors")
+            outcomes, errors = self._batches.run(
+                request, read_one, host.nbytes, workers, "io_errors"
+            )
         finally:  # what the read learned, for every process: after the data, off its path
             # most recently used in the request's order, whichever thread read what first
             hits.sort()
@@ -276,7 +228,7 @@ class FileBackend:
             self._catalog.read([digest for _, digest in hits])
             nparts = len(request.parts)
             self._admission.read(request, [k // nparts for k, _ in hits if k % nparts == 0])
-        return self._answer(outcomes, errors, len(request.parts))
+        return answer(outcomes, errors, len(request.parts))
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
@@ -302,7 +254,7 @@ class FileBackend:
             # named only as an object of its part's size (the core checks buffers against the
             # layout; this keeps any other object from ever being counted by its name)
             named = raw if self._payload_bytes(request.parts[j]) in (None, host.nbytes[j]) else None
-            if self._hold_stored(digest, named, size):
+            if self._files.hold_stored(digest, named, size):
                 pinned.append(digest)
                 before[k] = "write_skipped"  # names are content-derived: same name, same bytes
             else:
@@ -344,7 +296,7 @@ class FileBackend:
         workers = self.config.io_threads if self._sync else min(self.config.io_threads, self._cpus)
         try:
             try:
-                outcomes, errors = self._run(
+                outcomes, errors = self._batches.run(
                     request, write_one, host.nbytes, workers, "write_errors"
                 )
             finally:  # every file in place becomes a file of the store, also on a failure
@@ -359,7 +311,7 @@ class FileBackend:
                     pinned.append(digest)
             for d, ks in written_dirs.items():  # one directory fsync per batch, not per object
                 try:
-                    _fsync_dir(d)
+                    fsync_dir(d)
                 except OSError as exc:
                     for k in ks:
                         outcomes[k], errors[k] = "write_errors", exc
@@ -368,7 +320,7 @@ class FileBackend:
             if unused:
                 catalog.release(unused)
             index.unpin(pinned)
-        return self._answer(outcomes, errors, len(request.parts))
+        return answer(outcomes, errors, len(request.parts))
 
     @kvcore.hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:
@@ -376,49 +328,14 @@ class FileBackend:
         write is (with ``fsync=data_and_dir``, the directories are synced); processes sharing
         the directory see it at their next query (see :mod:`kv_file.journal`)."""
         self._catalog.sync()
-        blocks = 0
-        removed: list[int] = []
-        failure: OSError | None = None
-        for names in request.object_names:
-            gone = False
-            for name in names:
-                digest = self._digest(name)
-                try:
-                    if self._unlink_object(digest):
-                        removed.append(digest)
-                        gone = True
-                except OSError as exc:
-                    failure = failure or exc
-            blocks += gone
-        self._removed(removed)
-        if failure is not None:
-            return Outcome(blocks, f"remove failed: {_describe(failure)}")
-        return blocks
+        return remove_blocks(self._files, request.object_names, self._digest)
 
     @kvcore.hookimpl
     def kvcore_clear(self) -> int:
         """Unlink every object of this engine's namespace in the directory, of every rank: all
         of them in the namespace's own directory, else those whose header names the namespace
         (a configured ``namespace`` directory may be shared with other engines)."""
-        strays: list[str] = []
-        removed: list[int] = []
-        failure: OSError | None = None
-        for found in self._dir.scan(strays=strays):
-            if not self._own_directory:
-                name = read_name(self._dir.object_path(found.digest))
-                if name is not None and not name.startswith(self._name_prefix):
-                    continue  # another namespace's object
-            try:  # ours, or no valid object of anyone's
-                if self._unlink_object(found.digest):
-                    removed.append(found.digest)
-            except OSError as exc:
-                failure = failure or exc
-        self._discard_strays(strays)
-        self._removed(removed)
-        self._counters.add("objects_cleared", len(removed))
-        if failure is not None:
-            return Outcome(len(removed), f"clear failed: {_describe(failure)}")
-        return len(removed)
+        return clear_objects(self._files, self._name_prefix, self._own_directory)
 
     @kvcore.hookimpl
     def kvcore_stats(self) -> dict[str, float]:
@@ -466,7 +383,7 @@ class FileBackend:
         """Objects a write evicts are read back from their files, verified, and offered to
         ``sink`` by that write, before they leave; only those the sink took are evicted (see
         :meth:`Catalog._admit_handing_over`)."""
-        self._evict_sink = None if sink is None else sink_caller(sink)
+        self._hand_over.sink = None if sink is None else sink_caller(sink)
         self._catalog.hand_over = None if sink is None else self._hand_over
         self._settle()  # with the sink attached: what opening leaves to evict is handed over
         return True
@@ -475,34 +392,15 @@ class FileBackend:
     def kvcore_watch(self, report: Callable[..., None] | None) -> set[str] | None:
         """Report every change of the directory, whoever makes it, in the journal's order
         (see :mod:`kv_file.catalog`): a router following any one process sees the store."""
-        if self._watch_stop is not None:  # stop the follower first: it reports
-            self._watch_stop.set()
-            self._watch_stop = None
-        if report is None:
-            self._catalog.report = None
-            return None
-        self._catalog.report_from_now(report)
-        self._watch_stop = stop = threading.Event()
-        start_thread(lambda: self._follow(stop), "kv_file-events")
-        return {ev.STORED, ev.REMOVED, ev.EVICTED}
-
-    def _follow(self, stop: threading.Event) -> None:
-        """While watched: apply (and so report) other processes' records promptly, also when
-        this process makes no call."""
-        while not stop.wait(_FOLLOW_INTERVAL_S):
-            try:
-                self._catalog.sync()
-            except Exception as exc:  # keep following; the next call applies what is left
-                self._failures.warning(("follow", type(exc)), "kv_file events: %r", exc)
+        return self._watch.watch(report)
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:
         self._stop.set()
-        if self._watch_stop is not None:
-            self._watch_stop.set()
+        self._watch.close()
         if self._rescanner is not None:
             self._rescanner.join()
-        self._pool.shutdown(wait=True)
+        self._batches.shutdown()
         self.save_recency()
         self._catalog.close()
 
@@ -515,11 +413,7 @@ class FileBackend:
         per object cost ~6% of warm read throughput. A crash loses at most one interval of
         recency, which only makes eviction after the restart slightly less exact.
         """
-        touched = self._index.take_touched()
-        for digest, when in touched.items():
-            with contextlib.suppress(OSError):  # evicted meanwhile, or a read-only file system
-                os.utime(self._dir.object_path(digest), ns=(when, when))
-        return len(touched)
+        return self._files.save_recency()
 
     # -- cross-process visibility ----------------------------------------------------------
 
@@ -538,136 +432,6 @@ class FileBackend:
                     self.rescan()
             except Exception as exc:  # keep scanning later; a failed scan only delays adoption
                 log.warning("kv_file rescan of %s failed: %r", self._dir.path, exc)
-
-    def _look(self, digest: int, size: int | None) -> os.stat_result | None:
-        """The ``lstat`` of ``digest``'s object file if it is a regular file (of ``size`` bytes,
-        when given): as far as metadata tells, the object its name promises (the header is
-        verified when it is read). Otherwise None, and the index forgets the digest after
-        whatever else is there was removed."""
-        path = self._dir.object_path(digest)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            if self._index.size_of(digest) is not None:  # indexed: deleted without a record
-                self._catalog.gone([digest])  # (by hand, a crash); unknown: nothing to tell
-            return None
-        if stat.S_ISREG(st.st_mode) and size in (None, st.st_size):
-            return st
-        self._discard(path, st, digest)
-        return None
-
-    def _adopt(self, digest: int, name: str, size: int | None) -> bool:
-        """Index the file at ``digest``'s path for ``name`` if :meth:`_look` finds the object
-        there (another process may have written it)."""
-        st = self._look(digest, size)
-        if st is None:
-            return False
-        self._catalog.adopted([(digest, st.st_size, encode_name(name))])
-        return True
-
-    def _hold_stored(self, digest: int, name: bytes | None, size: int) -> bool:
-        """Whether a write may skip this object: :meth:`_look` finds it, ``size`` bytes (names
-        are content-derived, so it holds the same bytes). It is then pinned until the write
-        returns, so no eviction of this process removes it before the write acknowledges it."""
-        if self._look(digest, size) is None:
-            return False
-        if self._index.size_of(digest) != size:  # in place, but no record told of it
-            self._catalog.adopted([(digest, size, name)])
-        if not self._index.hold(digest):
-            return False  # evicted since
-        if os.path.lexists(self._dir.object_path(digest)):  # pinned: no eviction of ours now
-            return True
-        self._index.unpin([digest])  # an eviction deleted it between the two looks
-        return False
-
-    # -- removing --------------------------------------------------------------------------
-
-    def _unlink_object(self, digest: int) -> bool:
-        """Delete the object file of ``digest``; whether there was one (a regular file)."""
-        if self._look(digest, None) is None:
-            return False
-        try:
-            os.unlink(self._dir.object_path(digest))
-        except FileNotFoundError:
-            self._catalog.gone([digest])
-            return False
-        return True
-
-    def _removed(self, digests: list[int]) -> None:
-        """Make removals durable (per the fsync policy) and record them: every process
-        sharing the directory forgets them before its next answer."""
-        if not digests:
-            return
-        if self._sync_dirs:
-            for d in {self._dir.subdir(digest) for digest in digests}:
-                _fsync_dir(d)
-        self._catalog.gone(digests, Kind.REMOVED)
-
-    def _discard(self, path: str, seen: os.stat_result, digest: int) -> None:
-        """Remove what is at an object's path that is not the object, then forget it."""
-        try:
-            if discard(path, seen):
-                self._counters.add("foreign_removed")
-        except OSError as exc:
-            self._failures.warning(
-                ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
-            )
-        self._catalog.gone([digest])
-
-    def _discard_strays(self, paths: Iterable[str]) -> None:
-        """Remove non-files a scan found under object names (never objects of anyone's)."""
-        for path in paths:
-            try:
-                if discard(path):
-                    self._counters.add("foreign_removed")
-            except OSError as exc:
-                self._failures.warning(
-                    ("discard", type(exc)), "kv_file cannot remove %s: %s", path, _describe(exc)
-                )
-
-    def _retire(self, digests: list[int]) -> list[tuple[int, str]]:
-        """Move evicted objects' files off their names, to temp names beside them (the
-        catalog deletes those later, outside the journal's lock); returns the digests and
-        temp paths of those moved."""
-        moved = []
-        for digest in digests:
-            temp = self._dir.temp_path(digest)
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(self._dir.object_path(digest), temp)
-                moved.append((digest, temp))
-        return moved
-
-    def _hand_over(
-        self, victims: list[tuple[int, str | None, int, str]], deadline: float | None
-    ) -> set[int]:
-        """Read victims from their files, verified, and offer them to the sink of
-        ``kvcore_evict_to``; returns the digests that may leave: those it took, and those
-        with nothing left to hand over (gone meanwhile, or corrupt)."""
-        sink = self._evict_sink
-        if sink is None:
-            return set()
-        objects: list[tuple[str, memoryview]] = []
-        offered: dict[str, int] = {}
-        nothing_to_keep: set[int] = set()
-        for digest, name, size, path in victims:
-            raw = encode_name(name) if name is not None else read_name(path)
-            if raw is None:
-                nothing_to_keep.add(digest)
-                continue
-            payload = size - header_size(len(raw))
-            buffer = memoryview(bytearray(max(payload, 0)))
-            outcome = read_object(path, raw, [buffer], digest=digest, expected_len=payload)
-            if outcome is ReadOutcome.OK:
-                text = raw.decode("utf-8", "surrogatepass")
-                objects.append((text, buffer))
-                offered[text] = digest
-            else:  # evicted or removed by another process meanwhile, or corrupt
-                if outcome is not ReadOutcome.MISSING:
-                    self._counters.add("evict_handover_unreadable")
-                nothing_to_keep.add(digest)
-        taken = {offered[n] for n in sink(objects, deadline) if n in offered} if objects else set()
-        self._counters.add("evict_handed_over", len(taken))
-        return taken | nothing_to_keep
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -705,95 +469,3 @@ class FileBackend:
         if self._direct.path_cached(self._dir.object_path(self._digest(name))):
             return min(self.config.io_threads, self._cpus)
         return self.config.io_threads
-
-    def _run(
-        self,
-        request: BlockRequest,
-        one: Callable[[int], str],
-        nbytes: tuple[int, ...],
-        workers: int,
-        error_outcome: str,
-    ) -> tuple[list[str], dict[int, OSError]]:
-        """Call ``one(k)`` for every object ``k`` (flat ``[block][part]`` order) in parallel.
-
-        Workers pull the next object from a shared counter, stop at the deadline, and skip
-        objects past the first failed block (they could not count). The call returns only
-        when no worker touches the caller's buffers any more: abandoning in-flight I/O would
-        let it write into memory the caller already reuses. Each worker finishes at most the
-        one object it holds when the deadline passes. Returns every object's outcome, and the
-        error of each one that raised (its outcome is then ``error_outcome``).
-        """
-        parts = len(request.parts)
-        total = request.num_blocks * parts
-        outcomes = ["skipped"] * total
-        errors: dict[int, OSError] = {}
-        if total == 0:
-            return outcomes, errors
-        counter = itertools.count()
-        stop = [total]  # objects from here on cannot count: their block or an earlier failed
-        deadline = request.deadline
-        clock = time.monotonic
-
-        def worker() -> None:
-            for k in counter:
-                if k >= stop[0]:
-                    return
-                if clock() >= deadline:
-                    outcomes[k] = "deadline"
-                    stop[0] = min(stop[0], k - k % parts)
-                    return
-                try:
-                    outcome = one(k)
-                except OSError as exc:
-                    errors[k] = exc
-                    outcome = error_outcome
-                    self._failures.warning(
-                        (error_outcome, exc.errno),
-                        "kv_file %s of %r failed: %s (further errors like it are logged at "
-                        "debug level)",
-                        "write" if error_outcome == "write_errors" else "read",
-                        request.object_names[k // parts][k % parts],
-                        _describe(exc),
-                    )
-                outcomes[k] = outcome
-                if outcome not in _GOOD:
-                    stop[0] = min(stop[0], k - k % parts)
-
-        workers = min(workers, total)
-        if workers == 1 or sum(nbytes) * request.num_blocks < _INLINE_BYTES:
-            worker()
-        else:
-            futures = [self._pool.submit(worker) for _ in range(workers - 1)]
-            try:
-                worker()
-            finally:
-                for f in futures:
-                    f.result()
-        for outcome, count in Counter(o for o in outcomes if o != "skipped").items():
-            self._counters.add(outcome, count)
-        return outcomes, errors
-
-    @staticmethod
-    def _answer(outcomes: list[str], errors: dict[int, OSError], parts: int) -> int:
-        """The leading run, as an Outcome that says why when a failure (not absence) ended it."""
-        n = leading_run([o in _GOOD for o in outcomes], parts)
-        for k in range(n * parts, min((n + 1) * parts, len(outcomes))):
-            why = _FAILURES.get(outcomes[k])
-            if why is not None:
-                exc = errors.get(k)
-                return Outcome(n, f"{why}: {_describe(exc)}" if exc is not None else why)
-        return n
-
-
-def _describe(exc: OSError) -> str:
-    """``[Errno 28] No space left on device`` style, with the errno's name."""
-    code = errno.errorcode.get(exc.errno or 0, "")
-    return f"{exc.strerror or exc} ({code})" if code else str(exc)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
