@@ -534,15 +534,18 @@ class Backend:
             self.metrics.observe(op, t1 - t0, calls=1, invalid_results=1, blocks=n)
             return Outcome(0, f"invalid result {result!r}", FailureKind.INVALID_RESULT)
         failure = getattr(result, "failure", None)
+        late = t1 > request.deadline + DEADLINE_GRACE_S
+        counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
+        if result >= n:  # the common answer: everything (no kind to work out)
+            self.metrics.observe(op, t1 - t0, **counts)
+            return Outcome(result)
         # a backend may say "deadline" itself (before it passes)
         kind = _kind_of(result)
-        late = t1 > request.deadline + DEADLINE_GRACE_S
-        if result < n and t1 >= request.deadline and kind is not FailureKind.CORRUPT:
+        if t1 >= request.deadline and kind is not FailureKind.CORRUPT:
             # the one rule: short and at (or past) the deadline is a deadline, whatever the
             # backend called it (a timeout, a cancelled transfer, nothing at all)
             failure, kind = failure or "deadline missed", FailureKind.DEADLINE
-        counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
-        if failure is not None and result < n and kind is not FailureKind.DEADLINE:
+        if failure is not None and kind is not FailureKind.DEADLINE:
             counts["failures_reported"] = 1
             self._failures.warning(
                 (op, "reported"),
@@ -554,7 +557,7 @@ class Backend:
                 failure,
             )
         self.metrics.observe(op, t1 - t0, **counts)
-        return Outcome(int(result), failure, kind) if failure and result < n else Outcome(result)
+        return Outcome(int(result), failure, kind) if failure else Outcome(result)
 
     def _lifecycle(self, op: str, caller: Callable[..., Any], **kwargs: Any) -> Any:
         try:

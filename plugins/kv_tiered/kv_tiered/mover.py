@@ -13,7 +13,6 @@ dropped and counted (a later miss in that tier, never an error).
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from collections import deque
@@ -22,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import kvcore
 from kv_tiered.activity import Activity
-from kv_tiered.buffers import own_buffers
+from kv_tiered.buffers import Region, own_buffers
 from kv_tiered.peers import PeerChanges
 from kvcore import BlockRequest, HostBuffers
 from kvcore.threads import start_thread
@@ -46,7 +45,7 @@ class Copy:
     deadline: float | None
     #: the blocks' bytes, already read (and verified) from the source, in buffers of the
     #: stack's own (the mmap keeps them); None: the copy reads the source itself
-    payload: tuple[HostBuffers, mmap.mmap] | None = None
+    payload: tuple[HostBuffers, Region] | None = None
     #: the peers' removals seen before the source was read (:meth:`PeerChanges.removal_mark`);
     #: None: taken when the copy reads the source
     removal_mark: int | None = None
