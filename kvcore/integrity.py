@@ -148,19 +148,17 @@ class BlockDigests:
         ):
             return None
 
-        def names_of(parts: Sequence[str]) -> NameRows:
-            return object_names(
-                keys,
-                parts,
-                namespace=self._namespace,
-                rank=first.rank,
-                world_size=first.world_size,
-                weight_version=first.weight_version,
-            )
-
-        if names_of(request.parts[:1]).column(0) != list(first_column):
+        expected = object_names(
+            keys,
+            request.parts[:1],
+            namespace=self._namespace,
+            rank=first.rank,
+            world_size=first.world_size,
+            weight_version=first.weight_version,
+        )
+        if expected.column(0) != list(first_column):
             return None
-        return names_of((DIGEST_PART,))
+        return expected.with_parts((DIGEST_PART,))
 
     def _request(
         self, request: BlockRequest, layout: _Layout, host: HostBuffers | None = None
