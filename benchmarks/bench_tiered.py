@@ -2,7 +2,7 @@
 (a real Mooncake cluster on 127.0.0.1 when kv_mooncake is installed, else a second kv_file
 directory), through a TransferManager on a host-resident cache.
 
-Per repetition, in rotated order, each on fresh keys:
+Per repetition, in an order drawn at random (``--seed``), each on fresh keys:
 
 - ``upper_alone_write`` / ``stack_write``: a write-back to kv_file alone, and to the stack
   (write-through: acknowledged by the file tier; the copy into the lower tier runs in the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -76,13 +77,19 @@ def lower_tier(args: argparse.Namespace, root: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--blocks", type=int, default=16, help="blocks per call (3.5 MiB each)")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument(
+        "--seed", type=int, default=None,
+        help="draws each repetition's step order (default: a fresh one, given in the report)",
+    )  # fmt: skip
     ap.add_argument("--dir", default=None, help="where both kv_file stores live")
     ap.add_argument("--file-lower", action="store_true", help="kv_file as the lower tier")
     ap.add_argument("--mooncake-mib", type=int, default=1024)
     ap.add_argument("--mooncake-buffer-mib", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 32)
 
     blocks = args.blocks
     layout = kvcore.CacheLayout(
@@ -153,9 +160,13 @@ def main() -> None:
                 read_stack,
                 lambda: read_alone("upper_alone_read_again"),
             ]
-            for rep in range(args.reps):
-                shift = rep % len(steps)
-                for step in steps[shift:] + steps[:shift]:
+            # Each repetition runs the steps in a fresh random order (the seed is in the
+            # report: `--seed` repeats it). A fixed rotation made the stack's write always follow kv_file alone's
+            # write and kv_file alone's write follow a read, and that order alone moved
+            # the A/A control to 0.83 of itself on disk.
+            order = random.Random(args.seed)
+            for _ in range(args.reps):
+                for step in order.sample(steps, len(steps)):
                     step()
                 for tm in (alone, stack, direct_lower):
                     tm.backend.clear()
@@ -193,6 +204,7 @@ def main() -> None:
         "blocks": blocks,
         "bytes_per_call": nbytes,
         "store_dir": root,
+        "seed": args.seed,
         "promoted_blocks": stats.get("backend_promote_copied_blocks", 0),
         "lower_copied_blocks": stats.get("backend_lower_copied_blocks", 0),
         "dropped": {k: v for k, v in stats.items() if k.endswith("_dropped_blocks")},
