@@ -99,7 +99,7 @@ class BackendHandle:
         self.share = share
         self.strict = strict
         self.verify_blocks = verify_blocks
-        self._on_open = on_open
+        self._open_hooks: list[Callable[[Backend], object]] = [on_open] if on_open else []
         self._backend: Backend | None = None
         self._last_try = -float("inf")
         self._failures = 0
@@ -175,6 +175,20 @@ class BackendHandle:
                 )
             return self._backend
 
+    def add_open_hook(self, hook: Callable[[Backend], object]) -> None:
+        """Set up each backend this handle opens from now on, as ``on_open`` does, and the one
+        it holds already, now: for code given a handle built elsewhere (an adapter that takes
+        its caller's handle). What ``hook`` raises for the backend already open reaches the
+        caller here.
+
+        .. versionadded:: 0.4
+        """
+        with self._lock:
+            self._open_hooks.append(hook)
+            backend = self._backend
+        if backend is not None:
+            hook(backend)
+
     def lookup_only(self) -> LookupOnly:
         """This handle's lookups and nothing else: what a scheduler needs (it moves no data)."""
         return LookupOnly(self)
@@ -211,9 +225,10 @@ class BackendHandle:
 
     def _acquire(self) -> Backend:
         backend = self._acquire_shared()
-        if self._on_open is not None:
+        if self._open_hooks:
             try:
-                self._on_open(backend)
+                for hook in self._open_hooks:
+                    hook(backend)
             except BaseException:
                 if self.share:
                     _release(backend)

@@ -121,3 +121,27 @@ def test_on_open_runs_once_per_opened_backend_and_a_failing_one_is_a_failed_open
     again = flaky.get()
     assert again is not None and calls[-1] is again and flaky.opened is again
     flaky.close()
+
+
+def test_an_open_hook_added_later_sets_up_the_open_backend_now_and_each_one_after() -> None:
+    order: list[tuple[str, kvcore.Backend]] = []
+    handle = kvcore.BackendHandle(
+        _Tokens, on_open=lambda b: order.append(("built", b)), retry_s=0.01
+    )
+    handle.add_open_hook(lambda b: order.append(("added before", b)))
+    first = handle.get()
+    assert first is not None
+    assert order == [("built", first), ("added before", first)]
+    handle.add_open_hook(lambda b: order.append(("added after", b)))
+    assert order[-1] == ("added after", first), "the backend already open was not set up"
+    assert handle.get() is first and len(order) == 3, "set up again for the same backend"
+    handle.close()
+
+    def refuse(backend: kvcore.Backend) -> None:
+        raise kvcore.ConfigError("this store cannot hold the engine's cache")
+
+    opened = kvcore.BackendHandle("memory")
+    assert opened.get() is not None
+    with pytest.raises(kvcore.ConfigError, match="cannot hold"):
+        opened.add_open_hook(refuse)  # the caller learns it now, not on its first call
+    opened.close()

@@ -116,13 +116,14 @@ class KVCoreStore:
         self._handle: kvcore.BackendHandle | None = None
         self._fixed: kvcore.Backend | None = None
         self._buffers: dict[int, int] = {}  # regions FastDeploy registered: each opened backend's
-        self._attached: kvcore.Backend | None = None  # the opened backend _attach saw
+        self._attached: kvcore.Backend | None = None  # the backend _attach gave the regions
         self._lock = threading.Lock()
         if isinstance(backend, kvcore.BackendHandle):
             self._handle = backend
             config = kvcore.check_backend_config(str(backend.name), backend.config)
             layout = backend.context.layout
             name = backend.label
+            backend.add_open_hook(self._attach)
         else:
             self._check(backend)
             self._fixed = backend
@@ -147,10 +148,13 @@ class KVCoreStore:
             )
 
     def _attach(self, backend: kvcore.Backend) -> None:
-        """What each opened backend gets once: the checks, and FastDeploy's regions."""
+        """What each opened backend gets once (the handle's open hook): the checks, and
+        FastDeploy's regions."""
         self._check(backend)
-        for ptr, size in self._buffers.items():
-            backend.register_buffer(ptr, size)
+        with self._lock:
+            for ptr, size in self._buffers.items():
+                backend.register_buffer(ptr, size)
+            self._attached = backend
 
     @property
     def backend(self) -> kvcore.Backend:
@@ -161,11 +165,6 @@ class KVCoreStore:
         backend = self._handle.get()
         if backend is None:
             raise StoreUnavailable(f"kvcore backend {self.name!r} is not open")
-        if backend is not self._attached:  # opened (or reopened) since the last call
-            with self._lock:
-                if backend is not self._attached:
-                    self._attach(backend)
-                    self._attached = backend
         return backend
 
     @classmethod
