@@ -29,7 +29,7 @@ from typing import Any
 import kvcore
 from kvcore.keys import THIS_PROCESS_ONLY, ObjectName, ScopedKeys
 from kvcore_vllm.config import ConnectorSettings, TierSettings
-from kvcore_vllm.context import engine_world
+from kvcore_vllm.context import StoredRanks, stored_ranks
 
 __all__ = [
     "KEY_FORMAT",
@@ -39,6 +39,7 @@ __all__ = [
     "engine_block_keys",
     "engine_layout",
     "engine_object_names",
+    "engine_stored_ranks",
     "hashed_request",
     "hashes_shared",
     "key_scope",
@@ -174,6 +175,8 @@ def key_scope(
         # what a key is made of: vLLM's block hashes, by this algorithm
         "block_hash": hash_algo(vllm_config),
         "object_format": KEY_FORMAT,
+        # a cache that is not K and V (only named where it applies: other models' keys stay)
+        **({"kv_spec": "mla"} if _uses_mla(vllm_config) else {}),
         **{f"model.{name}": value for name, value in model_settings(vllm_config).items()},
     }
     return kvcore.KeyScope(
@@ -235,13 +238,23 @@ def engine_layout(vllm_config: Any) -> kvcore.CacheLayout:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     cache_dtype = getattr(cc, "cache_dtype", "auto")
     dtype = mc.dtype if cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    mla = _uses_mla(vllm_config)  # a latent as two halves (kvcore_vllm.layout)
     return kvcore.CacheLayout(
         num_layers=mc.get_num_layers(pc),
-        num_heads=mc.get_num_kv_heads(pc),
+        num_heads=1 if mla else mc.get_num_kv_heads(pc),
         block_size=cc.block_size,
-        head_dim=mc.get_head_size(),
+        head_dim=mc.get_head_size() // 2 if mla else mc.get_head_size(),
         dtype=kv_dtype_name(dtype),
     )
+
+
+def _uses_mla(vllm_config: Any) -> bool:
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def engine_stored_ranks(vllm_config: Any) -> StoredRanks:
+    """The engine's :class:`~kvcore_vllm.context.StoredRanks`, from the model config alone."""
+    return stored_ranks(vllm_config, replicated=_uses_mla(vllm_config))
 
 
 def hashed_request(
@@ -307,7 +320,7 @@ def engine_object_names(
         layout.parts,
         namespace=settings.namespace,
         rank=rank,
-        world_size=engine_world(vllm_config),
+        world_size=engine_stored_ranks(vllm_config).world,
         weight_version=settings.weight_version,
     )
     return [tuple(n) for n in names]

@@ -37,9 +37,17 @@ Two questions, answered from vLLM's own objects rather than assumed:
     key scope names the object format, so engines whose blocks are laid out differently never
     share objects.
 
-Anything else (MLA's single latent cache, hybrid models, padded pages, quantised caches with
-separate scales, float32 caches, which kvcore's layout cannot name) is refused with an error
-that says what was found.
+**MLA** (DeepSeek, Kimi): a token's cache is one latent vector (``kv_lora_rank`` plus the
+rotary part, e.g. 512 + 64 elements), the same on every TP rank, and a layer's block is one
+dense run of ``block_size`` latents. It is stored in the K-and-V-together form above: each
+latent described as two halves (``num_heads`` 1, ``head_dim`` half the latent), so the ``k``
+and ``v`` objects of a block are the halves of its runs, never K and V. The key scope names the
+spec (``kv_spec: mla``), so an MLA block never restores into a model with separate K and V.
+Being replicated, it is stored once per block, not once per rank (:func:`replicated_across_tp`;
+:class:`kvcore_vllm.context.StoredRanks`).
+
+Anything else (hybrid models, padded pages, quantised caches with separate scales, float32
+caches, which kvcore's layout cannot name) is refused with an error that says what was found.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ __all__ = [
     "cache_layout",
     "kv_dtype_name",
     "map_layer_tensors",
+    "replicated_across_tp",
 ]
 
 
@@ -95,10 +104,7 @@ def _single_attention_spec(kv_cache_config: Any) -> Any:
         )
     spec = groups[0].kv_cache_spec
     if isinstance(spec, MLAAttentionSpec):
-        raise UnsupportedCacheError(
-            "MLA models (one latent cache per token, no K/V split) are not supported by "
-            "KVCoreConnector yet"
-        )
+        return _mla_spec(spec)
     if not isinstance(spec, FullAttentionSpec):
         raise UnsupportedCacheError(
             f"KV cache spec {type(spec).__name__} is not full attention; KVCoreConnector "
@@ -123,10 +129,46 @@ def _single_attention_spec(kv_cache_config: Any) -> Any:
     return spec
 
 
+def _mla_spec(spec: Any) -> Any:
+    """An MLA group's spec, after refusing the latent forms the halves cannot describe."""
+    odd = {
+        "num_kv_heads": spec.num_kv_heads if spec.num_kv_heads != 1 else None,
+        "odd head_size": spec.head_size if spec.head_size % 2 else None,
+        "page_size_padded": getattr(spec, "page_size_padded", None),
+        "sliding_window": getattr(spec, "sliding_window", None),
+        "index cache (sparse attention)": getattr(spec, "is_index_group_leader", None) or None,
+    }
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is not None and int(quant) != 0:
+        odd["kv_quant_mode"] = quant
+    found = {k: v for k, v in odd.items() if v is not None}
+    if found:
+        raise UnsupportedCacheError(
+            f"MLA KV cache spec has {sorted(found)}; KVCoreConnector stores one dense latent "
+            "per token with an even number of elements"
+        )
+    return spec
+
+
+def replicated_across_tp(kv_cache_config: Any) -> bool:
+    """Whether every TP rank holds the same cache (MLA's latent): stored once, read by all."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(_single_attention_spec(kv_cache_config), MLAAttentionSpec)
+
+
 def cache_layout(kv_cache_config: Any) -> kvcore.CacheLayout:
     """One rank's cache as kvcore describes it (block count left 0: the workers know it)."""
     spec = _single_attention_spec(kv_cache_config)
     num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    if replicated_across_tp(kv_cache_config):  # MLA: a latent as two halves (docstring)
+        return kvcore.CacheLayout(
+            num_layers=num_layers,
+            num_heads=1,
+            block_size=spec.block_size,
+            head_dim=spec.head_size // 2,
+            dtype=kv_dtype_name(spec.dtype),
+        )
     return kvcore.CacheLayout(
         num_layers=num_layers,
         num_heads=spec.num_kv_heads,

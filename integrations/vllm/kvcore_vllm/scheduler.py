@@ -26,10 +26,10 @@ from typing import Any
 
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
-from kvcore_vllm.context import backend_context, engine_world
+from kvcore_vllm.context import backend_context, stored_ranks
 from kvcore_vllm.events import SchedulerEvents, events_enabled
 from kvcore_vllm.keys import RequestKeys, hashes_shared, key_scope
-from kvcore_vllm.layout import cache_layout
+from kvcore_vllm.layout import cache_layout, replicated_across_tp
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet
 
@@ -68,7 +68,8 @@ class SchedulerSide:
                 "process (every lookup a miss, nothing saved); use sha256 or set PYTHONHASHSEED",
                 self.unshareable,
             )
-        self.world_size = engine_world(vllm_config)
+        # the slices stored apart: one per rank, or one per pipeline stage for MLA's latent
+        self.world_size = stored_ranks(vllm_config, replicated_across_tp(kv_cache_config)).world
         self.counters = CounterSet()
         self.handles = [
             connector_handle(

@@ -61,9 +61,10 @@ __all__ = [
 #: Prefix of the lines a session prints for its parent.
 MARKER = "KVCORE_SESSION "
 
-#: Random Llama models the tests and the benchmark write (vLLM's CPU attention needs a head
-#: size from its list: 32, 64, 80, ...).
-MODEL_SIZES: dict[str, dict[str, int]] = {
+#: Random models the tests and the benchmark write: Llama unless ``model_type`` says otherwise
+#: (vLLM's CPU attention needs a head size from its list: 32, 64, 80, ...; its CPU MLA backend
+#: a latent of 512 + 64).
+MODEL_SIZES: dict[str, dict[str, Any]] = {
     # ~0.4 M parameters: an engine starts in ~20 s on 2 cores and prefill is near free
     "tiny": {
         "hidden_size": 128,
@@ -86,11 +87,37 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
         "vocab_size": 4096,
         "max_position_embeddings": 8192,
     },
+    # DeepSeek-V3 with MLA (one latent per token), every layer dense: ~3 M parameters
+    "mla": {
+        "model_type": "deepseek_v3",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "vocab_size": 512,
+        "max_position_embeddings": 2048,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
 }
 
 
 def write_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a randomly initialised Llama (bfloat16) to ``path`` unless it is already there."""
+    """Write a randomly initialised model of :data:`MODEL_SIZES` (bfloat16) to ``path`` unless
+    it is already there."""
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
@@ -100,8 +127,10 @@ def write_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     if size not in MODEL_SIZES:
         raise ValueError(f"size: {size!r} is not one of {sorted(MODEL_SIZES)}")
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**MODEL_SIZES[size], torch_dtype="bfloat16")
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    fields = dict(MODEL_SIZES[size])
+    model_type = fields.pop("model_type", "llama")
+    config = transformers.AutoConfig.for_model(model_type, **fields, torch_dtype="bfloat16")
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     tmp = path.with_name(path.name + ".partial")
     model.save_pretrained(tmp)
     tmp.rename(path)  # a reader never sees half a model

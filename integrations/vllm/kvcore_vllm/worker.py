@@ -28,9 +28,14 @@ from typing import Any
 from kvcore.transfer import DeviceCache, TransferManager
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
-from kvcore_vllm.context import backend_context, engine_world
+from kvcore_vllm.context import backend_context, stored_ranks
 from kvcore_vllm.events import BlockEvents, WorkerEvents, events_enabled
-from kvcore_vllm.layout import LayerMapping, cache_layout, map_layer_tensors
+from kvcore_vllm.layout import (
+    LayerMapping,
+    cache_layout,
+    map_layer_tensors,
+    replicated_across_tp,
+)
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet, delta
 
@@ -60,8 +65,14 @@ class WorkerSide:
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.world_size = engine_world(vllm_config)
-        self.rank = worker_rank() if rank is None else rank
+        #: this worker's rank among the engine's TP x PP ranks
+        self.engine_rank = engine_rank = worker_rank() if rank is None else rank
+        ranks = stored_ranks(vllm_config, replicated_across_tp(kv_cache_config))
+        #: this rank's slice in object names (MLA: its pipeline stage's, shared by its TP ranks)
+        self.world_size = ranks.world
+        self.rank = ranks.object_rank(engine_rank)
+        #: whether this rank stores its slice (MLA: one TP rank of each stage does)
+        self.writer = ranks.writes(engine_rank)
         self.handle = connector_handle(
             settings.backend,
             settings.backend_config,
@@ -91,9 +102,12 @@ class WorkerSide:
         self.cache = DeviceCache(self.mapping.layout, self.mapping.k, self.mapping.v)
         self._on_gpu = bool(getattr(self.cache, "on_gpu", False))
         log.info(
-            "KVCoreConnector rank %d/%d: %d layers x %d blocks (%s form) on backend %r",
+            "KVCoreConnector rank %d: slice r%dof%d (%s), %d layers x %d blocks (%s form) on "
+            "backend %r",
+            self.engine_rank,
             self.rank,
             self.world_size,
+            "stores and reads" if self.writer else "reads; another TP rank stores it",
             len(self.layer_names),
             self.num_blocks,
             self.mapping.kv_format,
@@ -183,7 +197,10 @@ class WorkerSide:
         manager = self._transfer_manager()
         for run in meta.saves:
             with self._lock:
-                self._with_saves.add(run.req_id)
+                self._with_saves.add(run.req_id)  # answered by get_finished like any save
+            if not self.writer:  # another TP rank stores these same bytes
+                self.counters.add(save_replica_blocks=run.num_blocks)
+                continue
             fut = None
             if manager is not None:
                 try:
@@ -276,7 +293,7 @@ class WorkerSide:
         self.handle.close()
         log.info(
             "KVCoreConnector rank %d closed; totals %s; backend %s",
-            self.rank,
+            self.engine_rank,
             json.dumps(self.counters.totals(), sort_keys=True),
             json.dumps(backend_stats, sort_keys=True),
         )

@@ -81,14 +81,15 @@ def remove_rank_objects(
     kvcore's ``Backend.remove`` on a backend opened as that rank (Mooncake: the cluster forgets
     them for every client at once)."""
     from kvcore_vllm.config import load_settings
-    from kvcore_vllm.context import backend_context, engine_world
-    from kvcore_vllm.keys import engine_block_keys, engine_layout
+    from kvcore_vllm.context import backend_context
+    from kvcore_vllm.keys import engine_block_keys, engine_layout, engine_stored_ranks
 
     import kvcore
 
     config = engine.llm_engine.vllm_config
     settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
-    context = backend_context(settings, engine_layout(config), rank, engine_world(config))
+    world = engine_stored_ranks(config).world
+    context = backend_context(settings, engine_layout(config), rank, world)
     keys = engine_block_keys(config, prompt)
     backend = kvcore.open_backend(settings.backend, settings.backend_config, context=context)
     try:
@@ -133,14 +134,15 @@ def scramble_memory_store() -> int:
 def _store_backend(engine: Any, rank: int = 0) -> Any:
     """The connector's backend opened afresh in this process, as rank ``rank``."""
     from kvcore_vllm.config import load_settings
-    from kvcore_vllm.context import backend_context, engine_world
-    from kvcore_vllm.keys import engine_layout
+    from kvcore_vllm.context import backend_context
+    from kvcore_vllm.keys import engine_layout, engine_stored_ranks
 
     import kvcore
 
     config = engine.llm_engine.vllm_config
     settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
-    context = backend_context(settings, engine_layout(config), rank, engine_world(config))
+    world = engine_stored_ranks(config).world
+    context = backend_context(settings, engine_layout(config), rank, world)
     return kvcore.open_backend(settings.backend, settings.backend_config, context=context)
 
 
@@ -158,6 +160,29 @@ def blocks_in_store(engine: Any, prompt: list[int]) -> dict[str, Any]:
     finally:
         backend.close()
     return {"held": held, "at": time.time()}
+
+
+def blocks_by_rank_name(engine: Any, prompt: list[int]) -> dict[str, int]:
+    """How many of ``prompt``'s full blocks the store holds (every part) under each object
+    naming ``r<rank>of<world>`` of world 1 and 2: which ranks' names an engine wrote."""
+    from kvcore_vllm.config import load_settings
+    from kvcore_vllm.context import backend_context
+    from kvcore_vllm.keys import engine_block_keys, engine_layout
+
+    import kvcore
+
+    config = engine.llm_engine.vllm_config
+    settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
+    keys = engine_block_keys(config, prompt)
+    held = {}
+    for rank, world in ((0, 1), (0, 2), (1, 2)):
+        context = backend_context(settings, engine_layout(config), rank, world)
+        backend = kvcore.open_backend(settings.backend, settings.backend_config, context=context)
+        try:
+            held[f"r{rank}of{world}"] = int(backend.query(backend.request("test/probe", keys)))
+        finally:
+            backend.close()
+    return held
 
 
 def clear_store(engine: Any) -> int:

@@ -82,15 +82,16 @@ class SchedulerDriver(IdentityDriver):
         from kvcore_vllm.config import load_settings
         from kvcore_vllm.scheduler import SchedulerSide
         from test_units import _kv_cache_config
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
         config = self._config(engine)
         settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
-        spec = FullAttentionSpec(
+        mc = config.model_config
+        spec = (MLAAttentionSpec if mc.use_mla else FullAttentionSpec)(
             block_size=config.cache_config.block_size,
-            num_kv_heads=2,
-            head_size=32,
-            dtype=config.model_config.dtype,
+            num_kv_heads=mc.get_num_kv_heads(config.parallel_config),
+            head_size=mc.get_head_size(),
+            dtype=mc.dtype,
         )
         return SchedulerSide(config, _kv_cache_config(spec), settings)
 

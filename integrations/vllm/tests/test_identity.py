@@ -3,8 +3,9 @@
 - On the connector's scheduler side with vLLM's real requests, block hasher and configs: every
   part of a request's identity vLLM carries (salt, LoRA, multimodal item, prompt embeddings)
   and every engine setting tried (RoPE, weight version, dtype, block size, model, hash
-  algorithm). The meta-tests: an adapter that drops the salt, the LoRA adapter or the
-  multimodal item from its keys fails the kit on exactly that part.
+  algorithm, an MLA model under the same model id). The meta-tests: an adapter that drops
+  the salt, the LoRA adapter or the multimodal item from its keys fails the kit on exactly
+  that part.
 - On real CPU engines (the newcomer's experience): tenant B never restores tenant A's blocks,
   a request without the adapter never restores the adapter's KV and generates exactly the
   tokens of an engine without the connector, and both restore their own blocks in a fresh
@@ -65,6 +66,7 @@ def lora_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 @pytest.fixture(scope="module")
 def configs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     other_model = write_model(tmp_path_factory.mktemp("other") / "tiny-other", "tiny", seed=1)
+    mla_model = write_model(tmp_path_factory.mktemp("mla") / "tiny-mla", "mla")
     return {
         "base": _config(model_dir),
         "rope": _config(model_dir, hf_overrides=ROPE),
@@ -73,6 +75,9 @@ def configs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         "model": _config(other_model),
         "hash_algo": _config(model_dir, prefix_caching_hash_algo="sha256_cbor"),
         "block_size": _config(model_dir, block_size=16),
+        # an MLA model the operator gave the base model's id: its latent blocks must still
+        # never restore into the model with K and V, for the same tokens
+        "mla": _config(mla_model, connector={"model_id": str(model_dir)}),
     }
 
 
@@ -85,8 +90,8 @@ def test_the_connectors_keys_pass_the_identity_kit(
 ) -> None:
     report = check_identity(_driver(configs, tmp_path, lora_dirs))
     print(report.summary())
-    # 1 fresh-process pair, 4 per request part (4 parts), the name-vs-salt pair, 6 engine axes
-    assert report.pairs == 1 + 4 * 4 + 1 + 6
+    # 1 fresh-process pair, 4 per request part (4 parts), the name-vs-salt pair, 7 engine axes
+    assert report.pairs == 1 + 4 * 4 + 1 + 7
 
 
 @pytest.mark.parametrize("dropped", ["cache_salt", "lora", "mm", "prompt_embeds"])
@@ -213,7 +218,7 @@ def test_the_tiers_chunk_keys_pass_the_identity_kit(
     driver = TierDriver(configs, tmp_path / "store", lora_dirs)
     report = check_identity(driver)
     print(report.summary())
-    assert report.pairs == 1 + 4 * 4 + 1 + 6
+    assert report.pairs == 1 + 4 * 4 + 1 + 7  # the MLA model included
 
 
 def test_a_tier_that_cannot_see_the_engines_settings_shares_with_no_other_process(

@@ -27,6 +27,7 @@ from kvcore_vllm.layout import (
     UnsupportedCacheError,
     cache_layout,
     map_layer_tensors,
+    replicated_across_tp,
 )
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 
@@ -199,12 +200,29 @@ def _split_tensor() -> torch.Tensor:
     return torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 32).to(torch.bfloat16)
 
 
+def _mla_tensor() -> torch.Tensor:
+    """vLLM's MLA cache: [blocks, block_size, latent] (the latent: kv_lora_rank + rope dims)."""
+    return torch.randn(NUM_BLOCKS, BLOCK_SIZE, MLA_LATENT).to(torch.bfloat16)
+
+
+MLA_LATENT = 576  # DeepSeek's 512 + 64
+
+
+def _mla_spec(**changes: Any) -> Any:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    fields = {"block_size": BLOCK_SIZE, "num_kv_heads": 1, "head_size": MLA_LATENT}
+    return MLAAttentionSpec(**{**fields, **changes}, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize(
     ("make", "form", "num_layers"),
     [
         (_joined_tensor, FORM_JOINED, 2),
         (_joined_tensor, FORM_JOINED, 3),  # odd: each layer's block split in two
         (_split_tensor, FORM_SPLIT, 2),
+        (_mla_tensor, FORM_JOINED, 2),  # a latent as two halves (kvcore_vllm.layout)
+        (_mla_tensor, FORM_JOINED, 3),
     ],
 )
 def test_blocks_round_trip_through_kvcore_without_copies(
@@ -213,7 +231,11 @@ def test_blocks_round_trip_through_kvcore_without_copies(
     """Blocks 3 and 5 of one cache, written through kvcore and read into blocks 7 and 9 of
     another, arrive byte for byte; no other block of either cache changes."""
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    layout = cache_layout(_kv_cache_config(layers=layers))
+    spec = _mla_spec() if make is _mla_tensor else None
+    layout = cache_layout(_kv_cache_config(spec, layers=layers))
+    if spec is not None:
+        assert (layout.num_heads, layout.head_dim) == (1, MLA_LATENT // 2)
+        assert replicated_across_tp(_kv_cache_config(spec, layers=layers))
     src = {name: make() for name in layers}
     dst = {name: torch.zeros_like(t) for name, t in src.items()}
     before = {name: t.clone() for name, t in src.items()}
@@ -251,13 +273,13 @@ def test_blocks_round_trip_through_kvcore_without_copies(
 
 
 def test_refuses_what_it_cannot_store() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    mla = MLAAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.bfloat16
-    )
-    with pytest.raises(UnsupportedCacheError, match="MLA"):
-        cache_layout(_kv_cache_config(mla))
+    assert not replicated_across_tp(_kv_cache_config())
+    for odd_latent, field in ((_mla_spec(head_size=575), "odd head_size"),
+                              (_mla_spec(num_kv_heads=2), "num_kv_heads")):  # fmt: skip
+        with pytest.raises(UnsupportedCacheError, match=f"MLA KV cache spec has .*{field}"):
+            cache_layout(_kv_cache_config(odd_latent))
     fp32 = FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32
     )
@@ -373,3 +395,32 @@ def test_the_connectors_verify_blocks_setting_is_the_opened_backends() -> None:
     finally:
         never.close()
         auto.close()
+
+
+# -- which ranks store what ---------------------------------------------------------------
+
+
+def _parallel(tp: int, pp: int) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    )
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_a_replicated_cache_is_written_by_one_tp_rank_per_stage_and_read_by_all(
+    tp: int, pp: int
+) -> None:
+    from kvcore_vllm.context import stored_ranks
+
+    engine_ranks = range(tp * pp)  # pp_rank * tp + tp_rank
+    mla = stored_ranks(_parallel(tp, pp), replicated=True)
+    assert mla.world == pp
+    assert [mla.object_rank(r) for r in engine_ranks] == [r // tp for r in engine_ranks]
+    assert [r for r in engine_ranks if mla.writes(r)] == [stage * tp for stage in range(pp)]
+    # every other model: each rank its own slice, written and read by it alone
+    own = stored_ranks(_parallel(tp, pp), replicated=False)
+    assert own.world == tp * pp
+    assert [own.object_rank(r) for r in engine_ranks] == list(engine_ranks)
+    assert all(own.writes(r) for r in engine_ranks)
