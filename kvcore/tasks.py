@@ -32,13 +32,38 @@ class _TaskBase(StrictModel):
     timeout_s: float | None = timeout_field(None, "None: the manager's default timeout")
 
 
-class QueryTask(_TaskBase):
+class _SliceFields(StrictModel):
+    """Which slice of each block the task's objects hold, when not the manager's own.
+
+    By default a task's objects are named for the backend context's rank and world size.
+    ``rank`` and ``world_size`` name another slice: one KV head of a layout that does not
+    depend on the tensor-parallel degree (slice ``h`` of the model's ``H`` KV heads), or a
+    cache every rank holds whole (MLA's latent: rank 0 of 1). Both or neither.
+
+    .. versionadded:: 0.4
+    """
+
+    rank: int | None = Field(default=None, ge=0)
+    world_size: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _slice(self) -> Self:
+        if (self.rank is None) != (self.world_size is None):
+            given = "rank" if self.world_size is None else "world_size"
+            raise ValueError(f"{given} given alone: a slice is a rank and a world_size")
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        return self
+
+
+class QueryTask(_TaskBase, _SliceFields):
     """Count the stored leading run of ``keys`` (blocks ``start_block ..``) on this rank.
 
     A query moves no data, so it names no device blocks.
 
     .. versionadded:: 0.2 (0.1 queried with a :class:`ReadTask`; its ``device_block_ids`` are
        still accepted here, and ignored, for one release)
+    .. versionchanged:: 0.4 ``rank`` and ``world_size`` (:class:`_SliceFields`).
     """
 
     keys: list[str]
@@ -58,12 +83,14 @@ class QueryTask(_TaskBase):
         return self
 
 
-class _BlockTask(_TaskBase):
+class _BlockTask(_TaskBase, _SliceFields):
     """Blocks ``start_block .. start_block + len(keys)`` paired with device blocks.
 
     ``keys[i]`` is the chained hash of block ``start_block + i``, held in device block
     ``device_block_ids[i]``; ``token_ids`` is the full token path from the root (required by
     token-addressed backends).
+
+    .. versionchanged:: 0.4 ``rank`` and ``world_size`` (:class:`_SliceFields`).
     """
 
     keys: list[str]

@@ -140,6 +140,40 @@ def test_dedup_skips_exactly_the_stored_prefix(backend_name):
     close(tm)
 
 
+def test_a_task_names_another_slice_of_each_block(backend_name):
+    """``rank``/``world_size`` on a task: the same keys, one object set per slice (a KV head
+    of a TP-independent layout), each read back into its own device blocks."""
+    lay = layout()
+    src = make_cache(lay, seed=4)
+    tm = manager(lay, backend_name, src)
+    _, keys = keys_for(3, seed=4)
+    heads = {0: [0, 2, 4], 1: [1, 3, 5]}  # slice h of each block in device blocks heads[h]
+    for h, ids in heads.items():
+        task = {"task_id": f"w{h}", "keys": keys, "device_block_ids": ids, "rank": h,
+                "world_size": 2}  # fmt: skip
+        assert tm.write_back(task).result().num_blocks == 3
+    assert tm.query({"task_id": "q", "keys": keys}) == 0, "the context's own slice was written"
+    for h in heads:
+        assert tm.query({"task_id": "q", "keys": keys, "rank": h, "world_size": 2}) == 3
+    assert tm.query({"task_id": "q", "keys": keys, "rank": 0, "world_size": 4}) == 0
+    dst = make_cache(lay, fill=False)
+    tm.clear_caches()
+    tm.restore_caches(dst)
+    back = {0: [10, 11, 12], 1: [13, 14, 15]}
+    for h, ids in back.items():
+        task = {"task_id": f"r{h}", "keys": keys, "device_block_ids": ids, "rank": h,
+                "world_size": 2}  # fmt: skip
+        assert tm.read(task).result().num_blocks == 3
+    for h in heads:
+        for s_id, d_id in zip(heads[h], back[h], strict=True):
+            assert block_bytes(src, s_id) == block_bytes(dst, d_id)
+    close(tm)
+    for bad, field in (({"rank": 1}, "rank given alone"), ({"world_size": 2}, "world_size given"),
+                       ({"rank": 2, "world_size": 2}, "not below")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            kvcore.schemas.QueryTask(task_id="q", keys=keys, **bad)
+
+
 def test_read_restores_only_the_leading_run(backend_name):
     lay = layout()
     tm = manager(lay, backend_name)

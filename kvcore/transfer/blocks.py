@@ -150,6 +150,8 @@ class BlockTasks:
             token_ids=task.token_ids,
             timeout_s=timeout_s,
             num_blocks=num_blocks,
+            rank=getattr(task, "rank", None),  # a slice other than the context's
+            world_size=getattr(task, "world_size", None),
         )
 
     def query(self, task: QueryTask, timeout_s: float) -> int:

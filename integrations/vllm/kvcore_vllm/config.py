@@ -85,6 +85,12 @@ class ConnectorSettings(_StoreSettings):
     lookup_backoff_s: float = interval_field(
         10.0, "after a failed or slow lookup, lookups are skipped (misses) this long"
     )
+    object_layout: Literal["per_rank", "per_head"] = Field(
+        default="per_rank",
+        description="per_rank: one object per part per block per rank, read only by engines of "
+        "the same TP degree; per_head: one per part per block per KV head, so engines of any "
+        "TP degree share blocks (more, smaller objects: docs/vllm.md)",
+    )
     save_decode_blocks: bool = Field(
         default=True,
         description="also store blocks filled by generated tokens (multi-turn chats reuse them)",

@@ -88,22 +88,26 @@ class BlockEvents(KVConnectorKVEvents):
 class WorkerEvents:
     """A worker's view of its backend's stream: this rank's blocks stored, or gone."""
 
-    def __init__(self, backend: Any, rank: int, world_size: int, parts: Sequence[str]) -> None:
-        self.rank = rank
+    def __init__(
+        self, backend: Any, ranks: Sequence[int], world_size: int, parts: Sequence[str]
+    ) -> None:
+        self.ranks = tuple(ranks)  # the slices this worker holds (one per KV head, per head)
         self.world_size = world_size
         self.namespace = backend.context.namespace
         self.parts = frozenset(parts)
         self._sub = backend.events.subscribe()
-        # this rank's blocks from the store's object events (kvcore groups them)
-        self._blocks = ev.RankBlocks(
-            self.namespace, parts, rank, world_size, max_partial=DEFAULT_KNOWN_BLOCKS
-        )
+        # each slice's blocks from the store's object events (kvcore groups them)
+        self._blocks = [
+            ev.RankBlocks(self.namespace, parts, rank, world_size, max_partial=DEFAULT_KNOWN_BLOCKS)
+            for rank in self.ranks
+        ]
 
     def take(self) -> BlockEvents | None:
         records = [
-            (change.kind, change.block_key, self.rank)
+            (change.kind, change.block_key, blocks.rank)
             for event in self._sub.drain()
-            for change in self._blocks.changes(event)
+            for blocks in self._blocks
+            for change in blocks.changes(event)
         ]
         return BlockEvents(records) if records else None
 

@@ -29,7 +29,7 @@ from typing import Any
 import kvcore
 from kvcore.keys import THIS_PROCESS_ONLY, ObjectName, ScopedKeys
 from kvcore_vllm.config import ConnectorSettings, TierSettings
-from kvcore_vllm.context import StoredRanks, stored_ranks
+from kvcore_vllm.context import SlicePlan, slice_plan
 
 __all__ = [
     "KEY_FORMAT",
@@ -39,7 +39,7 @@ __all__ = [
     "engine_block_keys",
     "engine_layout",
     "engine_object_names",
-    "engine_stored_ranks",
+    "engine_slice_plan",
     "hashed_request",
     "hashes_shared",
     "key_scope",
@@ -175,8 +175,10 @@ def key_scope(
         # what a key is made of: vLLM's block hashes, by this algorithm
         "block_hash": hash_algo(vllm_config),
         "object_format": KEY_FORMAT,
-        # a cache that is not K and V (only named where it applies: other models' keys stay)
+        # a cache that is not K and V, objects of one KV head each (only named where they
+        # apply: other engines' keys stay as they were)
         **({"kv_spec": "mla"} if _uses_mla(vllm_config) else {}),
+        **({"object_layout": "per_head"} if _per_head(vllm_config, settings) else {}),
         **{f"model.{name}": value for name, value in model_settings(vllm_config).items()},
     }
     return kvcore.KeyScope(
@@ -239,9 +241,10 @@ def engine_layout(vllm_config: Any) -> kvcore.CacheLayout:
     cache_dtype = getattr(cc, "cache_dtype", "auto")
     dtype = mc.dtype if cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
     mla = _uses_mla(vllm_config)  # a latent as two halves (kvcore_vllm.layout)
+    one_head = mla or _per_head(vllm_config)
     return kvcore.CacheLayout(
         num_layers=mc.get_num_layers(pc),
-        num_heads=1 if mla else mc.get_num_kv_heads(pc),
+        num_heads=1 if one_head else mc.get_num_kv_heads(pc),
         block_size=cc.block_size,
         head_dim=mc.get_head_size() // 2 if mla else mc.get_head_size(),
         dtype=kv_dtype_name(dtype),
@@ -252,9 +255,22 @@ def _uses_mla(vllm_config: Any) -> bool:
     return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
-def engine_stored_ranks(vllm_config: Any) -> StoredRanks:
-    """The engine's :class:`~kvcore_vllm.context.StoredRanks`, from the model config alone."""
-    return stored_ranks(vllm_config, replicated=_uses_mla(vllm_config))
+def _per_head(vllm_config: Any, settings: ConnectorSettings | None = None) -> bool:
+    """Whether the engine's connector stores one object per KV head (not for MLA)."""
+    if settings is None:
+        from kvcore_vllm.config import load_settings
+
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(transfer, "kv_connector_extra_config", None)
+        if not extra or "backend" not in extra:
+            return False
+        settings = load_settings(extra)
+    return settings.object_layout == "per_head" and not _uses_mla(vllm_config)
+
+
+def engine_slice_plan(vllm_config: Any) -> SlicePlan:
+    """The engine's :data:`~kvcore_vllm.context.SlicePlan`, from its configs alone."""
+    return slice_plan(vllm_config, _uses_mla(vllm_config), _per_head(vllm_config))
 
 
 def hashed_request(
@@ -320,7 +336,7 @@ def engine_object_names(
         layout.parts,
         namespace=settings.namespace,
         rank=rank,
-        world_size=engine_stored_ranks(vllm_config).world,
+        world_size=engine_slice_plan(vllm_config).world,
         weight_version=settings.weight_version,
     )
     return [tuple(n) for n in names]

@@ -52,7 +52,7 @@ caches, which kvcore's layout cannot name) is refused with an error that says wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import kvcore
@@ -157,8 +157,9 @@ def replicated_across_tp(kv_cache_config: Any) -> bool:
     return isinstance(_single_attention_spec(kv_cache_config), MLAAttentionSpec)
 
 
-def cache_layout(kv_cache_config: Any) -> kvcore.CacheLayout:
-    """One rank's cache as kvcore describes it (block count left 0: the workers know it)."""
+def cache_layout(kv_cache_config: Any, per_head: bool = False) -> kvcore.CacheLayout:
+    """One rank's cache as kvcore describes it (block count left 0: the workers know it);
+    ``per_head``: one KV head's share of a block (the TP-independent layout)."""
     spec = _single_attention_spec(kv_cache_config)
     num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
     if replicated_across_tp(kv_cache_config):  # MLA: a latent as two halves (docstring)
@@ -171,7 +172,7 @@ def cache_layout(kv_cache_config: Any) -> kvcore.CacheLayout:
         )
     return kvcore.CacheLayout(
         num_layers=num_layers,
-        num_heads=spec.num_kv_heads,
+        num_heads=1 if per_head else spec.num_kv_heads,
         block_size=spec.block_size,
         head_dim=spec.head_size,
         dtype=kv_dtype_name(spec.dtype),
@@ -193,10 +194,15 @@ class LayerMapping:
     id_scale: int
     kv_format: str
     layout: kvcore.CacheLayout
+    #: KV heads kept apart in each block (the per-head layout), else 1
+    pieces: int = 1
 
-    def to_kvcore(self, vllm_block_ids: list[int]) -> list[int]:
-        scale = self.id_scale
-        return [b * scale for b in vllm_block_ids] if scale != 1 else list(vllm_block_ids)
+    def to_kvcore(self, vllm_block_ids: list[int], piece: int = 0) -> list[int]:
+        """kvcore's block ids of ``vllm_block_ids`` (their head ``piece``, per head)."""
+        scale, pieces = self.id_scale, self.pieces
+        if scale == 1 and pieces == 1:
+            return list(vllm_block_ids)
+        return [(b * pieces + piece) * scale for b in vllm_block_ids]
 
 
 #: The two physical forms (see the module docstring).
@@ -247,18 +253,48 @@ def _map_one(
     )
 
 
+def _head_rows(name: str, t: torch.Tensor, num_blocks: int, heads: int, block_size: int) -> Any:
+    """``t`` with each KV head of each block as one row (block-major), for the per-head
+    layout: possible where a block holds its heads one after another (the CPU backend's
+    ``[blocks, heads, block_size, ...]``, or K and V apart in the HND order ``[2, blocks, heads,
+    block_size, head_size]``); else an error naming the layer."""
+    shape = tuple(t.shape)
+    if heads != block_size and t.is_contiguous():
+        if len(shape) >= 3 and shape[:3] == (num_blocks, heads, block_size):
+            return t.view(num_blocks * heads, -1)
+        if len(shape) >= 4 and shape[:4] == (2, num_blocks, heads, block_size):
+            return t.view(2, num_blocks * heads, -1)
+    raise UnsupportedCacheError(
+        f"layer {name!r}: object_layout per_head needs each block's {heads} KV heads one after "
+        f"another ([blocks, heads, block_size, ...] or [2, blocks, heads, block_size, ...]); its "
+        f"KV tensor has {_describe(t)} (use object_layout per_rank, or an HND KV cache layout)"
+    )
+
+
 def map_layer_tensors(
     kv_caches: dict[str, torch.Tensor],
     layer_names: list[str],
     layout: kvcore.CacheLayout,
     num_blocks: int,
+    pieces: int = 0,
 ) -> LayerMapping:
-    """Map ``register_kv_caches``' tensors (in the KV cache group's layer order) for kvcore."""
+    """Map ``register_kv_caches``' tensors (in the KV cache group's layer order) for kvcore.
+
+    ``pieces`` (the per-head layout, ``layout`` then one head's share): the KV heads of each
+    block on this rank, each a kvcore block of its own (:meth:`LayerMapping.to_kvcore`).
+    """
     missing = [n for n in layer_names if n not in kv_caches]
     if missing:
         raise UnsupportedCacheError(
             f"register_kv_caches got no tensor for layers {missing[:3]} of the KV cache group"
         )
+    if pieces:
+        kv_caches = {
+            name: _head_rows(name, kv_caches[name], num_blocks, pieces, layout.block_size)
+            for name in layer_names
+        }
+        mapping = map_layer_tensors(kv_caches, layer_names, layout, num_blocks * pieces)
+        return replace(mapping, pieces=pieces)
     half_bytes = layout.kv_layer_block_bytes
     k: list[Any] = []
     v: list[Any] = []

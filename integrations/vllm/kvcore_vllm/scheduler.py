@@ -26,7 +26,7 @@ from typing import Any
 
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
-from kvcore_vllm.context import backend_context, stored_ranks
+from kvcore_vllm.context import backend_context, slice_plan
 from kvcore_vllm.events import SchedulerEvents, events_enabled
 from kvcore_vllm.keys import RequestKeys, hashes_shared, key_scope
 from kvcore_vllm.layout import cache_layout, replicated_across_tp
@@ -54,7 +54,9 @@ class SchedulerSide:
         role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
         self.loads_enabled = role in ("kv_consumer", "kv_both")
         self.saves_enabled = role in ("kv_producer", "kv_both")
-        self.layout = cache_layout(kv_cache_config)
+        replicated = replicated_across_tp(kv_cache_config)
+        per_head = settings.object_layout == "per_head" and not replicated  # MLA: one slice
+        self.layout = cache_layout(kv_cache_config, per_head=per_head)
         self.block_size = self.layout.block_size
         self.scope = key_scope(vllm_config, settings, self.layout)
         self.keys = RequestKeys(
@@ -68,9 +70,13 @@ class SchedulerSide:
                 "process (every lookup a miss, nothing saved); use sha256 or set PYTHONHASHSEED",
                 self.unshareable,
             )
-        # the slices stored apart: one per rank, or one per pipeline stage for MLA's latent
-        self.world_size = stored_ranks(vllm_config, replicated_across_tp(kv_cache_config)).world
+        # the slices of a block stored apart: one per rank, one per pipeline stage for MLA's
+        # latent, or one per KV head (object_layout per_head); a block is there when all are
+        slices = slice_plan(vllm_config, replicated, per_head).all_slices()
+        self.world_size = slices[0].world
         self.counters = CounterSet()
+        # a backend per rank's context, as the workers open them; per head, one for all
+        contexts = [0] if per_head else [piece.rank for piece in slices]
         self.handles = [
             connector_handle(
                 settings.backend,
@@ -79,7 +85,10 @@ class SchedulerSide:
                 retry_s=settings.reopen_interval_s,
                 verify_blocks=settings.transfer.get("verify_blocks", "auto"),
             )
-            for rank in range(self.world_size)
+            for rank in contexts
+        ]
+        self._slices = [
+            (self.handles[0 if per_head else i], piece) for i, piece in enumerate(slices)
         ]
         for handle in self.handles:  # open now: bad settings must fail at start-up
             handle.get()
@@ -157,7 +166,7 @@ class SchedulerSide:
         token_ids = self._tokens(request, start + len(keys))
         errors = 0
         t0 = time.monotonic()
-        for handle in self.handles:
+        for handle, piece in self._slices:
             backend = handle.get()
             if backend is None:
                 errors += 1
@@ -170,6 +179,8 @@ class SchedulerSide:
                     start_block=start,
                     token_ids=token_ids,
                     timeout_s=self.settings.lookup_timeout_s,
+                    rank=piece.rank,
+                    world_size=piece.world,
                 )
             )
             if getattr(found, "failure", None):

@@ -28,7 +28,7 @@ from typing import Any
 from kvcore.transfer import DeviceCache, TransferManager
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
-from kvcore_vllm.context import backend_context, stored_ranks
+from kvcore_vllm.context import HeadSlices, Slice, backend_context, slice_plan
 from kvcore_vllm.events import BlockEvents, WorkerEvents, events_enabled
 from kvcore_vllm.layout import (
     LayerMapping,
@@ -61,18 +61,22 @@ class WorkerSide:
         rank: int | None = None,
     ) -> None:
         self.settings = settings
-        self.layout = cache_layout(kv_cache_config)
+        replicated = replicated_across_tp(kv_cache_config)
+        per_head = settings.object_layout == "per_head" and not replicated  # MLA: one slice
+        self.layout = cache_layout(kv_cache_config, per_head=per_head)
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         #: this worker's rank among the engine's TP x PP ranks
         self.engine_rank = engine_rank = worker_rank() if rank is None else rank
-        ranks = stored_ranks(vllm_config, replicated_across_tp(kv_cache_config))
-        #: this rank's slice in object names (MLA: its pipeline stage's, shared by its TP ranks)
-        self.world_size = ranks.world
-        self.rank = ranks.object_rank(engine_rank)
-        #: whether this rank stores its slice (MLA: one TP rank of each stage does)
-        self.writer = ranks.writes(engine_rank)
+        self.plan = slice_plan(vllm_config, replicated, per_head)
+        #: the slices of every block this rank restores (and writes, where ``writes``): its
+        #: own (per rank), its stage's (MLA, shared by its TP ranks) or one per KV head it holds
+        self.slices = self.plan.slices(engine_rank)
+        self.world_size = self.slices[0].world
+        self.rank = self.slices[0].rank
+        #: whether this rank stores anything (MLA: one TP rank of each stage does)
+        self.writer = any(piece.writes for piece in self.slices)
         self.handle = connector_handle(
             settings.backend,
             settings.backend_config,
@@ -98,7 +102,10 @@ class WorkerSide:
     # -- set-up ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.mapping = map_layer_tensors(kv_caches, self.layer_names, self.layout, self.num_blocks)
+        pieces = self.plan.pieces if isinstance(self.plan, HeadSlices) else 0
+        self.mapping = map_layer_tensors(
+            kv_caches, self.layer_names, self.layout, self.num_blocks, pieces
+        )
         self.cache = DeviceCache(self.mapping.layout, self.mapping.k, self.mapping.v)
         self._on_gpu = bool(getattr(self.cache, "on_gpu", False))
         log.info(
@@ -136,7 +143,9 @@ class WorkerSide:
         }
         self.manager = TransferManager(config, self.cache, backend)
         if self._events_wanted and self.events is None:
-            self.events = WorkerEvents(backend, self.rank, self.world_size, self.layout.parts)
+            self.events = WorkerEvents(
+                backend, [piece.rank for piece in self.slices], self.world_size, self.layout.parts
+            )
         return self.manager
 
     # -- loads -----------------------------------------------------------------------------
@@ -147,24 +156,31 @@ class WorkerSide:
         assert self.mapping is not None, "register_kv_caches was not called"
         t0 = time.monotonic()
         manager = self._transfer_manager()
-        pending: list[tuple[BlockRun, Future | None]] = []
+        pending: list[tuple[BlockRun, list[Future | None]]] = []
         for run in meta.loads:
-            fut = None
-            if manager is not None:
-                try:
-                    fut = manager.read(self._task(run, "load", self.settings.load_timeout_s))
-                except Exception as exc:  # a refused task is a miss, never a crash
-                    log.warning("KVCoreConnector: load of %s refused: %s", run.req_id, exc)
-            pending.append((run, fut))
+            futures: list[Future | None] = []
+            for piece in self.slices:  # every slice this rank holds, written here or not
+                fut = None
+                if manager is not None:
+                    task = self._task(run, "load", self.settings.load_timeout_s, piece)
+                    try:
+                        fut = manager.read(task)
+                    except Exception as exc:  # a refused task is a miss, never a crash
+                        log.warning("KVCoreConnector: load of %s refused: %s", run.req_id, exc)
+                futures.append(fut)
+            pending.append((run, futures))
         asked = done = 0
         failed: list[int] = []
-        for run, fut in pending:
-            got = 0
-            if fut is not None:
-                try:
-                    got = int(fut.result().num_blocks)
-                except Exception as exc:
-                    log.warning("KVCoreConnector: load of %s failed: %s", run.req_id, exc)
+        for run, futures in pending:
+            got = run.num_blocks  # a block is restored when every slice of it is
+            for fut in futures:
+                read = 0
+                if fut is not None:
+                    try:
+                        read = int(fut.result().num_blocks)
+                    except Exception as exc:
+                        log.warning("KVCoreConnector: load of %s failed: %s", run.req_id, exc)
+                got = min(got, read)
             asked += run.num_blocks
             done += got
             failed.extend(run.block_ids[got:])
@@ -175,7 +191,7 @@ class WorkerSide:
             load_blocks=asked,
             load_done_blocks=done,
             load_failed_blocks=len(failed),
-            load_bytes=done * self.layout.block_bytes,
+            load_bytes=done * self.layout.block_bytes * len(self.slices),
             load_seconds=time.monotonic() - t0,
         )
 
@@ -201,40 +217,70 @@ class WorkerSide:
             if not self.writer:  # another TP rank stores these same bytes
                 self.counters.add(save_replica_blocks=run.num_blocks)
                 continue
+            self._save(manager, run)
+
+    def _save(self, manager: TransferManager | None, run: BlockRun) -> None:
+        """Submit the saves of every slice of ``run``'s blocks this rank writes; one answer
+        when all are in (:meth:`_save_done`): a block counts as saved when each slice is."""
+        futures: list[Future | None] = []
+        for piece in self.slices:
+            if not piece.writes:
+                continue
             fut = None
             if manager is not None:
+                task = self._task(run, "save", self.settings.save_timeout_s, piece)
                 try:
-                    fut = manager.write_back(self._task(run, "save", self.settings.save_timeout_s))
+                    fut = manager.write_back(task)
                 except Exception as exc:
                     log.warning("KVCoreConnector: save of %s refused: %s", run.req_id, exc)
-            if fut is None:
-                self.counters.add(save_blocks=run.num_blocks, save_failed_blocks=run.num_blocks)
-                continue
-            with self._lock:
-                self._inflight.setdefault(run.req_id, set()).add(fut)
-            submitted = time.monotonic()
-            fut.add_done_callback(lambda f, run=run, t0=submitted: self._save_done(run, f, t0))
+            futures.append(fut)
+        live = [f for f in futures if f is not None]
+        if not live:
+            self.counters.add(save_blocks=run.num_blocks, save_failed_blocks=run.num_blocks)
+            return
+        with self._lock:
+            self._inflight.setdefault(run.req_id, set()).update(live)
+        submitted = time.monotonic()
+        answered: list[Future] = []
 
-    def _save_done(self, run: BlockRun, fut: Future, t0: float) -> None:
-        written = skipped = 0
-        try:
-            result = fut.result()
-            written, skipped = int(result.num_blocks), int(result.skipped_blocks)
-        except Exception as exc:
-            log.warning("KVCoreConnector: save of %s failed: %s", run.req_id, exc)
+        def one_done(fut: Future) -> None:
+            with self._lock:
+                answered.append(fut)
+                last = len(answered) == len(live)
+            if last:
+                self._save_done(run, futures, submitted)
+
+        for fut in live:
+            fut.add_done_callback(one_done)
+
+    def _save_done(self, run: BlockRun, futures: list[Future | None], t0: float) -> None:
+        covered = skipped = run.num_blocks
+        nbytes = 0
+        for fut in futures:
+            written_here = skipped_here = 0
+            if fut is not None:
+                try:
+                    result = fut.result()
+                    written_here, skipped_here = int(result.num_blocks), int(result.skipped_blocks)
+                except Exception as exc:
+                    log.warning("KVCoreConnector: save of %s failed: %s", run.req_id, exc)
+            covered = min(covered, written_here + skipped_here)
+            skipped = min(skipped, skipped_here)
+            nbytes += written_here * self.layout.block_bytes
+        written = covered - skipped
         self.counters.add(
             save_blocks=run.num_blocks,
             save_written_blocks=written,
             save_skipped_blocks=skipped,
-            save_failed_blocks=max(run.num_blocks - written - skipped, 0),
-            save_bytes=written * self.layout.block_bytes,
+            save_failed_blocks=run.num_blocks - covered,
+            save_bytes=nbytes,
             save_seconds=time.monotonic() - t0,
         )
         with self._lock:
-            futures = self._inflight.get(run.req_id)
-            if futures is not None:
-                futures.discard(fut)
-                if not futures:
+            pending = self._inflight.get(run.req_id)
+            if pending is not None:
+                pending.difference_update(f for f in futures if f is not None)
+                if not pending:
                     del self._inflight[run.req_id]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
@@ -300,14 +346,17 @@ class WorkerSide:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _task(self, run: BlockRun, what: str, timeout_s: float) -> dict[str, Any]:
+    def _task(self, run: BlockRun, what: str, timeout_s: float, piece: Slice) -> dict[str, Any]:
+        """The TransferManager task of one slice of ``run``'s blocks."""
         assert self.mapping is not None
         task: dict[str, Any] = {
-            "task_id": f"{run.req_id}/{what}/{run.start_block}",
+            "task_id": f"{run.req_id}/{what}/{run.start_block}/r{piece.rank}",
             "keys": run.keys,
-            "device_block_ids": self.mapping.to_kvcore(run.block_ids),
+            "device_block_ids": self.mapping.to_kvcore(run.block_ids, piece.local),
             "start_block": run.start_block,
             "timeout_s": timeout_s,
+            "rank": piece.rank,
+            "world_size": piece.world,
         }
         if run.token_ids is not None:
             task["token_ids"] = run.token_ids

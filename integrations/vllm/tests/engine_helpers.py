@@ -82,13 +82,13 @@ def remove_rank_objects(
     them for every client at once)."""
     from kvcore_vllm.config import load_settings
     from kvcore_vllm.context import backend_context
-    from kvcore_vllm.keys import engine_block_keys, engine_layout, engine_stored_ranks
+    from kvcore_vllm.keys import engine_block_keys, engine_layout, engine_slice_plan
 
     import kvcore
 
     config = engine.llm_engine.vllm_config
     settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
-    world = engine_stored_ranks(config).world
+    world = engine_slice_plan(config).world
     context = backend_context(settings, engine_layout(config), rank, world)
     keys = engine_block_keys(config, prompt)
     backend = kvcore.open_backend(settings.backend, settings.backend_config, context=context)
@@ -135,13 +135,13 @@ def _store_backend(engine: Any, rank: int = 0) -> Any:
     """The connector's backend opened afresh in this process, as rank ``rank``."""
     from kvcore_vllm.config import load_settings
     from kvcore_vllm.context import backend_context
-    from kvcore_vllm.keys import engine_layout, engine_stored_ranks
+    from kvcore_vllm.keys import engine_layout, engine_slice_plan
 
     import kvcore
 
     config = engine.llm_engine.vllm_config
     settings = load_settings(config.kv_transfer_config.kv_connector_extra_config)
-    world = engine_stored_ranks(config).world
+    world = engine_slice_plan(config).world
     context = backend_context(settings, engine_layout(config), rank, world)
     return kvcore.open_backend(settings.backend, settings.backend_config, context=context)
 

@@ -32,6 +32,7 @@ from kvcore_vllm.layout import (
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 
 import kvcore
+from kvcore.keys import ScopedKeys
 from kvcore.memory_backend import MemoryBackend
 from kvcore.transfer import DeviceCache, TransferManager
 
@@ -170,6 +171,11 @@ def test_scope_names_model_dtype_block_size_and_namespace(vllm_config: Any) -> N
     # names a tool computes from the config alone are the connector's (rank and TP in them)
     names = engine_object_names(vllm_config, list(range(1, 100)))
     assert len(names) == 3 and names[0][0].endswith("/k/r0of1") and names[0][1].endswith("/v/r0of1")
+    # the per-head layout: its own keys (an engine of the per-rank layout never reads them)
+    per_head = settings.model_copy(update={"object_layout": "per_head"})
+    head_scope = key_scope(vllm_config, per_head, cache_layout(_kv_cache_config(), per_head=True))
+    assert head_scope.extra["object_layout"] == "per_head" and "object_layout" not in scope.extra
+    assert ScopedKeys(head_scope).prefix != ScopedKeys(scope).prefix
 
 
 # -- the cache layout ----------------------------------------------------------------------
@@ -424,3 +430,71 @@ def test_a_replicated_cache_is_written_by_one_tp_rank_per_stage_and_read_by_all(
     assert own.world == tp * pp
     assert [own.object_rank(r) for r in engine_ranks] == list(engine_ranks)
     assert all(own.writes(r) for r in engine_ranks)
+
+
+def test_head_slices_name_each_kv_head_whatever_the_tp_degree() -> None:
+    from kvcore_vllm.context import HeadSlices, Slice
+
+    def plan(tp: int, pp: int = 1) -> list[list[tuple[int, int, int, bool]]]:
+        p = HeadSlices(kv_heads=2, tp=tp, pp=pp)
+        return [[(s.rank, s.world, s.local, s.writes) for s in p.slices(r)] for r in range(tp * pp)]
+
+    assert plan(1) == [[(0, 2, 0, True), (1, 2, 1, True)]]
+    assert plan(2) == [[(0, 2, 0, True)], [(1, 2, 0, True)]]
+    # more TP ranks than KV heads: two ranks hold each head, the first of them writes it
+    assert plan(4) == [[(0, 2, 0, True)], [(0, 2, 0, False)], [(1, 2, 0, True)], [(1, 2, 0, False)]]
+    # pipeline stages keep their own heads' names
+    assert plan(2, pp=2) == [
+        [(0, 4, 0, True)],
+        [(1, 4, 0, True)],
+        [(2, 4, 0, True)],
+        [(3, 4, 0, True)],
+    ]
+    assert HeadSlices(2, 2, 2).all_slices() == [Slice(r, 4) for r in range(4)]
+
+
+def test_a_block_written_per_head_at_tp1_restores_into_a_tp2_rank() -> None:
+    """The per-head layout: a TP=1 engine's block (both KV heads, CPU form) stored as one object
+    set per head; a TP=2 rank holding head 1 restores exactly that head's bytes."""
+    from kvcore_vllm.context import HeadSlices
+
+    spec_tp1 = None  # the default spec: 2 KV heads of 32
+    layout = cache_layout(_kv_cache_config(spec_tp1), per_head=True)
+    assert layout.num_heads == 1
+    tp1 = {name: _joined_tensor() for name in LAYERS}  # [blocks, 2 heads, block_size, 2 x 32]
+    m1 = map_layer_tensors(tp1, LAYERS, layout, NUM_BLOCKS, pieces=2)
+    assert m1.pieces == 2 and m1.to_kvcore([3], piece=1) == [7]
+    backend = kvcore.open_backend("memory", {}, context={"layout": layout})
+    keys = ["c" * 64, "d" * 64]
+    config = {"layout": m1.layout, "max_model_len": 2048}
+    with TransferManager(config, DeviceCache(m1.layout, m1.k, m1.v), backend) as tm:
+        for piece in HeadSlices(kv_heads=2, tp=1, pp=1).slices(0):
+            task = {"task_id": f"w{piece.rank}", "keys": keys, "rank": piece.rank,
+                    "world_size": piece.world,
+                    "device_block_ids": m1.to_kvcore([3, 5], piece.local)}  # fmt: skip
+            assert tm.write_back(task).result().num_blocks == 2
+    # TP=2, rank 1: one KV head per block, the model's head 1
+    tp2 = {name: torch.zeros(NUM_BLOCKS, 1, BLOCK_SIZE, 2 * 32, dtype=torch.bfloat16)
+           for name in LAYERS}  # fmt: skip
+    m2 = map_layer_tensors(tp2, LAYERS, layout, NUM_BLOCKS, pieces=1)
+    (piece,) = HeadSlices(kv_heads=2, tp=2, pp=1).slices(1)
+    with TransferManager(config, DeviceCache(m2.layout, m2.k, m2.v), backend) as tm:
+        task = {"task_id": "r", "keys": keys, "rank": piece.rank, "world_size": piece.world,
+                "device_block_ids": m2.to_kvcore([8, 9], piece.local)}  # fmt: skip
+        assert tm.read(task).result().num_blocks == 2
+    backend.close()
+    for name in LAYERS:
+        assert torch.equal(tp2[name][8, 0], tp1[name][3, 1])
+        assert torch.equal(tp2[name][9, 0], tp1[name][5, 1])
+        assert not tp2[name][[b for b in range(NUM_BLOCKS) if b not in (8, 9)]].any()
+
+
+def test_the_per_head_layout_refuses_a_cache_whose_heads_interleave() -> None:
+    layout = cache_layout(_kv_cache_config(), per_head=True)
+    nhd = {name: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 32, dtype=torch.bfloat16)
+           for name in LAYERS}  # fmt: skip
+    with pytest.raises(UnsupportedCacheError, match="object_layout per_head needs"):
+        map_layer_tensors(nhd, LAYERS, layout, NUM_BLOCKS, pieces=2)
+    hnd = {name: torch.zeros(2, NUM_BLOCKS, 2, BLOCK_SIZE, 32, dtype=torch.bfloat16)
+           for name in LAYERS}  # fmt: skip
+    assert map_layer_tensors(hnd, LAYERS, layout, NUM_BLOCKS, pieces=2).kv_format == FORM_SPLIT
