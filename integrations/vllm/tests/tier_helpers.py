@@ -54,11 +54,16 @@ def offloading_spec(
     rank: int = 0,
     replicated_layout: bool = False,
     model: str = "test-model",
+    groups: tuple[Any, ...] = (),
+    parallelism_agnostic: bool = False,
+    canonical_layout: str | None = None,
 ) -> MagicMock:
-    """vLLM's offloading spec as its tier tests build it: a real ``OffloadingConfig``."""
+    """vLLM's offloading spec as its tier tests build it: a real ``OffloadingConfig``
+    (``groups``: a tuple of ``OffloadingGroupConfig``; ``canonical_layout``: the KV cache layout of a
+    canonical host layout, e.g. ``"NHD"``)."""
     spec = MagicMock()
     spec.config = OffloadingConfig(
-        groups=(),
+        groups=groups,
         worker_kv_bytes_per_block=0,
         enable_kv_cache_events=enable_kv_cache_events,
         extra_config={},
@@ -75,9 +80,11 @@ def offloading_spec(
             data_parallel_index=0,
             data_parallel_size=1,
             data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
+            is_parallelism_agnostic=parallelism_agnostic,
         ),
         replicated_layout=replicated_layout,
+        canonical_layout=canonical_layout is not None,
+        kv_cache_layout=canonical_layout,
     )
     spec.blocks_per_chunk = 1
     spec.kv_events_config = OffloadingKVEventsConfig(
