@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcore_vllm.config import load_settings
@@ -48,8 +49,12 @@ def _timed(counters: CounterSet, name: str, **also: float) -> Iterator[None]:
         counters.add(**{name: time.perf_counter() - t0}, **also)
 
 
-class KVCoreConnector(KVConnectorBase_V1):
-    """A persistent prefix-cache tier for vLLM, stored by a kvcore backend."""
+class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """A persistent prefix-cache tier for vLLM, stored by a kvcore backend.
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): hybrid models keep it on, and
+    every KV cache group is stored (:mod:`kvcore_vllm.scheduler`).
+    """
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -124,6 +129,13 @@ class KVCoreConnector(KVConnectorBase_V1):
         side = self._scheduler()
         with _timed(side.counters, "scheduler_hook_seconds"):
             return side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        side = self._scheduler()
+        with _timed(side.counters, "scheduler_hook_seconds"):
+            return side.request_finished_all_groups(request, block_ids)
 
     # -- worker side -----------------------------------------------------------------------
 

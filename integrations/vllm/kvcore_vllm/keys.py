@@ -30,6 +30,7 @@ import kvcore
 from kvcore.keys import THIS_PROCESS_ONLY, ObjectName, ScopedKeys
 from kvcore_vllm.config import ConnectorSettings, TierSettings
 from kvcore_vllm.context import SlicePlan, slice_plan
+from kvcore_vllm.layout import CacheGroup
 
 __all__ = [
     "KEY_FORMAT",
@@ -129,6 +130,11 @@ def model_settings(vllm_config: Any) -> dict[str, str]:
     }
 
 
+def _group_text(group: CacheGroup) -> str:
+    layers = hashlib.sha256(",".join(group.layer_names).encode()).hexdigest()[:16]
+    return f"{group.index}:{group.kind}:{group.window}:{layers}"
+
+
 def hash_algo(vllm_config: Any) -> str:
     return str(vllm_config.cache_config.prefix_caching_hash_algo)
 
@@ -153,9 +159,14 @@ def hashes_shared(vllm_config: Any) -> str | None:
 
 
 def key_scope(
-    vllm_config: Any, settings: ConnectorSettings, layout: kvcore.CacheLayout
+    vllm_config: Any,
+    settings: ConnectorSettings,
+    layout: kvcore.CacheLayout,
+    group: CacheGroup | None = None,
 ) -> kvcore.KeyScope:
-    """Everything besides the request that must match for two engines to share a block."""
+    """Everything besides the request that must match for two engines to share a block;
+    ``group``: the KV cache group of a hybrid model the keys are for (its kind, window and
+    layers are in the scope, so groups never read each other's objects)."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -179,6 +190,7 @@ def key_scope(
         # apply: other engines' keys stay as they were)
         **({"kv_spec": "mla"} if _uses_mla(vllm_config) else {}),
         **({"object_layout": "per_head"} if _per_head(vllm_config, settings) else {}),
+        **({"kv_group": _group_text(group)} if group is not None else {}),
         **{f"model.{name}": value for name, value in model_settings(vllm_config).items()},
     }
     return kvcore.KeyScope(

@@ -61,8 +61,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CacheGroup",
     "LayerMapping",
     "UnsupportedCacheError",
+    "cache_groups",
     "cache_layout",
     "kv_dtype_name",
     "map_layer_tensors",
@@ -90,26 +92,84 @@ def kv_dtype_name(dtype: Any) -> str:
     return names[dtype]
 
 
-def _single_attention_spec(kv_cache_config: Any) -> Any:
-    """The one KV cache group's spec, after refusing what the connector cannot store."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+@dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group of vLLM's ``KVCacheConfig`` the connector stores.
+
+    ``kind`` is ``full`` (full attention), ``sliding_window`` or ``mla``; ``window`` the
+    sliding window in tokens (its retained tokens added), None for the others.
+    """
+
+    index: int
+    kind: str
+    layer_names: tuple[str, ...]
+    spec: Any
+    window: int | None = None
+
+    def first_needed_block(self, computed_blocks: int, block_size: int) -> int:
+        """The first block a restore of ``computed_blocks`` blocks needs in this group: 0 for
+        full attention, the first block inside the window of the next token for a sliding
+        window (the blocks before it are never read again, as vLLM's own manager frees them)."""
+        if self.window is None:
+            return 0
+        skipped = max(0, computed_blocks * block_size - self.window + 1)
+        return min(skipped // block_size, computed_blocks)
+
+
+def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
+    """The groups the connector stores, full attention first; one line naming the group and
+    why for anything it cannot store (Mamba state, cross-attention, an MLA hybrid, ...)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    found: list[CacheGroup] = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        where = f"KV cache group {index} ({type(spec).__name__}, {len(group.layer_names)} layers)"
+        if isinstance(spec, MLAAttentionSpec):
+            if len(groups) != 1:
+                raise UnsupportedCacheError(
+                    f"{where}: MLA in a hybrid model is not stored by KVCoreConnector"
+                )
+            found.append(CacheGroup(index, "mla", tuple(group.layer_names), _mla_spec(spec)))
+        elif isinstance(spec, SlidingWindowSpec):
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0))
+            found.append(
+                CacheGroup(
+                    index, "sliding_window", tuple(group.layer_names), _dense(spec, where), window
+                )
+            )
+        elif isinstance(spec, FullAttentionSpec):
+            found.append(CacheGroup(index, "full", tuple(group.layer_names), _dense(spec, where)))
+        else:
+            raise UnsupportedCacheError(
+                f"{where}: KVCoreConnector stores full-attention, sliding-window and MLA groups; "
+                "this group's state cannot be restored from blocks"
+            )
+    sizes = {g.spec.block_size for g in found}
+    if len(sizes) != 1:
         raise UnsupportedCacheError(
-            f"the model has {len(groups)} KV cache groups ({', '.join(kinds)}); KVCoreConnector "
-            "stores models with one full-attention group (hybrid and sliding-window models "
-            "with the hybrid cache manager on are not supported)"
+            f"KV cache groups have block sizes {sorted(sizes)}; KVCoreConnector needs one"
         )
-    spec = groups[0].kv_cache_spec
-    if isinstance(spec, MLAAttentionSpec):
-        return _mla_spec(spec)
-    if not isinstance(spec, FullAttentionSpec):
+    if not any(g.window is None for g in found):
         raise UnsupportedCacheError(
-            f"KV cache spec {type(spec).__name__} is not full attention; KVCoreConnector "
-            "stores full-attention caches only"
+            "every KV cache group is a sliding window; KVCoreConnector keys restores by a "
+            "full-attention (or MLA) group"
         )
+    return sorted(found, key=lambda g: (g.window is not None, g.index))
+
+
+def _single_attention_spec(kv_cache_config: Any) -> Any:
+    """The spec of the first group the connector stores (for one-group models: the only one)."""
+    return cache_groups(kv_cache_config)[0].spec
+
+
+def _dense(spec: Any, where: str) -> Any:
+    """A full-attention or sliding-window spec, after refusing pages kvcore cannot name."""
     odd = {
         "head_size_v": spec.head_size_v if spec.head_size_v != spec.head_size else None,
         "page_size_padded": getattr(spec, "page_size_padded", None),
@@ -123,8 +183,8 @@ def _single_attention_spec(kv_cache_config: Any) -> Any:
     found = {k: v for k, v in odd.items() if v is not None}
     if found:
         raise UnsupportedCacheError(
-            f"KV cache spec {type(spec).__name__} has {sorted(found)} set; KVCoreConnector "
-            "stores dense K/V pages with equal K and V head sizes"
+            f"{where}: KV cache spec {type(spec).__name__} has {sorted(found)} set; "
+            "KVCoreConnector stores dense K/V pages with equal K and V head sizes"
         )
     return spec
 
@@ -157,12 +217,16 @@ def replicated_across_tp(kv_cache_config: Any) -> bool:
     return isinstance(_single_attention_spec(kv_cache_config), MLAAttentionSpec)
 
 
-def cache_layout(kv_cache_config: Any, per_head: bool = False) -> kvcore.CacheLayout:
-    """One rank's cache as kvcore describes it (block count left 0: the workers know it);
-    ``per_head``: one KV head's share of a block (the TP-independent layout)."""
-    spec = _single_attention_spec(kv_cache_config)
-    num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-    if replicated_across_tp(kv_cache_config):  # MLA: a latent as two halves (docstring)
+def cache_layout(
+    kv_cache_config: Any, per_head: bool = False, group: CacheGroup | None = None
+) -> kvcore.CacheLayout:
+    """One rank's cache of ``group`` (default: the first stored group) as kvcore describes it
+    (block count left 0: the workers know it); ``per_head``: one KV head's share of a block
+    (the TP-independent layout)."""
+    group = group or cache_groups(kv_cache_config)[0]
+    spec = group.spec
+    num_layers = len(group.layer_names)
+    if group.kind == "mla":  # a latent as two halves (docstring)
         return kvcore.CacheLayout(
             num_layers=num_layers,
             num_heads=1,

@@ -13,8 +13,9 @@ __all__ = ["BlockRun", "StepMetadata"]
 class BlockRun:
     """Blocks ``start_block .. start_block + len(keys) - 1`` of one request.
 
-    ``block_ids`` are vLLM's block ids holding them. ``token_ids`` is the token path from the
-    first token through the last block, sent only to token-addressed backends.
+    ``block_ids`` are vLLM's block ids holding them, in KV cache group ``group``. ``token_ids`` is
+    the token path from the first token through the last block, sent only to token-addressed
+    backends.
     """
 
     req_id: str
@@ -22,6 +23,8 @@ class BlockRun:
     keys: list[str]
     block_ids: list[int]
     token_ids: list[int] | None = None
+    #: the KV cache group (vLLM's index) these blocks are of
+    group: int = 0
 
     @property
     def num_blocks(self) -> int:

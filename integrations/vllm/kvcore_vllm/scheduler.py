@@ -11,9 +11,16 @@ Block protocol (vLLM's ``KVConnectorBase_V1``):
 - ``update_state_after_alloc``: the blocks vLLM allocated for them become a load;
 - ``build_connector_meta``: this step's loads, plus a save of every block that becomes full
   during the step (prompt and, unless disabled, generated tokens);
-- ``request_finished``: a last save of blocks whose tokens were not yet known when their step
-  was scheduled; returns True while any save of the request may be in flight, so vLLM keeps its
-  blocks until the workers report the saves done (``get_finished``).
+- ``request_finished`` (``request_finished_all_groups``): a last save of blocks whose tokens
+  were not yet known when their step was scheduled; returns True while any save of the request
+  may be in flight, so vLLM keeps its blocks until the workers report the saves done
+  (``get_finished``).
+
+Hybrid models (vLLM's hybrid KV cache manager on): every KV cache group is stored under keys of
+its own (:class:`_GroupStore`). A restore is keyed by the first full-attention group; a
+sliding-window group restores only the blocks inside the window of the restored position (the
+blocks before it are null placeholders in vLLM's block table and are neither loaded nor saved),
+and a restore happens only when every group has what it needs.
 """
 
 from __future__ import annotations
@@ -26,16 +33,19 @@ from typing import Any
 
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
-from kvcore_vllm.context import backend_context, slice_plan
+from kvcore_vllm.context import Slice, backend_context, slice_plan
 from kvcore_vllm.events import SchedulerEvents, events_enabled
 from kvcore_vllm.keys import RequestKeys, hashes_shared, key_scope
-from kvcore_vllm.layout import cache_layout, replicated_across_tp
+from kvcore_vllm.layout import CacheGroup, cache_groups, cache_layout
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet
 
 __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("vllm.kvcore_vllm.scheduler")
+
+#: vLLM's placeholder in a block table (a sliding window's blocks before its window)
+NULL_BLOCK = 0
 
 
 @dataclass
@@ -47,6 +57,17 @@ class _Tracked:
     has_saves: bool = False
 
 
+@dataclass
+class _GroupStore:
+    """One KV cache group's keys and backends, and the slices of a block a lookup asks for."""
+
+    group: CacheGroup
+    layout: Any  # kvcore.CacheLayout
+    keys: RequestKeys
+    handles: list[Any]  # kvcore.BackendHandle, one per context
+    slices: list[tuple[Any, Slice]]
+
+
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings) -> None:
         self.settings = settings
@@ -54,14 +75,11 @@ class SchedulerSide:
         role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
         self.loads_enabled = role in ("kv_consumer", "kv_both")
         self.saves_enabled = role in ("kv_producer", "kv_both")
-        replicated = replicated_across_tp(kv_cache_config)
+        self.groups = cache_groups(kv_cache_config)
+        replicated = self.groups[0].kind == "mla"
         per_head = settings.object_layout == "per_head" and not replicated  # MLA: one slice
-        self.layout = cache_layout(kv_cache_config, per_head=per_head)
-        self.block_size = self.layout.block_size
-        self.scope = key_scope(vllm_config, settings, self.layout)
-        self.keys = RequestKeys(
-            self.scope, self.block_size, _hash_block_size(vllm_config, kv_cache_config)
-        )
+        self.block_size = int(self.groups[0].spec.block_size)
+        hash_block_size = _hash_block_size(vllm_config, kv_cache_config)
         #: why this engine's blocks cannot be named for another process (None: they can)
         self.unshareable = hashes_shared(vllm_config)
         if self.unshareable is not None:
@@ -75,21 +93,37 @@ class SchedulerSide:
         slices = slice_plan(vllm_config, replicated, per_head).all_slices()
         self.world_size = slices[0].world
         self.counters = CounterSet()
-        # a backend per rank's context, as the workers open them; per head, one for all
-        contexts = [0] if per_head else [piece.rank for piece in slices]
-        self.handles = [
-            connector_handle(
-                settings.backend,
-                settings.backend_config,
-                backend_context(settings, self.layout, rank, self.world_size),
-                retry_s=settings.reopen_interval_s,
-                verify_blocks=settings.transfer.get("verify_blocks", "auto"),
+        hybrid = len(self.groups) > 1
+        self.stores: list[_GroupStore] = []
+        for group in self.groups:
+            layout = cache_layout(kv_cache_config, per_head=per_head, group=group)
+            scope = key_scope(vllm_config, settings, layout, group if hybrid else None)
+            # a backend per rank's context, as the workers open them; per head, one for all
+            contexts = [0] if per_head else [piece.rank for piece in slices]
+            handles = [
+                connector_handle(
+                    settings.backend,
+                    settings.backend_config,
+                    backend_context(settings, layout, rank, self.world_size),
+                    retry_s=settings.reopen_interval_s,
+                    verify_blocks=settings.transfer.get("verify_blocks", "auto"),
+                )
+                for rank in contexts
+            ]
+            self.stores.append(
+                _GroupStore(
+                    group=group,
+                    layout=layout,
+                    keys=RequestKeys(scope, self.block_size, hash_block_size),
+                    handles=handles,
+                    slices=[
+                        (handles[0 if per_head else i], piece) for i, piece in enumerate(slices)
+                    ],
+                )
             )
-            for rank in contexts
-        ]
-        self._slices = [
-            (self.handles[0 if per_head else i], piece) for i, piece in enumerate(slices)
-        ]
+        primary = self.stores[0]  # the first full-attention (or MLA) group keys restores
+        self.layout, self.keys = primary.layout, primary.keys
+        self.handles = [handle for store in self.stores for handle in store.handles]
         for handle in self.handles:  # open now: bad settings must fail at start-up
             handle.get()
         self._check_reachable(vllm_config)
@@ -157,8 +191,12 @@ class SchedulerSide:
             return None
         return list(request.all_token_ids[: num_blocks * self.block_size])
 
-    def _lookup(self, request: Any, keys: Sequence[str], start: int) -> int:
-        """Leading blocks from ``start`` present on every rank (0 on any failure)."""
+    def _lookup(
+        self, request: Any, keys: Sequence[str], start: int, store: _GroupStore | None = None
+    ) -> int:
+        """Leading blocks from ``start`` present on every rank (0 on any failure), in
+        ``store``'s group (default: the first)."""
+        store = store or self.stores[0]
         if time.monotonic() < self._lookups_paused_until:
             self.counters.add(lookup_requests=1, lookup_blocks=len(keys), lookup_skipped=1)
             return 0
@@ -166,7 +204,7 @@ class SchedulerSide:
         token_ids = self._tokens(request, start + len(keys))
         errors = 0
         t0 = time.monotonic()
-        for handle, piece in self._slices:
+        for handle, piece in store.slices:
             backend = handle.get()
             if backend is None:
                 errors += 1
@@ -225,9 +263,29 @@ class SchedulerSide:
             return 0, False
         keys = self.keys.keys(request, start, limit)
         found = self._lookup(request, keys, start)
+        found = self._other_groups_have(request, start, found)
         if found:
             self._hits[request.request_id] = (start, found)
         return found * bs, False
+
+    def _other_groups_have(self, request: Any, start: int, found: int) -> int:
+        """``found`` blocks from ``start`` as far as every other group can restore them: a
+        full-attention group its leading run, a sliding-window group the whole window before
+        the restored position (else nothing: half a window is never loaded)."""
+        for store in self.stores[1:]:
+            if not found:
+                break
+            end = start + found
+            first = max(start, store.group.first_needed_block(end, self.block_size))
+            if first >= end:
+                continue  # the window lies in vLLM's own cache
+            got = self._lookup(request, store.keys.keys(request, first, end), first, store)
+            if store.group.window is None:
+                found = min(found, first - start + got)
+            elif got < end - first:
+                self.counters.add(lookup_window_missing=1)
+                found = 0
+        return found
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._track(request)
@@ -244,22 +302,52 @@ class SchedulerSide:
                 found,
             )
             n = min(n, found)
-        block_ids = list(blocks.get_block_ids()[0])
+        all_ids = blocks.get_block_ids()
         keys = self.keys.keys(request, start, start + n)
         run = BlockRun(
             req_id=request.request_id,
             start_block=start,
             keys=keys,
-            block_ids=block_ids[start : start + n],
+            block_ids=list(all_ids[self.groups[0].index][start : start + n]),
             token_ids=self._tokens(request, start + n),
         )
         self._loads.append(run)
         self._last_load[request.request_id] = run
+        self._loads.extend(self._group_runs(request, all_ids, start, start + n))
         if self.events is not None:
             self.events.known(request, keys, start)
         # these blocks are in the store already: saving them again would only re-check them
         if tracked.saved_upto == 0 and start == 0:
             tracked.saved_upto = n
+
+    def _group_runs(
+        self, request: Any, all_ids: Sequence[Sequence[int]], first: int, end: int
+    ) -> list[BlockRun]:
+        """Blocks ``first .. end - 1`` in every group besides the first: the ones vLLM holds
+        (a sliding window's blocks before the window are null placeholders, id 0)."""
+        runs = []
+        for store in self.stores[1:]:
+            ids = list(all_ids[store.group.index])
+            start = max(first, store.group.first_needed_block(end, self.block_size))
+            stop = min(end, len(ids))
+            # the held blocks are the tail of the table: start after the last placeholder
+            for i in range(stop - 1, start - 1, -1):
+                if ids[i] == NULL_BLOCK:
+                    start = i + 1
+                    break
+            if start >= stop:
+                continue
+            runs.append(
+                BlockRun(
+                    req_id=request.request_id,
+                    start_block=start,
+                    keys=store.keys.keys(request, start, stop),
+                    block_ids=ids[start:stop],
+                    token_ids=self._tokens(request, stop),
+                    group=store.group.index,
+                )
+            )
+        return runs
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMetadata:
         so = scheduler_output
@@ -285,26 +373,27 @@ class SchedulerSide:
                 continue
             # draft tokens may be rejected: their KV is not the sequence's
             n_new = so.num_scheduled_tokens.get(req_id, 0) - len(spec.get(req_id, ()))
-            run = self._save_run(
-                tracked, computed_before + n_new, lambda r=req_id: self._block_ids(r, so)
+            meta.saves.extend(
+                self._save_runs(
+                    tracked, computed_before + n_new, lambda r=req_id: self._block_ids(r, so)
+                )
             )
-            if run is not None:
-                meta.saves.append(run)
         return meta
 
-    def _block_ids(self, req_id: str, so: Any) -> list[int]:
+    def _block_ids(self, req_id: str, so: Any) -> tuple[list[int], ...]:
         state = getattr(so, "kv_connector_block_state", None)
         ids = state.get_block_ids(req_id) if state is not None else None
         if ids is None and self._kv_cache_manager is not None:
             ids = self._kv_cache_manager.get_block_ids(req_id)
-        return list(ids[0]) if ids else []
+        return tuple(list(group) for group in ids) if ids else ()
 
-    def _save_run(
+    def _save_runs(
         self, tracked: _Tracked, computed_tokens: int, block_ids_of: Any
-    ) -> BlockRun | None:
-        """The blocks that are full once ``computed_tokens`` have KV and are not saved yet."""
+    ) -> list[BlockRun]:
+        """The blocks that are full once ``computed_tokens`` have KV and are not saved yet, in
+        every group (``block_ids_of()``: vLLM's block table, one list per group)."""
         if not self.saves_enabled:
-            return None
+            return []
         request = tracked.request
         tokens = request.all_token_ids
         # a block is keyed by its tokens: with async scheduling the last sampled token may not
@@ -313,28 +402,60 @@ class SchedulerSide:
         if not self.settings.save_decode_blocks:
             full = min(full, request.num_prompt_tokens // self.block_size)
         if full <= tracked.saved_upto:
-            return None
+            return []
         # a block vLLM has not hashed yet (its last token not known) is saved later
         full = self._keyable(request, full, "save")
         if full <= tracked.saved_upto:
-            return None
-        block_ids = block_ids_of()
+            return []
+        all_ids = block_ids_of()
+        if not all_ids:
+            return []
+        block_ids = all_ids[self.groups[0].index]
         full = min(full, len(block_ids))
         first = tracked.saved_upto
         if full <= first:
-            return None
+            return []
         keys = self.keys.keys(request, first, full)
         tracked.saved_upto = full
         tracked.has_saves = True
         if self.events is not None:
             self.events.remember(request, keys, first)
-        return BlockRun(
+        run = BlockRun(
             req_id=request.request_id,
             start_block=first,
             keys=keys,
             block_ids=block_ids[first:full],
             token_ids=self._tokens(request, full),
         )
+        return [run, *self._group_saves(request, all_ids, first, full)]
+
+    def _group_saves(
+        self, request: Any, all_ids: Sequence[Sequence[int]], first: int, full: int
+    ) -> list[BlockRun]:
+        """Blocks ``first .. full - 1`` of the other groups that vLLM still holds (a sliding
+        window's blocks before its window are gone: they are not saved)."""
+        runs = []
+        for store in self.stores[1:]:
+            ids = list(all_ids[store.group.index])
+            stop = min(full, len(ids))
+            start = first
+            for i in range(stop - 1, first - 1, -1):
+                if ids[i] == NULL_BLOCK:
+                    start = i + 1
+                    break
+            if start >= stop:
+                continue
+            runs.append(
+                BlockRun(
+                    req_id=request.request_id,
+                    start_block=start,
+                    keys=store.keys.keys(request, start, stop),
+                    block_ids=ids[start:stop],
+                    token_ids=self._tokens(request, stop),
+                    group=store.group.index,
+                )
+            )
+        return runs
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM; save them again afterwards.
@@ -354,15 +475,21 @@ class SchedulerSide:
                 del self._last_load[req_id]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        """vLLM without the hybrid manager: the one group's blocks."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, None]:
         self._hits.pop(request.request_id, None)
         self._last_load.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return False, None
         tracked.request = request
-        run = self._save_run(tracked, request.num_computed_tokens, lambda: list(block_ids))
-        if run is not None:
-            self._final_saves.append(run)
+        self._final_saves.extend(
+            self._save_runs(tracked, request.num_computed_tokens, lambda: tuple(block_ids))
+        )
         # vLLM keeps the blocks until every worker reports this request's saves finished
         return tracked.has_saves, None
 

@@ -87,6 +87,21 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         "vocab_size": 4096,
         "max_position_embeddings": 8192,
     },
+    # Gemma 3 (text): sliding-window layers (a 64-token window) between full-attention ones,
+    # two KV cache groups under vLLM's hybrid manager
+    "swa": {
+        "model_type": "gemma3_text",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 512,
+        "max_position_embeddings": 2048,
+    },
     # DeepSeek-V3 with MLA (one latent per token), every layer dense: ~3 M parameters
     "mla": {
         "model_type": "deepseek_v3",

@@ -23,18 +23,21 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
+import kvcore
 from kvcore.transfer import DeviceCache, TransferManager
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import HeadSlices, Slice, backend_context, slice_plan
 from kvcore_vllm.events import BlockEvents, WorkerEvents, events_enabled
 from kvcore_vllm.layout import (
+    CacheGroup,
     LayerMapping,
+    cache_groups,
     cache_layout,
     map_layer_tensors,
-    replicated_across_tp,
 )
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet, delta
@@ -52,6 +55,18 @@ def worker_rank() -> int:
     return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
 
 
+@dataclass
+class _GroupIO:
+    """One KV cache group's storage on this rank: its layout, backend, tensors, manager."""
+
+    group: CacheGroup
+    layout: kvcore.CacheLayout
+    handle: Any  # kvcore.BackendHandle
+    mapping: LayerMapping | None = None
+    cache: DeviceCache | None = None
+    manager: TransferManager | None = None
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -61,11 +76,10 @@ class WorkerSide:
         rank: int | None = None,
     ) -> None:
         self.settings = settings
-        replicated = replicated_across_tp(kv_cache_config)
+        groups = cache_groups(kv_cache_config)
+        replicated = groups[0].kind == "mla"
         per_head = settings.object_layout == "per_head" and not replicated  # MLA: one slice
-        self.layout = cache_layout(kv_cache_config, per_head=per_head)
         self.num_blocks = int(kv_cache_config.num_blocks)
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         #: this worker's rank among the engine's TP x PP ranks
         self.engine_rank = engine_rank = worker_rank() if rank is None else rank
@@ -77,17 +91,23 @@ class WorkerSide:
         self.rank = self.slices[0].rank
         #: whether this rank stores anything (MLA: one TP rank of each stage does)
         self.writer = any(piece.writes for piece in self.slices)
-        self.handle = connector_handle(
-            settings.backend,
-            settings.backend_config,
-            backend_context(settings, self.layout, self.rank, self.world_size),
-            retry_s=settings.reopen_interval_s,
-            verify_blocks=settings.transfer.get("verify_blocks", "auto"),
-        )
+        #: every group's storage by vLLM's group index; the first one keys restores
+        self.io: dict[int, _GroupIO] = {}
+        for group in groups:
+            layout = cache_layout(kv_cache_config, per_head=per_head, group=group)
+            handle = connector_handle(
+                settings.backend,
+                settings.backend_config,
+                backend_context(settings, layout, self.rank, self.world_size),
+                retry_s=settings.reopen_interval_s,
+                verify_blocks=settings.transfer.get("verify_blocks", "auto"),
+            )
+            self.io[group.index] = _GroupIO(group, layout, handle)
+        self._primary = self.io[groups[0].index]
+        self.layout = self._primary.layout
+        self.layer_names = list(groups[0].layer_names)
+        self.handle = self._primary.handle
         self.counters = CounterSet()
-        self.mapping: LayerMapping | None = None
-        self.cache: DeviceCache | None = None
-        self.manager: TransferManager | None = None
         self._on_gpu = False
         self._lock = threading.Lock()
         self._inflight: dict[str, set[Future]] = {}  # req -> its saves not yet answered
@@ -101,36 +121,58 @@ class WorkerSide:
 
     # -- set-up ----------------------------------------------------------------------------
 
+    # the first group's storage, by the names the single-group connector had
+    @property
+    def mapping(self) -> LayerMapping | None:
+        return self._primary.mapping
+
+    @property
+    def cache(self) -> DeviceCache | None:
+        return self._primary.cache
+
+    @property
+    def manager(self) -> TransferManager | None:
+        return self._primary.manager
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         pieces = self.plan.pieces if isinstance(self.plan, HeadSlices) else 0
-        self.mapping = map_layer_tensors(
-            kv_caches, self.layer_names, self.layout, self.num_blocks, pieces
-        )
-        self.cache = DeviceCache(self.mapping.layout, self.mapping.k, self.mapping.v)
-        self._on_gpu = bool(getattr(self.cache, "on_gpu", False))
-        log.info(
-            "KVCoreConnector rank %d: slice r%dof%d (%s), %d layers x %d blocks (%s form) on "
-            "backend %r",
-            self.engine_rank,
-            self.rank,
-            self.world_size,
-            "stores and reads" if self.writer else "reads; another TP rank stores it",
-            len(self.layer_names),
-            self.num_blocks,
-            self.mapping.kv_format,
-            self.settings.backend,
-        )
+        for io in self.io.values():
+            names = list(io.group.layer_names)
+            io.mapping = map_layer_tensors(kv_caches, names, io.layout, self.num_blocks, pieces)
+            io.cache = DeviceCache(io.mapping.layout, io.mapping.k, io.mapping.v)
+            self._on_gpu = bool(getattr(io.cache, "on_gpu", False))
+            log.info(
+                "KVCoreConnector rank %d: slice r%dof%d (%s), group %d (%s), %d layers x %d "
+                "blocks (%s form) on backend %r",
+                self.engine_rank,
+                self.rank,
+                self.world_size,
+                "stores and reads" if self.writer else "reads; another TP rank stores it",
+                io.group.index,
+                io.group.kind,
+                len(names),
+                self.num_blocks,
+                io.mapping.kv_format,
+                self.settings.backend,
+            )
         self._transfer_manager()
 
-    def _transfer_manager(self) -> TransferManager | None:
-        """The manager, built once the backend is open (it may open late: see backends)."""
-        if self.manager is not None or self.cache is None or self._closed:
-            return self.manager
-        backend = self.handle.get()
+    def _transfer_manager(self, group: int | None = None) -> TransferManager | None:
+        """The manager of ``group`` (default: every group's, the first returned), built once
+        its backend is open (it may open late: see backends)."""
+        if group is None:
+            for index in self.io:
+                if index != self._primary.group.index:
+                    self._transfer_manager(index)
+            group = self._primary.group.index
+        io = self.io[group]
+        if io.manager is not None or io.cache is None or self._closed:
+            return io.manager
+        backend = io.handle.get()
         if backend is None:
             return None
         config: dict[str, Any] = {
-            "layout": self.cache.layout,  # the mapping's: see LayerMapping.layout
+            "layout": io.cache.layout,  # the mapping's: see LayerMapping.layout
             "max_model_len": self.max_model_len,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -141,12 +183,12 @@ class WorkerSide:
             "submit_wait_s": 0.0,
             **self.settings.transfer,
         }
-        self.manager = TransferManager(config, self.cache, backend)
-        if self._events_wanted and self.events is None:
+        io.manager = TransferManager(config, io.cache, backend)
+        if self._events_wanted and self.events is None and io is self._primary:
             self.events = WorkerEvents(
                 backend, [piece.rank for piece in self.slices], self.world_size, self.layout.parts
             )
-        return self.manager
+        return io.manager
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -155,9 +197,10 @@ class WorkerSide:
             return
         assert self.mapping is not None, "register_kv_caches was not called"
         t0 = time.monotonic()
-        manager = self._transfer_manager()
         pending: list[tuple[BlockRun, list[Future | None]]] = []
+        nbytes = 0
         for run in meta.loads:
+            manager = self._transfer_manager(run.group)
             futures: list[Future | None] = []
             for piece in self.slices:  # every slice this rank holds, written here or not
                 fut = None
@@ -183,6 +226,7 @@ class WorkerSide:
                 got = min(got, read)
             asked += run.num_blocks
             done += got
+            nbytes += got * self.io[run.group].layout.block_bytes * len(self.slices)
             failed.extend(run.block_ids[got:])
         with self._lock:
             self._load_errors.update(failed)
@@ -191,7 +235,7 @@ class WorkerSide:
             load_blocks=asked,
             load_done_blocks=done,
             load_failed_blocks=len(failed),
-            load_bytes=done * self.layout.block_bytes * len(self.slices),
+            load_bytes=nbytes,
             load_seconds=time.monotonic() - t0,
         )
 
@@ -210,14 +254,13 @@ class WorkerSide:
             import torch
 
             torch.cuda.current_stream().synchronize()
-        manager = self._transfer_manager()
         for run in meta.saves:
             with self._lock:
                 self._with_saves.add(run.req_id)  # answered by get_finished like any save
             if not self.writer:  # another TP rank stores these same bytes
                 self.counters.add(save_replica_blocks=run.num_blocks)
                 continue
-            self._save(manager, run)
+            self._save(self._transfer_manager(run.group), run)
 
     def _save(self, manager: TransferManager | None, run: BlockRun) -> None:
         """Submit the saves of every slice of ``run``'s blocks this rank writes; one answer
@@ -266,7 +309,7 @@ class WorkerSide:
                     log.warning("KVCoreConnector: save of %s failed: %s", run.req_id, exc)
             covered = min(covered, written_here + skipped_here)
             skipped = min(skipped, skipped_here)
-            nbytes += written_here * self.layout.block_bytes
+            nbytes += written_here * self.io[run.group].layout.block_bytes
         written = covered - skipped
         self.counters.add(
             save_blocks=run.num_blocks,
@@ -327,16 +370,17 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
-        manager, self.manager = self.manager, None
         if self.events is not None:
             self.events.close()
         backend_stats: dict[str, float] = {}
-        if manager is not None:
-            manager.close(timeout_s=self.settings.save_timeout_s)
-            backend = manager.backend
-            if backend is not None:
-                backend_stats = {k: v for k, v in backend.stats().items() if v}
-        self.handle.close()
+        for io in self.io.values():
+            manager, io.manager = io.manager, None
+            if manager is not None:
+                manager.close(timeout_s=self.settings.save_timeout_s)
+                backend = manager.backend
+                if backend is not None and io is self._primary:
+                    backend_stats = {k: v for k, v in backend.stats().items() if v}
+            io.handle.close()
         log.info(
             "KVCoreConnector rank %d closed; totals %s; backend %s",
             self.engine_rank,
@@ -348,11 +392,12 @@ class WorkerSide:
 
     def _task(self, run: BlockRun, what: str, timeout_s: float, piece: Slice) -> dict[str, Any]:
         """The TransferManager task of one slice of ``run``'s blocks."""
-        assert self.mapping is not None
+        mapping = self.io[run.group].mapping
+        assert mapping is not None
         task: dict[str, Any] = {
-            "task_id": f"{run.req_id}/{what}/{run.start_block}/r{piece.rank}",
+            "task_id": f"{run.req_id}/{what}/{run.start_block}/g{run.group}/r{piece.rank}",
             "keys": run.keys,
-            "device_block_ids": self.mapping.to_kvcore(run.block_ids, piece.local),
+            "device_block_ids": mapping.to_kvcore(run.block_ids, piece.local),
             "start_block": run.start_block,
             "timeout_s": timeout_s,
             "rank": piece.rank,

@@ -498,3 +498,45 @@ def test_the_per_head_layout_refuses_a_cache_whose_heads_interleave() -> None:
     hnd = {name: torch.zeros(2, NUM_BLOCKS, 2, BLOCK_SIZE, 32, dtype=torch.bfloat16)
            for name in LAYERS}  # fmt: skip
     assert map_layer_tensors(hnd, LAYERS, layout, NUM_BLOCKS, pieces=2).kv_format == FORM_SPLIT
+
+
+# -- hybrid models' KV cache groups --------------------------------------------------------
+
+
+def _groups_config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = []
+    for i, spec in enumerate(specs):
+        layers = [f"model.layers.{2 * i + j}.attn" for j in range(2)]
+        groups.append(KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec))
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_a_hybrid_models_groups_are_stored_full_attention_first() -> None:
+    from kvcore_vllm.layout import cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    dense = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    window = SlidingWindowSpec(**dense, sliding_window=64)
+    groups = cache_groups(_groups_config(window, FullAttentionSpec(**dense)))
+    assert [(g.index, g.kind, g.window) for g in groups] == [(1, "full", None),
+                                                             (0, "sliding_window", 64)]  # fmt: skip
+    full, swa = groups
+    # a restore of 10 blocks computes token 320 next: its window is tokens 257..320
+    assert swa.first_needed_block(10, BLOCK_SIZE) == (10 * BLOCK_SIZE - 64 + 1) // BLOCK_SIZE == 8
+    assert swa.first_needed_block(1, BLOCK_SIZE) == 0 and full.first_needed_block(10, 32) == 0
+    # each group's layout is its own layers
+    config = _groups_config(window, FullAttentionSpec(**dense))
+    assert cache_layout(config, group=swa).num_layers == 2
+
+
+def test_a_group_the_connector_cannot_restore_is_refused_in_one_line() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    dense = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    with pytest.raises(UnsupportedCacheError) as refused:
+        cache_layout(_groups_config(FullAttentionSpec(**dense), mamba))
+    message = str(refused.value)
+    assert message.startswith("KV cache group 1 (MambaSpec, 2 layers): ") and "\n" not in message
