@@ -233,13 +233,15 @@ class SchedulerSide:
         if errors or elapsed > self.settings.lookup_timeout_s / 2:
             self._lookups_paused_until = time.monotonic() + self.settings.lookup_backoff_s
             self.counters.add(lookup_pauses=1)
-        self.counters.add(
-            lookup_requests=1,
-            lookup_blocks=len(keys),
-            lookup_hit_blocks=run,
-            lookup_errors=errors,
-            lookup_seconds=elapsed,
-        )
+        counts = {
+            "lookup_requests": 1,
+            "lookup_blocks": len(keys),
+            "lookup_hit_blocks": run,
+            "lookup_errors": errors,
+        }
+        if store is not self.stores[0]:  # another group's share, counted apart
+            counts = {f"{store.group.kind}_{name}": value for name, value in counts.items()}
+        self.counters.add(**counts, lookup_seconds=elapsed)
         return run
 
     # -- vLLM's scheduler-side calls -------------------------------------------------------
@@ -310,6 +312,7 @@ class SchedulerSide:
             keys=keys,
             block_ids=list(all_ids[self.groups[0].index][start : start + n]),
             token_ids=self._tokens(request, start + n),
+            group=self.groups[0].index,
         )
         self._loads.append(run)
         self._last_load[request.request_id] = run
@@ -426,6 +429,7 @@ class SchedulerSide:
             keys=keys,
             block_ids=block_ids[first:full],
             token_ids=self._tokens(request, full),
+            group=self.groups[0].index,
         )
         return [run, *self._group_saves(request, all_ids, first, full)]
 

@@ -212,8 +212,9 @@ class WorkerSide:
                         log.warning("KVCoreConnector: load of %s refused: %s", run.req_id, exc)
                 futures.append(fut)
             pending.append((run, futures))
-        asked = done = 0
+        asked = done = runs = 0
         failed: list[int] = []
+        other_groups: dict[str, float] = {}
         for run, futures in pending:
             got = run.num_blocks  # a block is restored when every slice of it is
             for fut in futures:
@@ -224,14 +225,21 @@ class WorkerSide:
                     except Exception as exc:
                         log.warning("KVCoreConnector: load of %s failed: %s", run.req_id, exc)
                 got = min(got, read)
-            asked += run.num_blocks
-            done += got
             nbytes += got * self.io[run.group].layout.block_bytes * len(self.slices)
             failed.extend(run.block_ids[got:])
+            if run.group == self._primary.group.index:  # the blocks vLLM counts as restored
+                runs += 1
+                asked += run.num_blocks
+                done += got
+            else:  # a sliding window's share, counted apart: load_blocks stays vLLM's count
+                kind = self.io[run.group].group.kind
+                for name, value in (("load_blocks", run.num_blocks), ("load_done_blocks", got)):
+                    other_groups[f"{kind}_{name}"] = other_groups.get(f"{kind}_{name}", 0) + value
         with self._lock:
             self._load_errors.update(failed)
+        self.counters.add(**other_groups)
         self.counters.add(
-            load_requests=len(meta.loads),
+            load_requests=runs,
             load_blocks=asked,
             load_done_blocks=done,
             load_failed_blocks=len(failed),
@@ -311,14 +319,16 @@ class WorkerSide:
             skipped = min(skipped, skipped_here)
             nbytes += written_here * self.io[run.group].layout.block_bytes
         written = covered - skipped
-        self.counters.add(
-            save_blocks=run.num_blocks,
-            save_written_blocks=written,
-            save_skipped_blocks=skipped,
-            save_failed_blocks=run.num_blocks - covered,
-            save_bytes=nbytes,
-            save_seconds=time.monotonic() - t0,
-        )
+        counts = {
+            "save_blocks": run.num_blocks,
+            "save_written_blocks": written,
+            "save_skipped_blocks": skipped,
+            "save_failed_blocks": run.num_blocks - covered,
+        }
+        if run.group != self._primary.group.index:  # another group's share, counted apart
+            kind = self.io[run.group].group.kind
+            counts = {f"{kind}_{name}": value for name, value in counts.items()}
+        self.counters.add(**counts, save_bytes=nbytes, save_seconds=time.monotonic() - t0)
         with self._lock:
             pending = self._inflight.get(run.req_id)
             if pending is not None:

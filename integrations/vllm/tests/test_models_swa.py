@@ -105,7 +105,13 @@ def test_a_sliding_window_hybrid_restores_its_blocks_with_the_hybrid_manager_on(
     )
     assert full_restore.step("A")["num_cached_tokens"] == [A_FULL_BLOCKS * BLOCK_SIZE]
 
-    hybrid_read = restore.step("stats")["metrics"]["load_bytes"]
+    # what the engine reports about the restore stays vLLM's count of blocks; the window's
+    # blocks are counted apart
+    restored = restore.step("stats")["metrics"]
+    assert restored["lookup_hit_blocks"] == restored["load_done_blocks"] == A_FULL_BLOCKS
+    assert restored["sliding_window_load_done_blocks"] == 2  # tokens 513..576: blocks 16, 17
+    assert restored["sliding_window_lookup_hit_blocks"] == 2
+    hybrid_read = restored["load_bytes"]
     full_read = full_restore.step("stats")["metrics"]["load_bytes"]
     hybrid_stored = store.step("stats")["metrics"]["save_bytes"]
     full_stored = full_store.step("stats")["metrics"]["save_bytes"]

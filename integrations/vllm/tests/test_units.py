@@ -540,3 +540,64 @@ def test_a_group_the_connector_cannot_restore_is_refused_in_one_line() -> None:
         cache_layout(_groups_config(FullAttentionSpec(**dense), mamba))
     message = str(refused.value)
     assert message.startswith("KV cache group 1 (MambaSpec, 2 layers): ") and "\n" not in message
+
+
+def test_a_hybrid_request_loads_and_saves_each_group_in_its_own_blocks(vllm_config: Any) -> None:
+    """The scheduler side of a hybrid model whose full-attention group is vLLM's group 1: a
+    restore needs the full group's leading run and the window's blocks of the sliding group
+    (group 0); each run names its own group and block ids; a missing window restores nothing;
+    a save stores the sliding group's blocks vLLM still holds (not its null placeholders)."""
+    import copy
+    from types import SimpleNamespace
+
+    import numpy as np
+    from kvcore_vllm.keys import hashed_request
+    from kvcore_vllm.scheduler import SchedulerSide
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.distributed_executor_backend = "uni"  # memory: one process
+    dense = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    kv_config = _groups_config(
+        SlidingWindowSpec(**dense, sliding_window=64), FullAttentionSpec(**dense)
+    )
+    side = SchedulerSide(config, kv_config, ConnectorSettings(backend="memory", namespace="hyb"))
+    full, swa = side.stores
+    assert (full.group.index, swa.group.index) == (1, 0)
+    tokens = [(7 * i) % 500 + 1 for i in range(10 * BLOCK_SIZE + 4)]
+    request = hashed_request(config, "h1", tokens, max_tokens=4)
+
+    def store(group_store: Any, first: int, end: int) -> None:
+        backend = group_store.handles[0].get()
+        part = group_store.layout.part_bytes("k")
+        arrays = [np.zeros(part, np.uint8) for _ in range(2 * (end - first))]
+        ptrs = tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)
+                     for i in range(end - first))  # fmt: skip
+        keys = group_store.keys.keys(request, first, end)
+        host = kvcore.HostBuffers(ptrs=ptrs, nbytes=(part, part))
+        done = backend.write(backend.request("fill", keys, start_block=first, host=host))
+        assert done == end - first
+
+    store(full, 0, 10)
+    # the window of a restore of 10 blocks (next token 320: tokens 257..320) is blocks 8, 9
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False), "no window stored"
+    assert side.counters.take()["lookup_window_missing"] == 1
+    store(swa, 8, 10)
+    assert side.get_num_new_matched_tokens(request, 0) == (10 * BLOCK_SIZE, False)
+    full_ids = list(range(21, 31))
+    swa_ids = [0] * 8 + [41, 42]  # vLLM's null placeholders before the window
+    blocks = SimpleNamespace(get_block_ids=lambda: (swa_ids, full_ids))
+    side.update_state_after_alloc(request, blocks, 10 * BLOCK_SIZE)
+    loads = {(run.group, run.start_block, tuple(run.block_ids)) for run in side._loads}
+    assert loads == {(1, 0, tuple(full_ids)), (0, 8, (41, 42))}
+
+    # a request computed from scratch whose sliding blocks 0..6 were already freed by vLLM
+    other = hashed_request(config, "h2", [t + 1 for t in tokens], max_tokens=4)
+    side.get_num_new_matched_tokens(other, 0)
+    side.update_state_after_alloc(other, blocks, 0)
+    other.num_computed_tokens = len(tokens)
+    held = [0] * 7 + [51, 52, 53]
+    assert side.request_finished_all_groups(other, (held, list(range(60, 70))))[0]
+    saves = {(run.group, run.start_block, tuple(run.block_ids)) for run in side._final_saves}
+    assert saves == {(1, 0, tuple(range(60, 70))), (0, 7, (51, 52, 53))}
+    side.close()
