@@ -91,6 +91,14 @@ class ConnectorSettings(_StoreSettings):
         "the same TP degree; per_head: one per part per block per KV head, so engines of any "
         "TP degree share blocks (more, smaller objects: docs/vllm.md)",
     )
+    load_mode: Literal["auto", "async", "sync"] = Field(
+        default="auto",
+        description="async: a restoring request waits for its blocks outside the batch "
+        "(vLLM's WAITING_FOR_REMOTE_KVS) and a failed load recomputes the request; sync: "
+        "blocks load inside the step that uses them, a failed block is recomputed alone; "
+        "auto: async for hybrid models (vLLM recovers their failed loads only that way, and a "
+        "Mamba state must be in place before vLLM's step copies it), else sync",
+    )
     save_decode_blocks: bool = Field(
         default=True,
         description="also store blocks filled by generated tokens (multi-turn chats reuse them)",

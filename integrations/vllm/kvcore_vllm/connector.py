@@ -174,6 +174,17 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         with _timed(side.counters, "worker_hook_seconds"):
             return side.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished`` plus the background loads that failed (vLLM recomputes them)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        side = self._worker()
+        with _timed(side.counters, "worker_hook_seconds"):
+            done, loaded, failed = side.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=done, finished_recving=loaded, failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
 

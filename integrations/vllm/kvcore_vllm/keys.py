@@ -132,7 +132,8 @@ def model_settings(vllm_config: Any) -> dict[str, str]:
 
 def _group_text(group: CacheGroup) -> str:
     layers = hashlib.sha256(",".join(group.layer_names).encode()).hexdigest()[:16]
-    return f"{group.index}:{group.kind}:{group.window}:{layers}"
+    text = f"{group.index}:{group.kind}:{group.window}:{layers}"
+    return text if group.state is None else f"{text}:{group.state}"
 
 
 def hash_algo(vllm_config: Any) -> str:

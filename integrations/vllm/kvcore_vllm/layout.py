@@ -46,8 +46,16 @@ spec (``kv_spec: mla``), so an MLA block never restores into a model with separa
 Being replicated, it is stored once per block, not once per rank (:func:`replicated_across_tp`;
 :class:`kvcore_vllm.context.StoredRanks`).
 
-Anything else (hybrid models, padded pages, quantised caches with separate scales, float32
-caches, which kvcore's layout cannot name) is refused with an error that says what was found.
+**Mamba state** (Qwen3-Next's gated delta net, Granite 4 and Nemotron-H's Mamba-2, ...): with
+prefix caching on, vLLM keeps the recurrent state reached at a block boundary in that block
+(``mamba_cache_mode`` ``align``): block ``i`` of a Mamba group holds the state after token
+``(i + 1) * block_size - 1``, one page per layer that holds every state tensor (conv, SSM)
+and the padding vLLM adds to match the attention pages. A page is moved whole, as bytes
+(:func:`map_state_tensors`): it is described to kvcore as ``uint8`` blocks of half a page per
+half. The key scope names the state's shapes and dtypes (:attr:`CacheGroup.state`).
+
+Anything else (padded attention pages, quantised caches with separate scales, float32 K/V,
+which kvcore's layout cannot name) is refused with an error that says what was found.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ __all__ = [
     "cache_layout",
     "kv_dtype_name",
     "map_layer_tensors",
+    "map_state_tensors",
     "replicated_across_tp",
 ]
 
@@ -96,8 +105,10 @@ def kv_dtype_name(dtype: Any) -> str:
 class CacheGroup:
     """One KV cache group of vLLM's ``KVCacheConfig`` the connector stores.
 
-    ``kind`` is ``full`` (full attention), ``sliding_window`` or ``mla``; ``window`` the
-    sliding window in tokens (its retained tokens added), None for the others.
+    ``kind`` is ``full`` (full attention), ``sliding_window``, ``mla`` or ``mamba``; ``window``
+    the tokens a restore needs before its position: the sliding window (its retained tokens
+    added), one block for Mamba (the state at the boundary), None for the others. ``state``
+    describes a Mamba group's state (shapes, dtypes, kind) for its key scope.
     """
 
     index: int
@@ -105,6 +116,12 @@ class CacheGroup:
     layer_names: tuple[str, ...]
     spec: Any
     window: int | None = None
+    state: str | None = None
+
+    @property
+    def is_state(self) -> bool:
+        """A recurrent state: a restore needs exactly the block ending at its position."""
+        return self.kind == "mamba"
 
     def first_needed_block(self, computed_blocks: int, block_size: int) -> int:
         """The first block a restore of ``computed_blocks`` blocks needs in this group: 0 for
@@ -118,9 +135,11 @@ class CacheGroup:
 
 def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
     """The groups the connector stores, full attention first; one line naming the group and
-    why for anything it cannot store (Mamba state, cross-attention, an MLA hybrid, ...)."""
+    why for anything it cannot store (cross-attention, an MLA hybrid, Mamba state that vLLM
+    does not keep per block, ...)."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -145,10 +164,21 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
             )
         elif isinstance(spec, FullAttentionSpec):
             found.append(CacheGroup(index, "full", tuple(group.layer_names), _dense(spec, where)))
+        elif isinstance(spec, MambaSpec):
+            found.append(
+                CacheGroup(
+                    index,
+                    "mamba",
+                    tuple(group.layer_names),
+                    _mamba_spec(spec, where),
+                    window=int(spec.block_size),
+                    state=_state_text(spec),
+                )
+            )
         else:
             raise UnsupportedCacheError(
-                f"{where}: KVCoreConnector stores full-attention, sliding-window and MLA groups; "
-                "this group's state cannot be restored from blocks"
+                f"{where}: KVCoreConnector stores full-attention, sliding-window, MLA and Mamba "
+                "groups; this group's cache cannot be restored from blocks"
             )
     sizes = {g.spec.block_size for g in found}
     if len(sizes) != 1:
@@ -157,8 +187,8 @@ def cache_groups(kv_cache_config: Any) -> list[CacheGroup]:
         )
     if not any(g.window is None for g in found):
         raise UnsupportedCacheError(
-            "every KV cache group is a sliding window; KVCoreConnector keys restores by a "
-            "full-attention (or MLA) group"
+            "every KV cache group is a sliding window or a Mamba state; KVCoreConnector keys "
+            "restores by a full-attention (or MLA) group"
         )
     return sorted(found, key=lambda g: (g.window is not None, g.index))
 
@@ -210,6 +240,43 @@ def _mla_spec(spec: Any) -> Any:
     return spec
 
 
+def _mamba_spec(spec: Any, where: str) -> Any:
+    """A Mamba group's spec, after refusing the states no block boundary holds."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedCacheError(
+            f"{where}: mamba_cache_mode is {mode!r}, so vLLM keeps no state at block "
+            "boundaries to store; turn prefix caching on (mamba_cache_mode 'align')"
+        )
+    odd = {
+        "num_speculative_blocks": getattr(spec, "num_speculative_blocks", 0) or None,
+        "tp_replicated": getattr(spec, "tp_replicated", False) or None,
+    }
+    found = {k: v for k, v in odd.items() if v is not None}
+    if found:
+        raise UnsupportedCacheError(
+            f"{where}: Mamba spec has {sorted(found)}; KVCoreConnector stores one state per "
+            "block boundary, sharded like the attention heads, without speculative blocks"
+        )
+    if spec.page_size_bytes % (2 * spec.block_size):
+        raise UnsupportedCacheError(
+            f"{where}: a state page of {spec.page_size_bytes} bytes is not two halves of "
+            f"{spec.block_size} rows"
+        )
+    return spec
+
+
+def _state_text(spec: Any) -> str:
+    """What a Mamba state is, for its key scope: two models share a state only when all of it
+    is the same (a float32 SSM state never restores into a bfloat16 one)."""
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    shapes = ";".join(
+        f"{'x'.join(str(n) for n in shape)}:{str(dtype).removeprefix('torch.')}"
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+    )
+    return f"{kind}[{shapes}]page{spec.page_size_bytes}"
+
+
 def replicated_across_tp(kv_cache_config: Any) -> bool:
     """Whether every TP rank holds the same cache (MLA's latent): stored once, read by all."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -226,6 +293,19 @@ def cache_layout(
     group = group or cache_groups(kv_cache_config)[0]
     spec = group.spec
     num_layers = len(group.layer_names)
+    if group.is_state:  # a page of bytes, as two halves (docstring)
+        if per_head:
+            raise UnsupportedCacheError(
+                f"KV cache group {group.index} (Mamba state): object_layout per_head stores "
+                "attention heads; a state is stored per rank (object_layout per_rank)"
+            )
+        return kvcore.CacheLayout(
+            num_layers=num_layers,
+            num_heads=1,
+            block_size=spec.block_size,
+            head_dim=spec.page_size_bytes // (2 * spec.block_size),
+            dtype="uint8",
+        )
     if group.kind == "mla":  # a latent as two halves (docstring)
         return kvcore.CacheLayout(
             num_layers=num_layers,
@@ -393,3 +473,53 @@ def map_layer_tensors(
         )
     scale = 2 if form == FORM_JOINED else 1
     return LayerMapping(k=k, v=v, id_scale=scale, kv_format=form, layout=layout)
+
+
+def map_state_tensors(
+    kv_caches: dict[str, Any],
+    layer_names: list[str],
+    layout: kvcore.CacheLayout,
+    num_blocks: int,
+) -> LayerMapping:
+    """Map a Mamba group's layers for kvcore: each layer's state tensors (conv, SSM, ...) are
+    views into one page per block; the pages, as ``uint8`` rows, are what is stored."""
+    page = 2 * layout.kv_layer_block_bytes
+    pages: dict[str, Any] = {}
+    for name in layer_names:
+        states = kv_caches.get(name)
+        if states is None:
+            raise UnsupportedCacheError(
+                f"register_kv_caches got no tensor for layer {name!r} of the Mamba group"
+            )
+        pages[name] = _state_pages(name, states, num_blocks, page)
+    return map_layer_tensors(pages, layer_names, layout, num_blocks)
+
+
+def _state_pages(name: str, states: Any, num_blocks: int, page: int) -> Any:
+    """One layer's pages as a ``[num_blocks, page]`` uint8 view over vLLM's memory, after
+    checking that every state tensor lies inside its block's page."""
+    import torch
+
+    tensors = list(states) if isinstance(states, (list, tuple)) else [states]
+    base = min(t.data_ptr() for t in tensors)
+    storage = tensors[0].untyped_storage()
+    start = base - storage.data_ptr()
+    for t in tensors:
+        inside = (
+            t.untyped_storage().data_ptr() == storage.data_ptr()
+            and t.shape[0] == num_blocks
+            and t.stride(0) * t.element_size() == page
+            and t[0].is_contiguous()
+            and t.data_ptr() - base + t[0].numel() * t.element_size() <= page
+        )
+        if not inside:
+            raise UnsupportedCacheError(
+                f"layer {name!r}: a state tensor ({_describe(t)}) is not {num_blocks} pages of "
+                f"{page} bytes of one allocation"
+            )
+    if start < 0 or start + num_blocks * page > storage.nbytes():
+        raise UnsupportedCacheError(
+            f"layer {name!r}: {num_blocks} pages of {page} bytes overrun the state's memory"
+        )
+    view = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
+    return view.set_(storage, start, (num_blocks, page), (page, 1))

@@ -38,9 +38,12 @@ class StepMetadata(KVConnectorMetadata):
     - ``loads``: runs to restore before this step's forward pass (the scheduler already counted
       them as computed);
     - ``saves``: runs that become full blocks during this step, stored after it;
-    - ``preempted``: requests whose blocks vLLM is about to reuse (their saves must finish).
+    - ``preempted``: requests whose blocks vLLM is about to reuse (their saves must finish);
+    - ``async_loads``: the loads run in the background, each request answered through
+      ``get_finished`` when all of its runs are in (else they finish before the forward pass).
     """
 
     loads: list[BlockRun] = field(default_factory=list)
+    async_loads: bool = False
     saves: list[BlockRun] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)

@@ -7,7 +7,9 @@ decisions into :class:`~kvcore_vllm.metadata.StepMetadata` for the workers.
 Block protocol (vLLM's ``KVConnectorBase_V1``):
 
 - ``get_num_new_matched_tokens``: blocks past vLLM's own prefix-cache hit that every rank has,
-  capped so at least the prompt's last token is computed (vLLM needs its logits);
+  capped so at least the prompt's last token is computed (vLLM needs its logits); loaded in
+  the step that uses them, or in the background while the request waits outside the batch
+  (``load_mode``; always for hybrid models);
 - ``update_state_after_alloc``: the blocks vLLM allocated for them become a load;
 - ``build_connector_meta``: this step's loads, plus a save of every block that becomes full
   during the step (prompt and, unless disabled, generated tokens);
@@ -47,6 +49,9 @@ log = logging.getLogger("vllm.kvcore_vllm.scheduler")
 #: vLLM's placeholder in a block table (a sliding window's blocks before its window)
 NULL_BLOCK = 0
 
+#: Boundaries a lookup asks a Mamba group for before it gives up (each one a query)
+STATE_PROBES = 8
+
 
 @dataclass
 class _Tracked:
@@ -76,6 +81,10 @@ class SchedulerSide:
         self.loads_enabled = role in ("kv_consumer", "kv_both")
         self.saves_enabled = role in ("kv_producer", "kv_both")
         self.groups = cache_groups(kv_cache_config)
+        #: whether restoring requests wait for their blocks outside the batch (ConnectorSettings)
+        self.load_async = settings.load_mode == "async" or (
+            settings.load_mode == "auto" and len(self.groups) > 1
+        )
         replicated = self.groups[0].kind == "mla"
         per_head = settings.object_layout == "per_head" and not replicated  # MLA: one slice
         self.block_size = int(self.groups[0].spec.block_size)
@@ -268,15 +277,22 @@ class SchedulerSide:
         found = self._other_groups_have(request, start, found)
         if found:
             self._hits[request.request_id] = (start, found)
-        return found * bs, False
+        return found * bs, bool(found) and self.load_async
 
     def _other_groups_have(self, request: Any, start: int, found: int) -> int:
         """``found`` blocks from ``start`` as far as every other group can restore them: a
-        full-attention group its leading run, a sliding-window group the whole window before
-        the restored position (else nothing: half a window is never loaded)."""
-        for store in self.stores[1:]:
+        full-attention group its leading run, a Mamba group the state at the restored
+        position (the restore ends at the last boundary inside the run whose state is
+        stored), a sliding-window group the whole window before the restored position (else
+        nothing: half a window is never loaded). Windows are checked last, at the final end."""
+        # attention runs shrink ``found``, a state picks a boundary inside it, windows check it
+        rank = {"full": 0, "mla": 0, "mamba": 1, "sliding_window": 2}
+        for store in sorted(self.stores[1:], key=lambda s: rank[s.group.kind]):
             if not found:
                 break
+            if store.group.is_state:
+                found = self._state_boundary(request, store, start, found)
+                continue
             end = start + found
             first = max(start, store.group.first_needed_block(end, self.block_size))
             if first >= end:
@@ -288,6 +304,16 @@ class SchedulerSide:
                 self.counters.add(lookup_window_missing=1)
                 found = 0
         return found
+
+    def _state_boundary(self, request: Any, store: _GroupStore, start: int, found: int) -> int:
+        """Blocks from ``start`` up to the last block (of the first ``found``) whose state
+        ``store`` holds; a state is kept at some boundaries only (where vLLM's steps ended), so
+        up to :data:`STATE_PROBES` boundaries are asked for, the latest first."""
+        for block in range(start + found - 1, max(start, start + found - STATE_PROBES) - 1, -1):
+            if self._lookup(request, store.keys.keys(request, block, block + 1), block, store):
+                return block + 1 - start
+        self.counters.add(lookup_state_missing=1)
+        return 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._track(request)
@@ -316,6 +342,8 @@ class SchedulerSide:
         )
         self._loads.append(run)
         self._last_load[request.request_id] = run
+        # (a background load needs nothing more here: vLLM holds the blocks of a request
+        # waiting for remote KV, an aborted one's too, until the worker answers it)
         self._loads.extend(self._group_runs(request, all_ids, start, start + n))
         if self.events is not None:
             self.events.known(request, keys, start)
@@ -356,6 +384,7 @@ class SchedulerSide:
         so = scheduler_output
         meta = StepMetadata(
             loads=self._loads,
+            async_loads=self.load_async,
             saves=self._final_saves,
             preempted=set(so.preempted_req_ids or ()),
         )
@@ -442,8 +471,10 @@ class SchedulerSide:
         for store in self.stores[1:]:
             ids = list(all_ids[store.group.index])
             stop = min(full, len(ids))
-            start = first
-            for i in range(stop - 1, first - 1, -1):
+            # a state block holds its boundary's state only when a step ended there: the
+            # last full block, written in this step
+            start = max(first, stop - 1) if store.group.is_state else first
+            for i in range(stop - 1, start - 1, -1):
                 if ids[i] == NULL_BLOCK:
                     start = i + 1
                     break
@@ -468,6 +499,12 @@ class SchedulerSide:
         """
         if self.events is not None and connector_output.kv_cache_events is not None:
             self.events.receive(connector_output.kv_cache_events)
+        # a background load that failed: vLLM recomputes the whole request, store it again
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self._last_load.pop(req_id, None)
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.saved_upto = 0
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid:
             return

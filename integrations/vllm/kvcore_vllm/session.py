@@ -15,7 +15,8 @@ starts), ``kv_transfer_config`` (instead of ``connector``: any other connector, 
 there over ZMQ, the connector's included), ``steps``.
 
 Steps (``op``): ``generate`` (``prompts``: token-id lists, or ``{"after": STEP, "extra": [...]}``
-for a next chat turn of an earlier step, ``max_tokens``; returns tokens,
+for a next chat turn of an earlier step, ``max_tokens``, ``logprobs`` (also return each sampled
+token's logprob); returns tokens,
 ``num_cached_tokens``, the wall time and, from vLLM's request stats, ``ttft_s`` and
 ``decode_step_s``), ``reset_prefix_cache`` (drops vLLM's own prefix cache,
 so the next prompt can only hit the connector), ``log_stats`` (forces vLLM's stat log and
@@ -99,6 +100,31 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 32,
+        "vocab_size": 512,
+        "max_position_embeddings": 2048,
+    },
+    # Qwen3-Next: gated delta net (Mamba-style state) layers between full-attention ones, two KV
+    # cache groups; vLLM's CPU GDN kernel needs 128-wide linear heads, and with 4 x 128-wide
+    # KV heads an attention page of 64 tokens holds the state (vLLM picks block size 64)
+    "mamba": {
+        "model_type": "qwen3_next",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 1,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "mlp_only_layers": [],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
         "vocab_size": 512,
         "max_position_embeddings": 2048,
     },
@@ -284,6 +310,9 @@ def _generate(
         max_tokens=step.get("max_tokens", 8),
         ignore_eos=True,  # random models emit EOS at random: keep every output's length
         detokenize=False,
+        # each sampled token's logprob: a restore that computes the same KV gives the same
+        # float, while a near-miss (a wrong recurrent state) may still pick the same tokens
+        logprobs=0 if step.get("logprobs") else None,
     )
     token_lists = [_prompt(p, history) for p in step["prompts"]]
     fields = [_request_fields(p, _LORAS) for p in step["prompts"]]
@@ -315,7 +344,20 @@ def _generate(
         "tokens": tokens,
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs],
         "seconds": seconds,
+        **(
+            {"logprobs": [_sampled_logprobs(o.outputs[0]) for o in outputs]}
+            if step.get("logprobs")
+            else {}
+        ),
     }
+
+
+def _sampled_logprobs(completion: Any) -> list[float]:
+    """The logprob of each token ``completion`` sampled."""
+    return [
+        float(step[token].logprob)
+        for token, step in zip(completion.token_ids, completion.logprobs or (), strict=True)
+    ]
 
 
 def _reset_prefix_cache(llm: Any, in_process: bool, timeout_s: float = 30.0) -> bool:

@@ -38,6 +38,7 @@ from kvcore_vllm.layout import (
     cache_groups,
     cache_layout,
     map_layer_tensors,
+    map_state_tensors,
 )
 from kvcore_vllm.metadata import BlockRun, StepMetadata
 from kvcore_vllm.stats import CounterSet, delta
@@ -114,6 +115,8 @@ class WorkerSide:
         self._with_saves: set[str] = set()  # reqs the scheduler delays freeing for
         self._finished: set[str] = set()  # of those, the ones vLLM finished
         self._load_errors: set[int] = set()
+        #: requests loading in the background: (when submitted, their runs and futures)
+        self._loading: dict[str, tuple[float, list[tuple[BlockRun, list[Future | None]]]]] = {}
         self._snapshots: dict[str, dict[str, float]] = {}
         self._closed = False
         self._events_wanted = events_enabled(vllm_config)
@@ -138,7 +141,11 @@ class WorkerSide:
         pieces = self.plan.pieces if isinstance(self.plan, HeadSlices) else 0
         for io in self.io.values():
             names = list(io.group.layer_names)
-            io.mapping = map_layer_tensors(kv_caches, names, io.layout, self.num_blocks, pieces)
+            io.mapping = (
+                map_state_tensors(kv_caches, names, io.layout, self.num_blocks)
+                if io.group.is_state
+                else map_layer_tensors(kv_caches, names, io.layout, self.num_blocks, pieces)
+            )
             io.cache = DeviceCache(io.mapping.layout, io.mapping.k, io.mapping.v)
             self._on_gpu = bool(getattr(io.cache, "on_gpu", False))
             log.info(
@@ -197,9 +204,23 @@ class WorkerSide:
             return
         assert self.mapping is not None, "register_kv_caches was not called"
         t0 = time.monotonic()
+        pending = self._submit_loads(meta.loads)
+        if meta.async_loads:
+            # answered by get_finished once every run of the request is in; until then vLLM
+            # keeps the request out of the batch and its blocks allocated (also when it is
+            # aborted: vLLM frees them on this answer, so no load writes into reused blocks)
+            with self._lock:
+                for run, futures in pending:
+                    self._loading.setdefault(run.req_id, (t0, []))[1].append((run, futures))
+            return
+        failed = self._collect_loads(pending, t0)
+        with self._lock:
+            self._load_errors.update(failed)
+
+    def _submit_loads(self, runs: list[BlockRun]) -> list[tuple[BlockRun, list[Future | None]]]:
+        """Start reading ``runs``: for each, one read per slice this rank holds."""
         pending: list[tuple[BlockRun, list[Future | None]]] = []
-        nbytes = 0
-        for run in meta.loads:
+        for run in runs:
             manager = self._transfer_manager(run.group)
             futures: list[Future | None] = []
             for piece in self.slices:  # every slice this rank holds, written here or not
@@ -212,11 +233,18 @@ class WorkerSide:
                         log.warning("KVCoreConnector: load of %s refused: %s", run.req_id, exc)
                 futures.append(fut)
             pending.append((run, futures))
-        asked = done = runs = 0
+        return pending
+
+    def _collect_loads(
+        self, pending: list[tuple[BlockRun, list[Future | None]]], t0: float
+    ) -> list[int]:
+        """Wait for ``pending`` loads, count them, and return vLLM's ids of the blocks that
+        did not load (a block is restored when every slice of it is)."""
+        nbytes = asked = done = runs = 0
         failed: list[int] = []
         other_groups: dict[str, float] = {}
         for run, futures in pending:
-            got = run.num_blocks  # a block is restored when every slice of it is
+            got = run.num_blocks
             for fut in futures:
                 read = 0
                 if fut is not None:
@@ -231,12 +259,10 @@ class WorkerSide:
                 runs += 1
                 asked += run.num_blocks
                 done += got
-            else:  # a sliding window's share, counted apart: load_blocks stays vLLM's count
+            else:  # another group's share, counted apart: load_blocks stays vLLM's count
                 kind = self.io[run.group].group.kind
                 for name, value in (("load_blocks", run.num_blocks), ("load_done_blocks", got)):
                     other_groups[f"{kind}_{name}"] = other_groups.get(f"{kind}_{name}", 0) + value
-        with self._lock:
-            self._load_errors.update(failed)
         self.counters.add(**other_groups)
         self.counters.add(
             load_requests=runs,
@@ -246,6 +272,27 @@ class WorkerSide:
             load_bytes=nbytes,
             load_seconds=time.monotonic() - t0,
         )
+        return failed
+
+    def _finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose background loads are all in, and those of them with a block that did
+        not load (vLLM recomputes such a request: a hybrid model's block ids cannot name the
+        failed blocks alone)."""
+        with self._lock:
+            ready = [
+                req
+                for req, (_, runs) in self._loading.items()
+                if all(f is None or f.done() for _, futures in runs for f in futures)
+            ]
+            taken = {req: self._loading.pop(req) for req in ready}
+        failed: set[str] = set()
+        for req, (t0, runs) in taken.items():
+            if self._collect_loads(runs, t0):
+                failed.add(req)
+            self.counters.add(load_async_requests=1, load_wait_seconds=time.monotonic() - t0)
+        if failed:
+            self.counters.add(load_failed_requests=len(failed))
+        return set(taken), failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -336,14 +383,20 @@ class WorkerSide:
                 if not pending:
                     del self._inflight[run.req_id]
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        """Requests whose blocks vLLM may free now: finished, and their saves answered."""
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(requests whose blocks vLLM may free now: finished, their saves and loads answered;
+        requests whose background loads are in; those of them that failed)."""
+        loaded, failed = self._finished_loads()
         with self._lock:
             self._finished.update(r for r in finished_req_ids if r in self._with_saves)
             done = {r for r in self._finished if r not in self._inflight}
             self._finished -= done
             self._with_saves -= done
-        return (done or None), None
+        return done, loaded, failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, loaded, _ = self.transfer_results(finished_req_ids)
+        return (done or None), (loaded or None)
 
     def handle_preemptions(self, meta: StepMetadata) -> None:
         """vLLM is about to reuse preempted requests' blocks: let their saves finish first."""

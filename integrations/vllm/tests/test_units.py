@@ -583,7 +583,8 @@ def test_a_hybrid_request_loads_and_saves_each_group_in_its_own_blocks(vllm_conf
     assert side.get_num_new_matched_tokens(request, 0) == (0, False), "no window stored"
     assert side.counters.take()["lookup_window_missing"] == 1
     store(swa, 8, 10)
-    assert side.get_num_new_matched_tokens(request, 0) == (10 * BLOCK_SIZE, False)
+    # a hybrid model's blocks load in the background (load_mode auto)
+    assert side.get_num_new_matched_tokens(request, 0) == (10 * BLOCK_SIZE, True)
     full_ids = list(range(21, 31))
     swa_ids = [0] * 8 + [41, 42]  # vLLM's null placeholders before the window
     blocks = SimpleNamespace(get_block_ids=lambda: (swa_ids, full_ids))
@@ -600,4 +601,115 @@ def test_a_hybrid_request_loads_and_saves_each_group_in_its_own_blocks(vllm_conf
     assert side.request_finished_all_groups(other, (held, list(range(60, 70))))[0]
     saves = {(run.group, run.start_block, tuple(run.block_ids)) for run in side._final_saves}
     assert saves == {(1, 0, tuple(range(60, 70))), (0, 7, (51, 52, 53))}
+    side.close()
+
+
+# -- Mamba state groups ----------------------------------------------------------------------
+
+
+def _mamba_spec(ssm_dtype: Any = torch.float32, mode: str = "align") -> Any:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    # a conv state of 3 x 16 bfloat16 and an SSM state of 2 x 8 x 8, padded to one attention
+    # page (2 KV heads x 32 x 32 x 2 bytes x K and V = 8 KiB)
+    return MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=((3, 16), (2, 8, 8)),
+        dtypes=(torch.bfloat16, ssm_dtype),
+        page_size_padded=8192,
+        mamba_cache_mode=mode,
+    )
+
+
+def test_a_mamba_group_is_stored_as_whole_state_pages_under_a_scope_naming_the_state() -> None:
+    from kvcore_vllm.keys import _group_text
+    from kvcore_vllm.layout import cache_groups, map_state_tensors
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    dense = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    config = _groups_config(_mamba_spec(), FullAttentionSpec(**dense))
+    full, state = cache_groups(config)
+    assert (full.kind, state.kind, state.window, state.is_state) == ("full", "mamba", 32, True)
+    # a restore of 10 blocks needs the state at token 320: block 9's
+    assert state.first_needed_block(10, BLOCK_SIZE) == 9
+    layout = cache_layout(config, group=state)
+    assert (layout.dtype.value, 2 * layout.kv_layer_block_bytes) == ("uint8", 8192)
+    with pytest.raises(UnsupportedCacheError, match="object_layout per_head"):
+        cache_layout(config, per_head=True, group=state)
+    # two models whose states differ in dtype never share a key scope
+    other = cache_groups(_groups_config(_mamba_spec(torch.bfloat16), FullAttentionSpec(**dense)))
+    assert _group_text(state) != _group_text(other[1])
+    assert "bfloat16" in _group_text(other[1]) and "float32" in _group_text(state)
+
+    # vLLM's views: one raw page per block, each state a strided view starting in it
+    raw = torch.arange((NUM_BLOCKS + 1) * 8192, dtype=torch.int64).to(torch.uint8)
+    conv = torch.as_strided(raw.view(torch.bfloat16), (NUM_BLOCKS, 3, 16), (4096, 16, 1))
+    ssm = torch.as_strided(raw.view(torch.float32), (NUM_BLOCKS, 2, 8, 8), (2048, 64, 8, 1), 24)
+    names = list(state.layer_names)
+    mapping = map_state_tensors({n: [conv, ssm] for n in names}, names, layout, NUM_BLOCKS)
+    pages = mapping.k + mapping.v
+    assert all(p.data_ptr() == raw.data_ptr() for p in pages[:1])
+    assert bytes(pages[0][3].numpy()) == bytes(raw[3 * 8192 : 4 * 8192].numpy())
+    # a state that runs past its page is refused, naming the layer
+    wide = torch.as_strided(raw.view(torch.float32), (NUM_BLOCKS, 2, 8, 8), (2048, 64, 8, 1), 2000)
+    with pytest.raises(UnsupportedCacheError, match=names[0]):
+        map_state_tensors({n: [conv, wide] for n in names}, names, layout, NUM_BLOCKS)
+    # vLLM keeps no per-block state without prefix caching: refused in one line
+    with pytest.raises(UnsupportedCacheError, match="mamba_cache_mode is 'none'"):
+        cache_groups(_groups_config(FullAttentionSpec(**dense), _mamba_spec(mode="none")))
+
+
+def test_a_mamba_restore_ends_at_a_stored_state_and_saves_store_the_state_of_each_step(
+    vllm_config: Any,
+) -> None:
+    """The scheduler side of a Mamba hybrid: a restore ends at the last boundary inside the
+    attention run whose state is stored and loads that one state block; a save stores the
+    state block of the step's last full block only (the blocks before it hold no state)."""
+    import copy
+    from types import SimpleNamespace
+
+    import numpy as np
+    from kvcore_vllm.keys import hashed_request
+    from kvcore_vllm.scheduler import SchedulerSide
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.distributed_executor_backend = "uni"  # memory: one process
+    dense = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    kv_config = _groups_config(FullAttentionSpec(**dense), _mamba_spec())
+    side = SchedulerSide(config, kv_config, ConnectorSettings(backend="memory", namespace="mb"))
+    full, state = side.stores
+    tokens = [(5 * i) % 500 + 1 for i in range(10 * BLOCK_SIZE + 4)]
+    request = hashed_request(config, "m1", tokens, max_tokens=4)
+
+    def store(group_store: Any, first: int, end: int) -> None:
+        backend = group_store.handles[0].get()
+        part = group_store.layout.part_bytes("k")
+        arrays = [np.zeros(part, np.uint8) for _ in range(2 * (end - first))]
+        ptrs = tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)
+                     for i in range(end - first))  # fmt: skip
+        keys = group_store.keys.keys(request, first, end)
+        host = kvcore.HostBuffers(ptrs=ptrs, nbytes=(part, part))
+        assert backend.write(backend.request("fill", keys, start_block=first, host=host))
+
+    store(full, 0, 10)
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False), "no state stored"
+    assert side.counters.take()["lookup_state_missing"] == 1
+    store(state, 5, 6)  # the state at token 192
+    assert side.get_num_new_matched_tokens(request, 0) == (6 * BLOCK_SIZE, True)
+    state_ids = [0] * 5 + [71, 72]  # vLLM: the restored state's block, then the running one
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(21, 28)), state_ids))
+    side.update_state_after_alloc(request, blocks, 6 * BLOCK_SIZE)
+    loads = {(run.group, run.start_block, tuple(run.block_ids)) for run in side._loads}
+    assert loads == {(0, 0, tuple(range(21, 27))), (1, 5, (71,))}
+
+    # a save of blocks 0..9 stores the attention blocks and block 9's state only
+    other = hashed_request(config, "m2", [t + 1 for t in tokens], max_tokens=4)
+    side.get_num_new_matched_tokens(other, 0)
+    side.update_state_after_alloc(other, blocks, 0)
+    other.num_computed_tokens = len(tokens)
+    held = [0, 0, 0, 0, 81, 0, 0, 0, 0, 82, 83]  # a state kept at block 4, then 9 and running
+    assert side.request_finished_all_groups(other, (list(range(60, 71)), held))[0]
+    saves = {(run.group, run.start_block, tuple(run.block_ids)) for run in side._final_saves}
+    assert saves == {(0, 0, tuple(range(60, 70))), (1, 9, (82,))}
     side.close()
