@@ -29,8 +29,17 @@ Every engine is a fresh process; each one first serves a short warm-up prompt.
   object beside each block, checked on every read: kv_mooncake keeps no checksum) and with
   ``verify_blocks="never"``, which checks as little as vLLM's connector does.
 
+- **A sliding-window hybrid, hybrid manager on vs as full attention** (``--only hybrid``):
+  the tiny random Gemma 3 of the connector's tests (4 layers, a 64-token window on 2 of them)
+  stores a 1,800-token prompt into kv_file and a fresh engine restores it, once with vLLM's
+  hybrid KV cache manager on and once as full attention (``disable_hybrid_kv_cache_manager``,
+  what vLLM does for a connector without hybrid support). Figures: the bytes storing the prompt
+  writes and a restore reads (the connector's ``save_bytes``/``load_bytes``) and the restored
+  TTFT, each way; ratios hybrid over full attention (goal for the bytes a restore reads: < 1).
+  The hybrid restore's tokens are checked against its own recomputing engine.
+
 Contenders alternate within every repetition; figures and per-repetition paired ratios are
-reported as median, min and max. ``--only`` picks parts (ttft, decode, mooncake). With ``--json``,
+reported as median, min and max. ``--only`` picks parts (ttft, decode, mooncake, hybrid). With ``--json``,
 one JSON object on stdout; else a table. Needs vLLM: run it with integrations/vllm/.venv/bin/python (created
 by integrations/vllm/scripts/test.sh); another Python re-executes itself with that one.
 """
@@ -107,13 +116,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        default="ttft,decode,mooncake",
-        help="parts to run, comma-separated: ttft, decode, mooncake (default: all)",
+        default="ttft,decode,mooncake,hybrid",
+        help="parts to run, comma-separated: ttft, decode, mooncake, hybrid (default: all)",
     )
     args = ap.parse_args()
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if not parts or parts - {"ttft", "decode", "mooncake"}:
-        ap.error(f"--only {args.only!r}: expected some of ttft, decode, mooncake")
+    if not parts or parts - {"ttft", "decode", "mooncake", "hybrid"}:
+        ap.error(f"--only {args.only!r}: expected some of ttft, decode, mooncake, hybrid")
     if args.no_mooncake:
         parts.discard("mooncake")
     if "mooncake" in parts:
@@ -166,6 +175,9 @@ def main() -> None:
     mooncake_note = "skipped (--no-mooncake or --only)"
     if "mooncake" in parts:
         mooncake_note = _mooncake_side_by_side(args, reference, base, warm, long, workdir, report)
+
+    if "hybrid" in parts:
+        _hybrid(args, base, workdir, report)
 
     report.notes.update(
         {
@@ -229,6 +241,74 @@ def _ttft(
     report.notes["restored_tokens"] = restored_tokens
     report.notes["tokens_match"] = tokens_match
     return reference
+
+
+#: the hybrid part's prompt (the sliding-window model takes 2,048 positions)
+HYBRID_PROMPT_TOKENS = 1800
+
+
+def _hybrid(args: argparse.Namespace, base: dict[str, Any], workdir: Path, report: Report) -> None:
+    """A sliding-window hybrid stored and restored with the hybrid manager on and as full
+    attention: bytes written, bytes read and restored TTFT each way (module docstring)."""
+    from kvcore_vllm.session import MODEL_SIZES, run_in_subprocess, write_model
+
+    model = write_model(REPO / "integrations" / "vllm" / ".cache" / "models" / "swa", "swa")
+    size = MODEL_SIZES["swa"]
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, size["vocab_size"]) for _ in range(HYBRID_PROMPT_TOKENS)]
+    first = [rng.randrange(1, size["vocab_size"]) for _ in range(64)]
+    warm = {"op": "generate", "name": "warm", "prompts": [first], "max_tokens": 2}
+    long = {"op": "generate", "name": "long", "prompts": [prompt], "max_tokens": 8}
+    stats = {"op": "log_stats", "name": "stats"}
+    engine = {
+        **base,
+        "model": str(model),
+        "max_model_len": size["max_position_embeddings"],
+        "kv_cache_bytes": 64 << 20,
+        "vocab_size": size["vocab_size"],
+    }
+    ways = {"hybrid": {}, "full_attention": {"disable_hybrid_kv_cache_manager": True}}
+    seen: dict[str, dict[str, list[float]]] = {
+        way: {"stored": [], "read": [], "ttft": []} for way in ways
+    }
+    tokens_match = True
+    for rep in range(args.reps):
+        order = list(ways) if rep % 2 == 0 else list(reversed(ways))
+        for way in order:
+            spec = {**engine, **ways[way]}
+            connector = {
+                "backend": "file",
+                "backend_config": {"root": str(workdir / f"hybrid-{way}-{rep}")},
+                "namespace": "bench-hybrid",
+            }
+            fill = run_in_subprocess(
+                {**spec, "connector": connector, "steps": [warm, long, stats]},
+                workdir,
+                f"hybrid-{way}-fill-{rep}",
+            )
+            restore = run_in_subprocess(
+                {**spec, "connector": connector, "steps": [warm, long, stats]},
+                workdir,
+                f"hybrid-{way}-restore-{rep}",
+            )
+            seen[way]["stored"].append(fill.step("stats")["metrics"]["save_bytes"])
+            seen[way]["read"].append(restore.step("stats")["metrics"]["load_bytes"])
+            seen[way]["ttft"].append(restore.step("long")["ttft_s"][0])
+            if way == "hybrid":
+                tokens_match &= restore.step("long")["tokens"] == fill.step("long")["tokens"]
+    for way, got in seen.items():
+        report.figure(f"hybrid_swa_{way}_bytes_stored", got["stored"], "B")
+        report.figure(f"hybrid_swa_{way}_bytes_read_per_restore", got["read"], "B")
+        report.figure(f"hybrid_swa_{way}_ttft_restored_s", got["ttft"], "s")
+    hybrid, full = seen["hybrid"], seen["full_attention"]
+    report.ratio(
+        "hybrid_swa_bytes_read_vs_full_attention", hybrid["read"], full["read"], goal="< 1.0"
+    )
+    report.ratio("hybrid_swa_bytes_stored_vs_full_attention", hybrid["stored"], full["stored"])
+    report.ratio("hybrid_swa_ttft_restored_vs_full_attention", hybrid["ttft"], full["ttft"])
+    report.notes["hybrid_model"] = f"random Gemma 3 text: {size}, bfloat16; block 32 tokens"
+    report.notes["hybrid_prompt_tokens"] = HYBRID_PROMPT_TOKENS
+    report.notes["hybrid_tokens_match"] = tokens_match
 
 
 def _decode_overhead(

@@ -127,6 +127,16 @@ def model_settings(vllm_config: Any) -> dict[str, str]:
         "runner": str(getattr(mc, "runner_type", "")),
         "cache_dtype": str(getattr(cc, "cache_dtype", "auto")),
         "calculate_kv_scales": str(bool(getattr(cc, "calculate_kv_scales", False))),
+        # a model whose recurrent state vLLM caches per block: the state's dtypes (a padded
+        # state page has the same size in float32 and bfloat16); other models' keys unchanged
+        **(
+            {
+                "mamba_cache_dtype": str(getattr(cc, "mamba_cache_dtype", "auto")),
+                "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
+            }
+            if str(getattr(cc, "mamba_cache_mode", "none")) != "none"
+            else {}
+        ),
     }
 
 

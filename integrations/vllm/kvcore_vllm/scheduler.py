@@ -352,16 +352,30 @@ class SchedulerSide:
             tracked.saved_upto = n
 
     def _group_runs(
-        self, request: Any, all_ids: Sequence[Sequence[int]], first: int, end: int
+        self,
+        request: Any,
+        all_ids: Sequence[Sequence[int]],
+        first: int,
+        end: int,
+        saving: bool = False,
     ) -> list[BlockRun]:
-        """Blocks ``first .. end - 1`` in every group besides the first: the ones vLLM holds
-        (a sliding window's blocks before the window are null placeholders, id 0)."""
+        """Blocks ``first .. end - 1`` of every group besides the first that vLLM holds: for a
+        load, what a restore of ``end`` blocks needs (a sliding window's blocks inside the
+        window); for a save, every held block (a window's blocks before it are null
+        placeholders, id 0, by then). Of a Mamba group, the last block only: the one whose
+        state the restore continues from, or that this step wrote."""
         runs = []
         for store in self.stores[1:]:
-            ids = list(all_ids[store.group.index])
-            start = max(first, store.group.first_needed_block(end, self.block_size))
+            group = store.group
+            ids = list(all_ids[group.index])
             stop = min(end, len(ids))
-            # the held blocks are the tail of the table: start after the last placeholder
+            if group.is_state:
+                start = max(first, stop - 1)
+            elif saving:
+                start = first
+            else:
+                start = max(first, group.first_needed_block(end, self.block_size))
+            # the held blocks are the tail of the range: start after the last placeholder
             for i in range(stop - 1, start - 1, -1):
                 if ids[i] == NULL_BLOCK:
                     start = i + 1
@@ -375,7 +389,7 @@ class SchedulerSide:
                     keys=store.keys.keys(request, start, stop),
                     block_ids=ids[start:stop],
                     token_ids=self._tokens(request, stop),
-                    group=store.group.index,
+                    group=group.index,
                 )
             )
         return runs
@@ -460,37 +474,7 @@ class SchedulerSide:
             token_ids=self._tokens(request, full),
             group=self.groups[0].index,
         )
-        return [run, *self._group_saves(request, all_ids, first, full)]
-
-    def _group_saves(
-        self, request: Any, all_ids: Sequence[Sequence[int]], first: int, full: int
-    ) -> list[BlockRun]:
-        """Blocks ``first .. full - 1`` of the other groups that vLLM still holds (a sliding
-        window's blocks before its window are gone: they are not saved)."""
-        runs = []
-        for store in self.stores[1:]:
-            ids = list(all_ids[store.group.index])
-            stop = min(full, len(ids))
-            # a state block holds its boundary's state only when a step ended there: the
-            # last full block, written in this step
-            start = max(first, stop - 1) if store.group.is_state else first
-            for i in range(stop - 1, start - 1, -1):
-                if ids[i] == NULL_BLOCK:
-                    start = i + 1
-                    break
-            if start >= stop:
-                continue
-            runs.append(
-                BlockRun(
-                    req_id=request.request_id,
-                    start_block=start,
-                    keys=store.keys.keys(request, start, stop),
-                    block_ids=ids[start:stop],
-                    token_ids=self._tokens(request, stop),
-                    group=store.group.index,
-                )
-            )
-        return runs
+        return [run, *self._group_runs(request, all_ids, first, full, saving=True)]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM; save them again afterwards.

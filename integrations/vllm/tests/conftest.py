@@ -88,6 +88,50 @@ def prompts() -> Prompts:
     return make_prompts()
 
 
+#: A shares 70 % of its 600 tokens with C (:func:`prompt_c`)
+SHARED_TOKENS = 420
+
+
+@pytest.fixture(scope="session")
+def prompt_c(prompts: Prompts) -> list[int]:
+    """A's first :data:`SHARED_TOKENS` tokens, then different ones."""
+    a = prompts.a
+    return a[:SHARED_TOKENS] + [(t % 510) + 1 for t in (x + 3 for x in a[SHARED_TOKENS:])]
+
+
+#: A step that sums the connector's counters since the last one
+STATS_STEP = {"op": "log_stats", "name": "stats"}
+
+
+def file_connector(root: Path, namespace: str, **settings: Any) -> dict[str, Any]:
+    """The connector's settings for a kv_file store in ``root``."""
+    return {
+        "backend": "file",
+        "backend_config": {"root": str(root)},
+        "namespace": namespace,
+        **settings,
+    }
+
+
+def generate_step(name: str, prompt: list[int], **fields: Any) -> dict[str, Any]:
+    """A step generating 8 tokens after ``prompt`` (``fields``: e.g. ``logprobs``)."""
+    return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 8, **fields}
+
+
+def file_store_contents(root: Path, namespace: str) -> dict[str, float]:
+    """What the kv_file store in ``root`` holds, counted by the backend itself."""
+    import kvcore
+
+    backend = kvcore.open_backend(
+        "file", {"root": str(root), "rescan_interval_s": 0}, context={"namespace": namespace}
+    )
+    try:
+        stats = backend.stats()
+    finally:
+        backend.close()
+    return {"objects": stats["backend_objects"], "bytes": stats["backend_bytes_used"]}
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The tiny random Llama, written once into the package's (git-ignored) cache."""

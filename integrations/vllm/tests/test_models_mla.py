@@ -19,18 +19,22 @@ Engines (each a fresh process; kv_file stores in ``tp1/`` and ``tp2/``):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import CACHE, Prompts, run_engine
+from conftest import (
+    CACHE,
+    SHARED_TOKENS,
+    Prompts,
+    file_connector,
+    file_store_contents,
+    generate_step,
+    run_engine,
+)
 from kvcore_vllm.session import write_model
-
-import kvcore
 
 NAMESPACE = "mla"
 MLA_BLOCK = 16  # vLLM's CPU MLA backend overrides any other block size
 A_FULL_BLOCKS = (600 - 1) // MLA_BLOCK  # the last prompt token is always computed
-SHARED_TOKENS = 420  # C shares 70 % of A's 600 tokens
 C_FULL_BLOCKS = SHARED_TOKENS // MLA_BLOCK
 TP2 = {
     "executor": "mp",
@@ -46,31 +50,6 @@ def mla_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompt_c(prompts: Prompts) -> list[int]:
-    a = prompts.a
-    return a[:SHARED_TOKENS] + [(t % 510) + 1 for t in (x + 3 for x in a[SHARED_TOKENS:])]
-
-
-def _connector(root: Path) -> dict[str, Any]:
-    return {"backend": "file", "backend_config": {"root": str(root)}, "namespace": NAMESPACE}
-
-
-def _generate(name: str, prompt: list[int]) -> dict[str, Any]:
-    return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 8}
-
-
-def _stored(root: Path) -> dict[str, float]:
-    """What the kv_file store in ``root`` holds, counted by the backend itself."""
-    backend = kvcore.open_backend(
-        "file", {"root": str(root), "rescan_interval_s": 0}, context={"namespace": NAMESPACE}
-    )
-    try:
-        stats = backend.stats()
-    finally:
-        backend.close()
-    return {"objects": stats["backend_objects"], "bytes": stats["backend_bytes_used"]}
-
-
 def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
     mla_model: Path, prompts: Prompts, prompt_c: list[int], tmp_path: Path
 ) -> None:
@@ -79,25 +58,29 @@ def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
 
     baseline = run_engine(
-        {**model, "connector": None, "steps": [_generate("A", a), _generate("C", c)]},
+        {**model, "connector": None, "steps": [generate_step("A", a), generate_step("C", c)]},
         tmp_path,
         "mla-baseline",
     )
     store1 = run_engine(
-        {**model, "connector": _connector(tp1), "steps": [_generate("A", a)]},
+        {**model, "connector": file_connector(tp1, NAMESPACE), "steps": [generate_step("A", a)]},
         tmp_path,
         "mla-tp1-store",
     )
     assert store1.step("A")["num_cached_tokens"] == [0]
     assert store1.step("A")["tokens"] == baseline.step("A")["tokens"]
-    at_tp1 = _stored(tp1)
+    at_tp1 = file_store_contents(tp1, NAMESPACE)
     assert at_tp1["objects"] > 0
 
     restore1 = run_engine(
         {
             **model,
-            "connector": _connector(tp1),
-            "steps": [_generate("A", a), _generate("C", c), {"op": "log_stats", "name": "stats"}],
+            "connector": file_connector(tp1, NAMESPACE),
+            "steps": [
+                generate_step("A", a),
+                generate_step("C", c),
+                {"op": "log_stats", "name": "stats"},
+            ],
         },
         tmp_path,
         "mla-tp1-restore",
@@ -117,9 +100,9 @@ def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
         {
             **model,
             **TP2,
-            "connector": _connector(tp2),
+            "connector": file_connector(tp2, NAMESPACE),
             "steps": [
-                _generate("A", a),
+                generate_step("A", a),
                 {"op": "sleep", "seconds": 2.0},  # the writer rank's saves land
                 names,
             ],
@@ -129,13 +112,13 @@ def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
     )
     assert store2.step("A")["num_cached_tokens"] == [0]
     # stored once per block, not once per rank: the same objects and bytes as TP=1's
-    at_tp2 = _stored(tp2)
+    at_tp2 = file_store_contents(tp2, NAMESPACE)
     assert at_tp2 == at_tp1, (at_tp1, at_tp2)
     # named for no TP degree: what TP=1 reads, not one object per rank
     assert store2.step("names")["result"] == {"r0of1": A_FULL_BLOCKS, "r0of2": 0, "r1of2": 0}
 
     from_tp2 = run_engine(
-        {**model, "connector": _connector(tp2), "steps": [_generate("A", a)]},
+        {**model, "connector": file_connector(tp2, NAMESPACE), "steps": [generate_step("A", a)]},
         tmp_path,
         "mla-tp1-restores-tp2",
     )
@@ -143,7 +126,12 @@ def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
     assert from_tp2.step("A")["tokens"] == baseline.step("A")["tokens"]
 
     from_tp1 = run_engine(
-        {**model, **TP2, "connector": _connector(tp1), "steps": [_generate("A", a)]},
+        {
+            **model,
+            **TP2,
+            "connector": file_connector(tp1, NAMESPACE),
+            "steps": [generate_step("A", a)],
+        },
         tmp_path,
         "mla-tp2-restores-tp1",
     )

@@ -20,14 +20,21 @@ Engines (each a fresh process; one kv_file store):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import BLOCK_SIZE, CACHE, Prompts, run_engine
+from conftest import (
+    BLOCK_SIZE,
+    CACHE,
+    SHARED_TOKENS,
+    STATS_STEP,
+    Prompts,
+    file_connector,
+    generate_step,
+    run_engine,
+)
 from kvcore_vllm.session import write_model
 
 A_FULL_BLOCKS = (600 - 1) // BLOCK_SIZE
-SHARED_TOKENS = 420  # C shares 70 % of A's 600 tokens
 C_FULL_BLOCKS = SHARED_TOKENS // BLOCK_SIZE
 WINDOW = 64  # tokens: the model's sliding window
 
@@ -38,22 +45,6 @@ def swa_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompt_c(prompts: Prompts) -> list[int]:
-    a = prompts.a
-    return a[:SHARED_TOKENS] + [(t % 510) + 1 for t in (x + 3 for x in a[SHARED_TOKENS:])]
-
-
-def _connector(root: Path) -> dict[str, Any]:
-    return {"backend": "file", "backend_config": {"root": str(root)}, "namespace": "swa"}
-
-
-def _generate(name: str, prompt: list[int]) -> dict[str, Any]:
-    return {"op": "generate", "name": name, "prompts": [prompt], "max_tokens": 8}
-
-
-STATS = {"op": "log_stats", "name": "stats"}
-
-
 def test_a_sliding_window_hybrid_restores_its_blocks_with_the_hybrid_manager_on(
     swa_model: Path, prompts: Prompts, prompt_c: list[int], tmp_path: Path
 ) -> None:
@@ -62,12 +53,16 @@ def test_a_sliding_window_hybrid_restores_its_blocks_with_the_hybrid_manager_on(
     root = tmp_path / "store"
 
     baseline = run_engine(
-        {**model, "connector": None, "steps": [_generate("A", a), _generate("C", c)]},
+        {**model, "connector": None, "steps": [generate_step("A", a), generate_step("C", c)]},
         tmp_path,
         "swa-baseline",
     )
     store = run_engine(
-        {**model, "connector": _connector(root), "steps": [_generate("A", a), STATS]},
+        {
+            **model,
+            "connector": file_connector(root, "swa"),
+            "steps": [generate_step("A", a), STATS_STEP],
+        },
         tmp_path,
         "swa-store",
     )
@@ -79,8 +74,8 @@ def test_a_sliding_window_hybrid_restores_its_blocks_with_the_hybrid_manager_on(
     restore = run_engine(
         {
             **model,
-            "connector": _connector(root),
-            "steps": [_generate("A", a), STATS, _generate("C", c)],
+            "connector": file_connector(root, "swa"),
+            "steps": [generate_step("A", a), STATS_STEP, generate_step("C", c)],
         },
         tmp_path,
         "swa-restore",
@@ -93,13 +88,21 @@ def test_a_sliding_window_hybrid_restores_its_blocks_with_the_hybrid_manager_on(
     # the same model run as full attention, on the same store
     full = {**model, "disable_hybrid_kv_cache_manager": True}
     full_store = run_engine(
-        {**full, "connector": _connector(root), "steps": [_generate("A", a), STATS]},
+        {
+            **full,
+            "connector": file_connector(root, "swa"),
+            "steps": [generate_step("A", a), STATS_STEP],
+        },
         tmp_path,
         "full-store",
     )
     assert full_store.step("A")["num_cached_tokens"] == [0], "a hybrid block restored as full"
     full_restore = run_engine(
-        {**full, "connector": _connector(root), "steps": [_generate("A", a), STATS]},
+        {
+            **full,
+            "connector": file_connector(root, "swa"),
+            "steps": [generate_step("A", a), STATS_STEP],
+        },
         tmp_path,
         "full-restore",
     )

@@ -713,3 +713,23 @@ def test_a_mamba_restore_ends_at_a_stored_state_and_saves_store_the_state_of_eac
     saves = {(run.group, run.start_block, tuple(run.block_ids)) for run in side._final_saves}
     assert saves == {(0, 0, tuple(range(60, 70))), (1, 9, (82,))}
     side.close()
+
+
+def test_the_state_dtypes_of_a_model_with_cached_recurrent_state_are_in_its_scope(
+    vllm_config: Any,
+) -> None:
+    """The secondary tier keys chunks by the model's settings alone: a float32 and a bfloat16
+    SSM state (padded to the same page size) must not share keys; other models' scopes keep
+    their fields."""
+    import copy
+
+    from kvcore_vllm.keys import model_settings
+
+    plain = model_settings(vllm_config)
+    assert "mamba_ssm_cache_dtype" not in plain
+    f32, bf16 = copy.deepcopy(vllm_config), copy.deepcopy(vllm_config)
+    for config, dtype in ((f32, "float32"), (bf16, "bfloat16")):
+        config.cache_config.mamba_cache_mode = "align"
+        config.cache_config.mamba_ssm_cache_dtype = dtype
+    assert model_settings(f32)["mamba_ssm_cache_dtype"] == "float32"
+    assert model_settings(f32) != model_settings(bf16)
