@@ -45,7 +45,6 @@ def mamba_model() -> Path:
     return write_model(CACHE / "models" / "mamba", "mamba")
 
 
-@pytest.fixture(scope="module")
 def test_a_mamba_hybrid_restores_attention_and_the_state_at_the_boundary(
     mamba_model: Path, prompts: Prompts, prompt_c: list[int], tmp_path: Path
 ) -> None:

@@ -49,7 +49,6 @@ def mla_model() -> Path:
     return write_model(CACHE / "models" / "mla", "mla")
 
 
-@pytest.fixture(scope="module")
 def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
     mla_model: Path, prompts: Prompts, prompt_c: list[int], tmp_path: Path
 ) -> None:

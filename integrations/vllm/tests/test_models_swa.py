@@ -44,7 +44,6 @@ def swa_model() -> Path:
     return write_model(CACHE / "models" / "swa", "swa")
 
 
-@pytest.fixture(scope="module")
 def test_a_sliding_window_hybrid_restores_its_blocks_with_the_hybrid_manager_on(
     swa_model: Path, prompts: Prompts, prompt_c: list[int], tmp_path: Path
 ) -> None:
