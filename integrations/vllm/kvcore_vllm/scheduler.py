@@ -130,6 +130,10 @@ class SchedulerSide:
                     ],
                 )
             )
+        # how a restore's other groups are checked: attention runs shrink it, a state picks a
+        # boundary inside it, windows check the final end
+        order = {"full": 0, "mla": 0, "mamba": 1, "sliding_window": 2}
+        self._check_order = sorted(self.stores[1:], key=lambda s: order[s.group.kind])
         primary = self.stores[0]  # the first full-attention (or MLA) group keys restores
         self.layout, self.keys = primary.layout, primary.keys
         self.handles = [handle for store in self.stores for handle in store.handles]
@@ -285,9 +289,7 @@ class SchedulerSide:
         position (the restore ends at the last boundary inside the run whose state is
         stored), a sliding-window group the whole window before the restored position (else
         nothing: half a window is never loaded). Windows are checked last, at the final end."""
-        # attention runs shrink ``found``, a state picks a boundary inside it, windows check it
-        rank = {"full": 0, "mla": 0, "mamba": 1, "sliding_window": 2}
-        for store in sorted(self.stores[1:], key=lambda s: rank[s.group.kind]):
+        for store in self._check_order:
             if not found:
                 break
             if store.group.is_state:

@@ -8,6 +8,7 @@ Mooncake master that is paused (a save in flight holds its request's blocks).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -542,6 +543,22 @@ def test_a_group_the_connector_cannot_restore_is_refused_in_one_line() -> None:
     assert message.startswith("KV cache group 1 (MambaSpec, 2 layers): ") and "\n" not in message
 
 
+def _store_blocks(group_store: Any, first: int, end: int, *, request: Any) -> None:
+    """Write blocks ``first .. end - 1`` of ``request`` (zeros) under a group's keys, as a
+    store the scheduler's lookups then find."""
+    import numpy as np
+
+    backend = group_store.handles[0].get()
+    part = group_store.layout.part_bytes("k")
+    arrays = [np.zeros(part, np.uint8) for _ in range(2 * (end - first))]
+    ptrs = tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)
+                 for i in range(end - first))  # fmt: skip
+    keys = group_store.keys.keys(request, first, end)
+    host = kvcore.HostBuffers(ptrs=ptrs, nbytes=(part, part))
+    done = backend.write(backend.request("fill", keys, start_block=first, host=host))
+    assert done == end - first
+
+
 def test_a_hybrid_request_loads_and_saves_each_group_in_its_own_blocks(vllm_config: Any) -> None:
     """The scheduler side of a hybrid model whose full-attention group is vLLM's group 1: a
     restore needs the full group's leading run and the window's blocks of the sliding group
@@ -550,7 +567,6 @@ def test_a_hybrid_request_loads_and_saves_each_group_in_its_own_blocks(vllm_conf
     import copy
     from types import SimpleNamespace
 
-    import numpy as np
     from kvcore_vllm.keys import hashed_request
     from kvcore_vllm.scheduler import SchedulerSide
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
@@ -567,16 +583,7 @@ def test_a_hybrid_request_loads_and_saves_each_group_in_its_own_blocks(vllm_conf
     tokens = [(7 * i) % 500 + 1 for i in range(10 * BLOCK_SIZE + 4)]
     request = hashed_request(config, "h1", tokens, max_tokens=4)
 
-    def store(group_store: Any, first: int, end: int) -> None:
-        backend = group_store.handles[0].get()
-        part = group_store.layout.part_bytes("k")
-        arrays = [np.zeros(part, np.uint8) for _ in range(2 * (end - first))]
-        ptrs = tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)
-                     for i in range(end - first))  # fmt: skip
-        keys = group_store.keys.keys(request, first, end)
-        host = kvcore.HostBuffers(ptrs=ptrs, nbytes=(part, part))
-        done = backend.write(backend.request("fill", keys, start_block=first, host=host))
-        assert done == end - first
+    store = functools.partial(_store_blocks, request=request)
 
     store(full, 0, 10)
     # the window of a restore of 10 blocks (next token 320: tokens 257..320) is blocks 8, 9
@@ -668,7 +675,6 @@ def test_a_mamba_restore_ends_at_a_stored_state_and_saves_store_the_state_of_eac
     import copy
     from types import SimpleNamespace
 
-    import numpy as np
     from kvcore_vllm.keys import hashed_request
     from kvcore_vllm.scheduler import SchedulerSide
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -682,15 +688,7 @@ def test_a_mamba_restore_ends_at_a_stored_state_and_saves_store_the_state_of_eac
     tokens = [(5 * i) % 500 + 1 for i in range(10 * BLOCK_SIZE + 4)]
     request = hashed_request(config, "m1", tokens, max_tokens=4)
 
-    def store(group_store: Any, first: int, end: int) -> None:
-        backend = group_store.handles[0].get()
-        part = group_store.layout.part_bytes("k")
-        arrays = [np.zeros(part, np.uint8) for _ in range(2 * (end - first))]
-        ptrs = tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)
-                     for i in range(end - first))  # fmt: skip
-        keys = group_store.keys.keys(request, first, end)
-        host = kvcore.HostBuffers(ptrs=ptrs, nbytes=(part, part))
-        assert backend.write(backend.request("fill", keys, start_block=first, host=host))
+    store = functools.partial(_store_blocks, request=request)
 
     store(full, 0, 10)
     assert side.get_num_new_matched_tokens(request, 0) == (0, False), "no state stored"
