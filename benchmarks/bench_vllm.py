@@ -37,11 +37,27 @@ Every engine is a fresh process; each one first serves a short warm-up prompt.
   writes and a restore reads (the connector's ``save_bytes``/``load_bytes``) and the restored
   TTFT, each way; ratios hybrid over full attention (goal for the bytes a restore reads: < 1).
   The hybrid restore's tokens are checked against its own recomputing engine.
+- **Inter-token latency of a decode stream while a long prompt restores** (kv_file): four
+  engines in one process take turns (the order rotating every round); on each, a decode stream
+  (a fresh 64-token prompt, 160 tokens) runs step by step, and after its 20th token another
+  request arrives with a stored ``--prompt-tokens`` prompt (one per round, stored by the sync
+  engine before any round, its prefix cache reset afterwards; the store is evicted from the
+  page cache before every stream, so the restore reads the disk). The stream's
+  inter-token gaps from then to its last token (140), per round their median, p99 and max. Two
+  engines without the connector run the stream alone (A and A': ``itl_*_aa_control`` is the
+  noise); one restores with ``load_mode="sync"`` (blocks load inside the step that uses them),
+  one with ``load_mode="async"`` (they load while the request waits outside the batch); these
+  two also store the stream's blocks, so the connector's per-step cost (the decode part's) is in
+  their ratios too. Goal: the async engine's p99 over the stream alone within the A/A
+  control's spread (the goal's number is that spread, measured in the run); the sync engine's reported beside it, with
+  each restore's TTFT and its ``num_cached_tokens`` (a hit: about the prompt's length). With 140
+  gaps, p99 lies between the 2nd and 3rd longest: a single long step shows in the max.
 
 Contenders alternate within every repetition; figures and per-repetition paired ratios are
-reported as median, min and max. ``--only`` picks parts (ttft, decode, mooncake, hybrid). With ``--json``,
-one JSON object on stdout; else a table. Needs vLLM: run it with integrations/vllm/.venv/bin/python (created
-by integrations/vllm/scripts/test.sh); another Python re-executes itself with that one.
+reported as median, min and max. ``--only`` picks parts (ttft, decode, mooncake, hybrid, itl).
+With ``--json``, one JSON object on stdout; else a table. Needs vLLM: run it with
+integrations/vllm/.venv/bin/python (created by integrations/vllm/scripts/test.sh); another
+Python re-executes itself with that one.
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +133,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        default="ttft,decode,mooncake,hybrid",
-        help="parts to run, comma-separated: ttft, decode, mooncake, hybrid (default: all)",
+        default="ttft,decode,mooncake,hybrid,itl",
+        help="parts to run, comma-separated: ttft, decode, mooncake, hybrid, itl (default: all)",
     )
     args = ap.parse_args()
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if not parts or parts - {"ttft", "decode", "mooncake", "hybrid"}:
-        ap.error(f"--only {args.only!r}: expected some of ttft, decode, mooncake, hybrid")
+    if not parts or parts - {"ttft", "decode", "mooncake", "hybrid", "itl"}:
+        ap.error(f"--only {args.only!r}: expected some of ttft, decode, mooncake, hybrid, itl")
     if args.no_mooncake:
         parts.discard("mooncake")
     if "mooncake" in parts:
@@ -142,7 +159,7 @@ def main() -> None:
         REPO / "integrations" / "vllm" / ".cache" / "models" / args.model, args.model
     )
     size = MODEL_SIZES[args.model]
-    if "ttft" in parts and args.prompt_tokens >= size["max_position_embeddings"]:
+    if parts & {"ttft", "itl"} and args.prompt_tokens >= size["max_position_embeddings"]:
         sys.exit(
             f"--prompt-tokens {args.prompt_tokens}: the {args.model} model takes fewer than "
             f"{size['max_position_embeddings']}"
@@ -178,6 +195,8 @@ def main() -> None:
 
     if "hybrid" in parts:
         _hybrid(args, base, workdir, report)
+    if "itl" in parts:
+        _itl(args, base, workdir, report)
 
     report.notes.update(
         {
@@ -404,6 +423,256 @@ def _decode_child(spec_path: str) -> None:
     print(json.dumps({"steps": steps, "hooks": hooks}), flush=True)
 
 
+#: the ITL engines, in the order of the first round (the order rotates every round): two
+#: without the connector (their stream runs alone), and the connector loading synchronously
+#: (inside the step that uses the blocks) and in the background
+ITL_ENGINES = ("none", "none_again", "sync", "async")
+#: the decode stream: its prompt, the tokens it decodes before the restore request arrives,
+#: and all the tokens it decodes (the window is the rest: ITL_STREAM_TOKENS - ITL_STREAM_LEAD)
+ITL_STREAM_PROMPT_TOKENS = 64
+ITL_STREAM_LEAD = 20
+ITL_STREAM_TOKENS = 160
+#: the prompt each connector engine restores once before it is measured (4 blocks): the first
+#: restore of an engine pays for starting its I/O, which no later one does
+ITL_WARM_RESTORE_TOKENS = 128
+
+
+def _itl(args: argparse.Namespace, base: dict[str, Any], workdir: Path, report: Report) -> None:
+    """A decode stream's inter-token latency while another request restores a long stored
+    prompt (synchronous and background loads), against the stream alone (module docstring)."""
+    import subprocess
+
+    rng = random.Random(11)
+    vocab = int(base["vocab_size"])
+    # one stored prompt per round: no engine ever restores a prompt it has already seen, so
+    # the restore can only come from the store, never from vLLM's own prefix cache
+    stored = [
+        [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.reps)
+    ]
+    warm_restore = [rng.randrange(1, vocab) for _ in range(ITL_WARM_RESTORE_TOKENS)]
+    store_root = workdir / "itl-store"
+    connector = {
+        "backend": "file",
+        "backend_config": {"root": str(store_root)},
+        "namespace": "bench-itl",
+    }
+    spec = {
+        **base,
+        "connector": connector,
+        "store_root": str(store_root),
+        "stored": stored,
+        "warm_restore": warm_restore,
+    }
+    spec_path = workdir / "itl-engines.json"
+    spec_path.write_text(json.dumps(spec))
+    with open(workdir / "itl-engines.log", "w") as log:
+        out = subprocess.run(
+            [sys.executable, __file__, "--itl-child", str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            check=True,
+        ).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    stats = {label: got["rounds"][label] for label in ITL_ENGINES}
+    for label in ITL_ENGINES:
+        for stat in ("median", "p99", "max"):
+            report.figure(f"itl_{label}_{stat}_ms", stats[label][stat], "ms")
+    for stat in ("p99", "median"):
+        no_restore = stats["none"][stat]
+        report.ratio(f"itl_{stat}_aa_control", stats["none_again"][stat], no_restore)
+        aa = report.ratios[f"itl_{stat}_aa_control"]
+        # "within the A/A control's spread": two engines that differ in nothing may differ by
+        # this much either way, so the async path may be as much slower than no restore
+        noise = round(max(aa["max"], 1 / aa["min"]), 3)
+        report.ratio(
+            f"itl_{stat}_async_vs_no_restore",
+            stats["async"][stat],
+            no_restore,
+            goal=f"<= {noise}" if stat == "p99" else None,
+        )
+        report.ratio(f"itl_{stat}_sync_vs_no_restore", stats["sync"][stat], no_restore)
+    # a round's ~140 gaps give a p99 between its 2nd and 3rd largest gap: one long step (a
+    # synchronous restore stalls one) shows in the max, which is reported beside it
+    report.ratio("itl_max_async_vs_no_restore", stats["async"]["max"], stats["none"]["max"])
+    report.ratio("itl_max_sync_vs_no_restore", stats["sync"]["max"], stats["none"]["max"])
+    for label in ("sync", "async"):
+        report.figure(f"itl_restore_ttft_{label}_s", stats[label]["restore_ttft_s"], "s")
+        report.notes[f"itl_restore_cached_tokens_{label}"] = stats[label]["restore_cached_tokens"]
+        report.notes[f"itl_restore_in_window_{label}"] = stats[label]["restore_in_window"]
+    report.notes["itl_prompt_tokens"] = args.prompt_tokens
+    report.notes["itl_stream_tokens"] = ITL_STREAM_TOKENS
+    report.notes["itl_window_tokens"] = sorted(
+        {n for label in ITL_ENGINES for n in stats[label]["window_tokens"]}
+    )
+
+
+def _evict_from_page_cache(root: Path) -> None:
+    """Drop every file under ``root`` from the page cache, so the next read comes from disk
+    (``POSIX_FADV_DONTNEED`` on a clean file needs no privileges)."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:  # removed or replaced meanwhile: nothing left to evict
+                continue
+            try:
+                os.fdatasync(fd)  # a dirty page stays cached: write it first
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _stream_with_restore(
+    llm: Any,
+    tag: str,
+    stream_prompt: list[int],
+    restore_prompt: list[int] | None,
+    store_root: Path,
+    stream_tokens: int = ITL_STREAM_TOKENS,
+) -> dict[str, Any]:
+    """Decode ``stream_prompt`` for ``stream_tokens`` tokens, step by step; after
+    :data:`ITL_STREAM_LEAD` of them add ``restore_prompt`` (one token) if there is one.
+
+    Returns ``gaps_s``: the time between consecutive stream tokens from the one after the
+    restore's arrival to the last; the restore's TTFT and ``num_cached_tokens``.
+    """
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    stream_id, restore_id = f"stream-{tag}", f"restore-{tag}"
+
+    def params(max_tokens: int) -> Any:
+        return SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
+
+    # before the stream starts, for every engine alike: the restore then reads the disk, and
+    # no engine's window holds the time evicting takes
+    _evict_from_page_cache(store_root)
+    engine.add_request(stream_id, {"prompt_token_ids": stream_prompt}, params(stream_tokens))
+    produced = 0
+    last_token_at = 0.0
+    restore_added_at: float | None = None
+    restore_token_at: float | None = None
+    restore_cached: int | None = None
+    stream_done_at = 0.0
+    gaps: list[float] = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id == stream_id:
+                count = len(out.outputs[0].token_ids)
+                if count > produced:
+                    if restore_added_at is not None:
+                        # one gap per token, should a step ever bring more than one
+                        gap = (now - last_token_at) / (count - produced)
+                        gaps.extend([gap] * (count - produced))
+                    produced, last_token_at = count, now
+                if out.finished:
+                    stream_done_at = now
+            elif out.request_id == restore_id and restore_token_at is None:
+                # its one output brings its one token (vLLM sends none without a token)
+                restore_token_at = now
+                restore_cached = int(out.num_cached_tokens or 0)
+        if restore_added_at is None and produced >= ITL_STREAM_LEAD:
+            restore_added_at = time.perf_counter()
+            if restore_prompt is not None:
+                engine.add_request(restore_id, {"prompt_token_ids": restore_prompt}, params(1))
+    if produced != stream_tokens:
+        raise RuntimeError(f"stream {tag}: {produced} tokens of {stream_tokens}")
+    if restore_prompt is None:
+        return {"gaps_s": gaps}
+    if restore_added_at is None or restore_token_at is None:
+        raise RuntimeError(f"restore {tag}: no token")
+    return {
+        "gaps_s": gaps,
+        "restore_ttft_s": restore_token_at - restore_added_at,
+        "restore_cached": restore_cached,
+        # a restore still running when the stream ended overlapped only part of the window
+        "restore_in_window": restore_token_at <= stream_done_at,
+    }
+
+
+def _itl_child(spec_path: str) -> None:
+    """Runs in its own process: the ITL engines taking turns (see :func:`_itl`)."""
+    import statistics
+
+    from kvcore_vllm.session import start_engine
+    from vllm import SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    store_root = Path(spec["store_root"])
+    plain = {**spec, "connector": None, "disable_hybrid_kv_cache_manager": True}
+    engines = {
+        "none": start_engine(plain),
+        "none_again": start_engine(plain),
+        "sync": start_engine({**spec, "connector": {**spec["connector"], "load_mode": "sync"}}),
+        "async": start_engine({**spec, "connector": {**spec["connector"], "load_mode": "async"}}),
+    }
+    restores = {"none": False, "none_again": False, "sync": True, "async": True}
+    rng = random.Random(13)
+    vocab = int(spec["vocab_size"])
+    # the store is filled by the sync engine, which then forgets the prompts (its prefix
+    # cache reset): every restore below comes from the store (one engine start fewer than
+    # a separate filling engine)
+    filler = engines["sync"]
+    fill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    prompts = [spec["warm_restore"], *spec["stored"]]
+    filler.generate([{"prompt_token_ids": p} for p in prompts], fill, use_tqdm=False)
+    if not filler.reset_prefix_cache():
+        raise RuntimeError("the filling engine's prefix cache could not be reset")
+
+    def stream_prompt() -> list[int]:
+        # a fresh prompt for every engine and round: the stream is never a hit anywhere (a
+        # connector engine would otherwise find the stream an earlier one stored)
+        return [rng.randrange(1, vocab) for _ in range(ITL_STREAM_PROMPT_TOKENS)]
+
+    for label in ITL_ENGINES:  # warm-up, not measured: the whole path, a restore included
+        restore = spec["warm_restore"] if restores[label] else None
+        _stream_with_restore(
+            engines[label], "warm", stream_prompt(), restore, store_root, ITL_STREAM_LEAD + 8
+        )
+    keys = (
+        "median",
+        "p99",
+        "max",
+        "window_tokens",
+        "restore_ttft_s",
+        "restore_cached_tokens",
+        "restore_in_window",
+    )
+    rounds: dict[str, dict[str, list[Any]]] = {
+        label: {key: [] for key in keys} for label in ITL_ENGINES
+    }
+    for i, stored in enumerate(spec["stored"]):
+        k = i % len(ITL_ENGINES)
+        for label in ITL_ENGINES[k:] + ITL_ENGINES[:k]:
+            got = _stream_with_restore(
+                engines[label],
+                str(i),
+                stream_prompt(),
+                stored if restores[label] else None,
+                store_root,
+            )
+            gaps_ms = [g * 1e3 for g in got["gaps_s"]]
+            seen = rounds[label]
+            seen["median"].append(statistics.median(gaps_ms))
+            # linear between the two nearest ranks, as numpy.percentile does by default
+            seen["p99"].append(statistics.quantiles(gaps_ms, n=100, method="inclusive")[98])
+            seen["max"].append(max(gaps_ms))
+            seen["window_tokens"].append(len(gaps_ms))
+            if restores[label]:
+                seen["restore_ttft_s"].append(got["restore_ttft_s"])
+                seen["restore_cached_tokens"].append(got["restore_cached"])
+                seen["restore_in_window"].append(got["restore_in_window"])
+    for engine in engines.values():
+        engine.llm_engine.engine_core.shutdown()
+    print(json.dumps({"rounds": rounds}), flush=True)
+
+
 def _mooncake_side_by_side(
     args: argparse.Namespace,
     reference: list[list[int]],
@@ -502,5 +771,7 @@ def _mooncake_side_by_side(
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--decode-child":
         _decode_child(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--itl-child":
+        _itl_child(sys.argv[2])
     else:
         main()

@@ -28,6 +28,7 @@ from kvcore.requests import (
     FailureKind,
     HostBuffers,
     Outcome,
+    Presence,
     leading_run,
 )
 from kvcore.schemas import BackendContext, ByteSize, CacheDType, CacheLayout, Capabilities
@@ -59,6 +60,7 @@ __all__ = [
     "KeyScope",
     "OnceLogger",
     "Outcome",
+    "Presence",
     "QueryTask",
     "ReadTask",
     "SwapTask",

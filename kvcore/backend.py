@@ -20,7 +20,14 @@ from kvcore.errors import describe
 from kvcore.integrity import BlockDigests
 from kvcore.keys import ObjectName, identities, object_names
 from kvcore.metrics import Metrics, OnceLogger
-from kvcore.requests import BlockRequest, DeviceBuffers, FailureKind, HostBuffers, Outcome
+from kvcore.requests import (
+    BlockRequest,
+    DeviceBuffers,
+    FailureKind,
+    HostBuffers,
+    Outcome,
+    Presence,
+)
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
 
 __all__ = ["Backend", "BackendContractError", "VerifyBlocks"]
@@ -68,6 +75,7 @@ class Backend:
         self._write = hook.kvcore_write
         self._flush = hook.kvcore_flush_token_index
         self._admits = bool(hook.kvcore_admit.get_hookimpls())
+        self._contains = hook.kvcore_contains if hook.kvcore_contains.get_hookimpls() else None
         self._serial = nullcontext() if capabilities.concurrent else threading.Lock()
         self._failures = OnceLogger(log)
         self._weight_version = context.weight_version
@@ -190,6 +198,68 @@ class Backend:
         if self._digests is not None:
             return self._digests.query(request)
         return self._plain.query(request)
+
+    def contains(self, request: BlockRequest) -> Presence:
+        """Which blocks of ``request`` are stored, each on its own: a block missing in the
+        middle does not hide the ones after it (with block digests, a block counts with its
+        digest). One backend call where the backend implements ``kvcore_contains``; else one
+        leading-run query per gap, each counted as a query.
+
+        .. versionadded:: 0.4
+        """
+        n = request.num_blocks
+        if n == 0:
+            return Presence(())
+        if self._contains is None:
+            return self._contains_by_queries(request)
+        asked = self._digests.with_digests(request) if self._digests is not None else request
+        if self._closed:
+            raise RuntimeError(f"backend {self.name!r} is closed")
+        t0 = time.monotonic()
+        try:
+            with self._serial:
+                result = self._contains(request=asked)
+        except Exception as exc:
+            if self.strict:
+                raise
+            late = time.monotonic() >= request.deadline
+            self._log_failure("contains", exc, request)
+            self.metrics.observe("contains", time.monotonic() - t0, calls=1, errors=1, blocks=n)
+            kind = FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
+            return Presence((False,) * n, describe(exc), kind)
+        seconds = time.monotonic() - t0
+        if (
+            not isinstance(result, Sequence)
+            or isinstance(result, str | bytes)
+            or len(result) != n
+            or not all(isinstance(flag, bool) for flag in result)
+        ):
+            msg = (
+                f"backend {self.name!r} contains returned {result!r} for {n} blocks; "
+                f"expected {n} bools"
+            )
+            if self.strict:
+                raise BackendContractError(msg)
+            self._log_failure("contains", BackendContractError(msg), request)
+            self.metrics.observe("contains", seconds, calls=1, invalid_results=1, blocks=n)
+            return Presence((False,) * n, "invalid result", FailureKind.INVALID_RESULT)
+        found = tuple(result)
+        self.metrics.observe("contains", seconds, calls=1, blocks=n, blocks_done=sum(found))
+        return Presence(found)
+
+    def _contains_by_queries(self, request: BlockRequest) -> Presence:
+        """:meth:`contains` of a backend without the hook: a query from each gap on."""
+        n = request.num_blocks
+        found: list[bool] = []
+        while len(found) < n:
+            got = self.query(request.slice(len(found), n))
+            found.extend([True] * int(got))
+            if got.failure is not None:
+                found.extend([False] * (n - len(found)))
+                return Presence(tuple(found), got.failure, got.kind)
+            if len(found) < n:
+                found.append(False)  # the gap; the next query starts after it
+        return Presence(tuple(found))
 
     def read(self, request: BlockRequest) -> Outcome:
         """Leading blocks fully read into the request's buffers (and matching their digests,
@@ -452,6 +522,11 @@ class Backend:
         O(1) per request (plus the part sizes): requests built by :meth:`request` and sliced
         by the core are well-formed by construction, so nothing below re-checks them.
         """
+        if self.context.role == "lookup":
+            raise ValueError(
+                f"backend {self.name!r} was opened for lookups (context role 'lookup'): it "
+                "reads and writes nothing; open it with role 'data' to move blocks"
+            )
         want = self.capabilities.io
         n = request.num_blocks
         if request.block_keys and len(request.object_names) != n:

@@ -42,7 +42,7 @@ Semantics shared by the data hooks:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import pluggy
 
@@ -58,6 +58,7 @@ REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
 
 #: Optional hooks; :meth:`kvcore.Backend.implements` tells whether a backend has one.
 OPTIONAL_HOOKS = (
+    "kvcore_contains",
     "kvcore_admit",
     "kvcore_evict_to",
     "kvcore_flush_token_index",
@@ -89,6 +90,27 @@ def kvcore_query(request: BlockRequest) -> int:
     .. versionadded:: 0.1
     .. versionchanged:: 0.2 may return :class:`kvcore.Outcome` to report a failure;
        ``request.object_names`` is a :class:`kvcore.keys.NameRows` (rows as before).
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_contains(request: BlockRequest) -> Sequence[bool]:
+    """Say, for every block of ``request`` on its own, whether a read could restore it now.
+
+    For callers that need to know about blocks past a gap (vLLM's offloading asks which of a
+    request's blocks each tier holds, not only the leading run): one call where a run of
+    queries would cost a round trip per gap.
+
+    :param request: as for :func:`kvcore_query` (names, no buffers).
+    :return: one bool per block, in order: True when every part of that block is present
+        *for this rank*, as :func:`kvcore_query` would count it were it the first block.
+        A backend that fails part-way returns what it knows and False for the rest (an
+        exception is caught by kvcore: every block False, the failure counted).
+
+    Optional: without it, kvcore answers with one leading-run :func:`kvcore_query` per gap.
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.4
     """
 
 

@@ -221,6 +221,11 @@ class BlockDigests:
         asked as more parts of each block (a query needs names, no buffers)."""
         if request.num_blocks == 0:
             return self._plain.query(request)
+        return self._plain.query(self.with_digests(request))
+
+    def with_digests(self, request: BlockRequest) -> BlockRequest:
+        """``request`` without buffers, each block's digests as more parts: what presence is
+        asked with (a block counts only with its digest)."""
         layout = self._layout(request)
         parts = len(request.parts)
         names = NameRows(
@@ -231,14 +236,12 @@ class BlockDigests:
             request.num_blocks,
         )
         sizes = request.part_nbytes
-        return self._plain.query(
-            replace(
-                request,
-                object_names=names,
-                parts=(*request.parts, *layout.parts),
-                host=None,
-                part_nbytes=None if sizes is None else (*sizes, *layout.part_nbytes),
-            )
+        return replace(
+            request,
+            object_names=names,
+            parts=(*request.parts, *layout.parts),
+            host=None,
+            part_nbytes=None if sizes is None else (*sizes, *layout.part_nbytes),
         )
 
     def write(self, request: BlockRequest) -> Outcome:

@@ -2,7 +2,7 @@
 
 A dict of objects guarded by one lock. It is what the conformance kit is proven on, what engine
 adapters' tests use when they need a backend with no setup, and the smallest complete example
-of the hook contract (query, read, write, remove, clear, stats). Data lives as long as the
+of the hook contract (query, contains, read, write, remove, clear, stats). Data lives as long as the
 opened backend: nothing is shared between processes or kept across a restart.
 """
 
@@ -45,6 +45,11 @@ class MemoryBackend:
         with self._lock:
             flags = [name in self._objects for names in request.object_names for name in names]
         return leading_run(flags, len(request.parts))
+
+    @hookimpl
+    def kvcore_contains(self, request: BlockRequest) -> list[bool]:
+        with self._lock:
+            return [all(name in self._objects for name in names) for names in request.object_names]
 
     @hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:

@@ -21,6 +21,7 @@ __all__ = [
     "FailureKind",
     "HostBuffers",
     "Outcome",
+    "Presence",
     "leading_run",
     "merge_spans",
 ]
@@ -86,6 +87,27 @@ class Outcome(int):
         return (
             f"Outcome({n})" if self.failure is None else f"Outcome({n}, failure={self.failure!r})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """Which blocks of a request are stored, each on its own (:meth:`kvcore.Backend.contains`).
+
+    ``found[i]`` is True when block ``i`` could be read now. ``failure`` and ``kind`` are as
+    for :class:`Outcome`: set when something failed (the blocks it left unknown are False),
+    None when the answer is clean.
+
+    .. versionadded:: 0.4
+    """
+
+    found: tuple[bool, ...]
+    failure: str | None = None
+    kind: FailureKind | None = None
+
+    @property
+    def count(self) -> int:
+        """How many blocks are stored."""
+        return sum(self.found)
 
 
 @dataclass(frozen=True, slots=True)

@@ -241,14 +241,29 @@ class Capabilities(StrictModel):
     checksums: bool = False
 
 
+#: What a backend is opened for (:attr:`BackendContext.role`)
+BackendRole = Literal["data", "lookup"]
+
+
 class BackendContext(StrictModel):
-    """Facts about the engine a backend is opened for, passed to its constructor."""
+    """Facts about the engine a backend is opened for, passed to its constructor.
+
+    .. versionchanged:: 0.4 ``role``: ``"lookup"`` opens a backend that only answers
+       queries (an engine's scheduler, which moves no data). Such a backend may leave out
+       what moving data needs (Mooncake: no memory segment, no copy buffer); kvcore refuses
+       reads and writes through it. Backends written for 0.3 ignore the field.
+    """
 
     layout: CacheLayout | None = None
     rank: int = Field(default=0, ge=0)
     world_size: int = Field(default=1, ge=1)
     device_id: int = Field(default=0, ge=0)
     namespace: str = "default"
+    role: BackendRole = Field(
+        default="data",
+        description="data: reads, writes and queries; lookup: queries only (no data "
+        "buffers need be set up; reads and writes are refused)",
+    )
     weight_version: str = Field(
         default="",
         description="model-weight version ending every object name ('' for none); change it at "

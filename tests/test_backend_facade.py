@@ -145,3 +145,119 @@ def test_a_short_answer_at_the_deadline_is_a_deadline_not_a_miss(report):
     n = be.query(be.request("t", ["a", "b"], timeout_s=0.05))
     assert (int(n), n.kind) == (0, "deadline")
     assert be.stats().get("failures_reported.query", 0) == 0
+
+
+def test_a_backend_opened_for_lookups_answers_queries_and_moves_no_data():
+    """``role="lookup"`` (a scheduler's client): queries as usual; reads and writes refused,
+    naming the role, and a transfer manager will not take it."""
+    from kvcore.errors import ConfigError
+    from kvcore.transfer import TransferManager
+
+    data = kvcore.open_backend("memory", context={"layout": LAYOUT, "namespace": "roles"})
+    looker = kvcore.open_backend(
+        "memory", context={"layout": LAYOUT, "namespace": "roles", "role": "lookup"}
+    )
+    assert (data.context.role, looker.context.role) == ("data", "lookup")
+    keys = kvcore.block_hashes(list(range(8)), 4, kvcore.KeyScope(namespace="roles"))
+    assert looker.query(looker.request("q", keys)) == 0
+    for call in (looker.read, looker.write):
+        with pytest.raises(ValueError, match="opened for lookups"):
+            call(looker.request("t", keys))
+    with pytest.raises(ConfigError, match="opened for lookups"):
+        TransferManager({"layout": LAYOUT, "max_model_len": 64}, None, looker)
+    with pytest.raises(ConfigError, match="role"):
+        kvcore.open_backend("memory", context={"layout": LAYOUT, "role": "reader"})
+    looker.close()
+    data.close()
+
+
+class _NoContains:
+    """A 0.3 backend: query, read and write only (no ``kvcore_contains``)."""
+
+    config_model = MemoryBackend.config_model
+    capabilities = MemoryBackend.capabilities
+
+    def __init__(self, config, context):
+        self._inner = MemoryBackend(config, context)
+
+    @hookimpl
+    def kvcore_query(self, request):
+        return self._inner.kvcore_query(request)
+
+    @hookimpl
+    def kvcore_read(self, request):
+        return self._inner.kvcore_read(request)
+
+    @hookimpl
+    def kvcore_write(self, request):
+        return self._inner.kvcore_write(request)
+
+
+class _BadContains(MemoryBackend):
+    answer = "raise"
+
+    @hookimpl
+    def kvcore_contains(self, request):
+        if self.answer == "raise":
+            raise ConnectionError("store unreachable")
+        return [1] * request.num_blocks  # ints, not bools
+
+
+def _stored_with_gaps(backend: kvcore.Backend) -> list[str]:
+    """Blocks 0, 2 and 4 of six stored (three gaps)."""
+    import numpy as np
+
+    keys = kvcore.block_hashes(list(range(24)), 4, kvcore.KeyScope(namespace="gaps"))
+    part = LAYOUT.part_bytes("k")
+    arrays = [np.zeros(part, np.uint8), np.zeros(part, np.uint8)]
+    host = kvcore.HostBuffers(ptrs=((arrays[0].ctypes.data, arrays[1].ctypes.data),),
+                              nbytes=(part, part))  # fmt: skip
+    for i in (0, 2, 4):
+        assert backend.write(backend.request(f"w{i}", keys[i : i + 1], start_block=i, host=host))
+    return keys
+
+
+@pytest.mark.parametrize("backend_class", [MemoryBackend, _NoContains])
+def test_contains_is_one_call_with_the_hook_and_a_query_per_gap_without(backend_class):
+    backend = kvcore.open_backend(backend_class, context={"layout": LAYOUT}, verify_blocks="never")
+    keys = _stored_with_gaps(backend)
+    before = backend.metrics.snapshot()
+    presence = backend.contains(backend.request("c", keys))
+    assert presence == kvcore.Presence((True, False, True, False, True, False))
+    assert presence.count == 3
+    after = backend.metrics.snapshot()
+    calls = {op: after.get(f"calls.{op}", 0) - before.get(f"calls.{op}", 0)
+             for op in ("contains", "query")}  # fmt: skip
+    if backend_class is MemoryBackend:
+        assert calls == {"contains": 1, "query": 0}
+    else:  # a query from the start and from after each gap but the last (block 5)
+        assert calls == {"contains": 0, "query": 3}
+    backend.close()
+
+
+def test_a_block_counts_in_contains_only_with_its_digest():
+    backend = kvcore.open_backend(MemoryBackend, context={"layout": LAYOUT})
+    assert backend.verifies_blocks
+    keys = _stored_with_gaps(backend)
+    backend.remove(backend.request("r", keys[:6]).slice(2, 3))  # block 2: data and digest
+    found = backend.contains(backend.request("c", keys))
+    assert found.found == (True, False, False, False, True, False)
+    backend.close()
+
+
+@pytest.mark.parametrize("answer", ["raise", "ints"])
+def test_a_failing_or_malformed_contains_is_a_counted_failure(answer, caplog):
+    _BadContains.answer = answer
+    backend = kvcore.open_backend(_BadContains, context={"layout": LAYOUT}, verify_blocks="never")
+    presence = backend.contains(backend.request("c", ["a", "b"]))
+    assert presence.found == (False, False)
+    assert presence.failure is not None
+    kind = "errors" if answer == "raise" else "invalid_results"
+    assert backend.stats()[f"{kind}.contains"] == 1
+    strict = kvcore.open_backend(
+        _BadContains, context={"layout": LAYOUT}, verify_blocks="never", strict=True
+    )
+    with pytest.raises((ConnectionError, BackendContractError)):
+        strict.contains(strict.request("c", ["a", "b"]))
+    strict.close()
+    backend.close()

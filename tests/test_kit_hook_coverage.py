@@ -81,6 +81,11 @@ class Recorder(MemoryBackend):
         return MemoryBackend.kvcore_query(self, request)
 
     @kvcore.hookimpl
+    def kvcore_contains(self, request):
+        record("kvcore_contains")
+        return MemoryBackend.kvcore_contains(self, request)
+
+    @kvcore.hookimpl
     def kvcore_read(self, request):
         record("kvcore_read")
         return MemoryBackend.kvcore_read(self, request)

@@ -187,6 +187,44 @@ def test_read_restores_only_the_leading_run(backend_name):
     close(tm)
 
 
+class _Counting(MemoryBackend):
+    """Counts the hook calls a read costs."""
+
+    calls: list[str] = []
+
+    @hookimpl
+    def kvcore_query(self, request):
+        _Counting.calls.append("query")
+        return MemoryBackend.kvcore_query(self, request)
+
+    @hookimpl
+    def kvcore_read(self, request):
+        _Counting.calls.append("read")
+        return MemoryBackend.kvcore_read(self, request)
+
+
+@pytest.mark.parametrize("storage_io", ["staged", "host_resident"])
+def test_a_read_asks_no_query_and_a_block_gone_since_the_lookup_is_a_miss(storage_io):
+    """The engine looked its blocks up before it asked for them: the read is one backend call
+    per span, no query; a block removed in between ends the run as a counted miss."""
+    lay = layout()
+    tm = manager(lay, (_Counting, {}), storage_io=storage_io)
+    _, keys = keys_for(4, seed=9)
+    tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1, 2, 3]}).result()
+    _Counting.calls.clear()
+    res = tm.read({"task_id": "r", "keys": keys, "device_block_ids": [4, 5, 6, 7]}).result()
+    assert (res.num_blocks, res.ok) == (4, True)
+    assert _Counting.calls == ["read"]
+    backend = tm._test_backend
+    backend.remove(backend.request("gone", keys[2:3], start_block=2))
+    _Counting.calls.clear()
+    res = tm.read({"task_id": "r2", "keys": keys, "device_block_ids": [8, 9, 10, 11]}).result()
+    assert (res.num_blocks, res.block_ids, res.ok) == (2, [8, 9], True)  # a miss, not a failure
+    assert _Counting.calls == ["read"]
+    assert tm.stats()["misses.read"] == 2
+    close(tm)
+
+
 def test_selective_write_through_waits_for_hits():
     lay = layout()
     tm = manager(lay, (MemoryBackend, {}), write_policy="selective", selective_min_hits=2)

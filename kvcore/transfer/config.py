@@ -182,6 +182,12 @@ class TransferConfig(EnvConfig):
         """An already-opened backend must have been opened for this engine: its context names
         the stored objects, so a mismatch would silently miss (or mix ranks or weights)."""
         mine, theirs = self.context, backend.context
+        if theirs.role != "data":
+            raise ConfigError(
+                f"invalid transfer config: backend {backend.name!r} was opened for lookups "
+                f"(context role {theirs.role!r}); a transfer manager moves blocks: open it with "
+                "role 'data'"
+            )
         for field in ("rank", "world_size", "namespace", "layout", "weight_version"):
             if field == "layout" and (
                 theirs.layout is None

@@ -87,8 +87,9 @@ class StorageIO:
         return 0
 
     def read(
-        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
+        self, job: BlockJob, count: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
+        """Read the job's first ``count`` blocks; a short backend answer ends the read."""
         raise NotImplementedError
 
     def write(
@@ -154,15 +155,15 @@ class StagedIO(StorageIO):
         )
 
     def read(
-        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
+        self, job: BlockJob, count: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
-        if not stored:
+        if not count:
             return
         staging = self._read_pool.acquire(fut.deadline - time.monotonic())
         if staging is None:
             prog.stop("deadline", "no staging buffer came free before the deadline")
             return
-        spans = _chunks(stored, self.span)
+        spans = _chunks(count, self.span)
         depth = self.depth
 
         def fetch(k: int) -> tuple[Outcome, float]:
@@ -340,10 +341,10 @@ class DirectIO(StorageIO):
             self.store.remove(request.with_buffers())
 
     def read(
-        self, job: BlockJob, stored: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
+        self, job: BlockJob, count: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
-        if stored:
-            self._call(self.store.read, job, 0, stored, fut, prog, timings)
+        if count:
+            self._call(self.store.read, job, 0, count, fut, prog, timings)
 
     def write(
         self,

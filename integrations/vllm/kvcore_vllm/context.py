@@ -154,13 +154,20 @@ def slice_plan(vllm_config: Any, replicated: bool, per_head: bool) -> SlicePlan:
 
 
 def backend_context(
-    settings: ConnectorSettings, layout: kvcore.CacheLayout, rank: int, world_size: int
+    settings: ConnectorSettings,
+    layout: kvcore.CacheLayout,
+    rank: int,
+    world_size: int,
+    role: str = "data",
 ) -> kvcore.BackendContext:
+    """The context a backend is opened with: ``role`` ``lookup`` for a scheduler whose
+    workers run in other processes (it only asks what is stored)."""
     context: dict[str, Any] = {
         "layout": layout,
         "rank": rank,
         "world_size": world_size,
         "namespace": settings.namespace,
+        "role": role,
     }
     if settings.weight_version:
         context["weight_version"] = settings.weight_version

@@ -1,8 +1,10 @@
 """Scheduler side: what the backend can restore, and what the workers must load and save.
 
 Runs in vLLM's engine-core process, next to the scheduler. It never touches KV bytes: it asks
-the backend which leading blocks exist (for every TP rank) and turns vLLM's scheduling
-decisions into :class:`~kvcore_vllm.metadata.StepMetadata` for the workers.
+the backend which leading blocks exist (for every TP rank, through one client per KV cache
+group, opened for lookups only where the workers run elsewhere) and turns vLLM's scheduling
+decisions into :class:`~kvcore_vllm.metadata.StepMetadata` for the workers. Its lookup is the
+one presence check of a load: the workers read without asking again.
 
 Block protocol (vLLM's ``KVConnectorBase_V1``):
 
@@ -69,8 +71,8 @@ class _GroupStore:
     group: CacheGroup
     layout: Any  # kvcore.CacheLayout
     keys: RequestKeys
-    handles: list[Any]  # kvcore.BackendHandle, one per context
-    slices: list[tuple[Any, Slice]]
+    handle: Any  # kvcore.BackendHandle: the group's one lookup client
+    slices: list[Slice]
 
 
 class SchedulerSide:
@@ -103,31 +105,29 @@ class SchedulerSide:
         self.world_size = slices[0].world
         self.counters = CounterSet()
         hybrid = len(self.groups) > 1
+        #: how the scheduler's lookup client is opened: where the one worker runs in this
+        #: process, its data client answers the lookups too (one client; and the ``memory``
+        #: backend's data lives in that instance); else a client that only looks up
+        self.lookup_role = "data" if self._worker_here(vllm_config) else "lookup"
         self.stores: list[_GroupStore] = []
         for group in self.groups:
             layout = cache_layout(kv_cache_config, per_head=per_head, group=group)
             scope = key_scope(vllm_config, settings, layout, group if hybrid else None)
-            # a backend per rank's context, as the workers open them; per head, one for all
-            contexts = [0] if per_head else [piece.rank for piece in slices]
-            handles = [
-                connector_handle(
-                    settings.backend,
-                    settings.backend_config,
-                    backend_context(settings, layout, rank, self.world_size),
-                    retry_s=settings.reopen_interval_s,
-                    verify_blocks=settings.transfer.get("verify_blocks", "auto"),
-                )
-                for rank in contexts
-            ]
+            # one client asks for every slice (each request names its slice's rank)
+            handle = connector_handle(
+                settings.backend,
+                settings.backend_config,
+                backend_context(settings, layout, 0, self.world_size, self.lookup_role),
+                retry_s=settings.reopen_interval_s,
+                verify_blocks=settings.transfer.get("verify_blocks", "auto"),
+            )
             self.stores.append(
                 _GroupStore(
                     group=group,
                     layout=layout,
                     keys=RequestKeys(scope, self.block_size, hash_block_size),
-                    handles=handles,
-                    slices=[
-                        (handles[0 if per_head else i], piece) for i, piece in enumerate(slices)
-                    ],
+                    handle=handle,
+                    slices=list(slices),
                 )
             )
         # how a restore's other groups are checked: attention runs shrink it, a state picks a
@@ -136,7 +136,7 @@ class SchedulerSide:
         self._check_order = sorted(self.stores[1:], key=lambda s: order[s.group.kind])
         primary = self.stores[0]  # the first full-attention (or MLA) group keys restores
         self.layout, self.keys = primary.layout, primary.keys
-        self.handles = [handle for store in self.stores for handle in store.handles]
+        self.handles = [store.handle for store in self.stores]
         for handle in self.handles:  # open now: bad settings must fail at start-up
             handle.get()
         self._check_reachable(vllm_config)
@@ -154,14 +154,20 @@ class SchedulerSide:
             else None
         )
 
+    def _worker_here(self, vllm_config: Any) -> bool:
+        """Whether the engine's one worker runs in this process (vLLM's ``uni`` executor)."""
+        parallel = vllm_config.parallel_config
+        ranks = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+        return ranks == 1 and parallel.distributed_executor_backend == "uni"
+
     def _check_reachable(self, vllm_config: Any) -> None:
         """A backend whose data lives inside one process (``memory``) is useful only when the
         workers run in the scheduler's process: otherwise lookups never see what they stored."""
         backend = self.handles[0].get()
         if backend is None or backend.capabilities.shared:
             return
-        executor = vllm_config.parallel_config.distributed_executor_backend
-        if self.world_size != 1 or executor != "uni":
+        if not self._worker_here(vllm_config):
+            executor = vllm_config.parallel_config.distributed_executor_backend
             raise ValueError(
                 f"kvcore backend {self.settings.backend!r} keeps its data inside one process, "
                 f"but this engine runs its workers elsewhere (executor {executor!r}, "
@@ -217,8 +223,8 @@ class SchedulerSide:
         token_ids = self._tokens(request, start + len(keys))
         errors = 0
         t0 = time.monotonic()
-        for handle, piece in store.slices:
-            backend = handle.get()
+        backend = store.handle.get()
+        for piece in store.slices:
             if backend is None:
                 errors += 1
                 run = 0

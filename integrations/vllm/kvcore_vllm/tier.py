@@ -24,7 +24,8 @@ moves whole chunks between the primary tier's memory and its store. Selected in
 - Jobs run on this tier's threads, loads apart from stores; ``get_finished_jobs`` reports
   them. A promotion that reads part of its chunks reports ``successful_keys``; a store queue
   past ``max_queued_stores`` drops stores (counted) so a slow backend never holds the primary
-  tier's chunks. Lookups are vLLM's asynchronous lookups, one batched ``query`` per request.
+  tier's chunks. Lookups are vLLM's asynchronous lookups, one batched ``contains`` call per
+  request and step (every gap of the batch in one backend call).
 - Failures are misses: a backend error, a corrupt object or a deadline fails the job (or its
   tail); nothing raises into vLLM's scheduler.
 - Events (``enable_kv_events``): what the backend's event stream says the store gained and
@@ -93,7 +94,7 @@ class StoreUnavailable(RuntimeError):
 
 
 class _Lookups(AsyncLookupManager):
-    """vLLM's asynchronous lookups; each request's batch is one leading-run ``query`` per gap."""
+    """vLLM's asynchronous lookups; each request's batch is one ``contains`` call."""
 
     def __init__(self, tier: KVCoreTier, tier_type: str) -> None:
         self._tier = tier
@@ -350,25 +351,17 @@ class KVCoreTier(SecondaryTierManager):
         )
 
     def _exists(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
-        """Which of ``keys`` are stored: one leading-run query per gap (none while the store
-        is not open)."""
-        found = [False] * len(keys)
+        """Which of ``keys`` are stored: one ``contains`` call for the whole batch, gaps
+        included (none while the store is not open)."""
         try:
             request = self._request(f"{req_id}/lookup", keys, self.settings.lookup_timeout_s)
         except StoreUnavailable:
             self._count(lookup_chunks=len(keys), lookup_errors=1)
-            return found
-        start = 0
-        errors = 0
-        while start < len(keys):
-            n = self.store.query(request.slice(start, len(keys)))
-            if n.failure is not None:
-                errors += 1
-                break
-            found[start : start + n] = [True] * n
-            start += n + 1
-        self._count(lookup_chunks=len(keys), lookup_hits=sum(found), lookup_errors=errors)
-        return found
+            return [False] * len(keys)
+        presence = self.store.contains(request)
+        errors = int(presence.failure is not None)
+        self._count(lookup_chunks=len(keys), lookup_hits=presence.count, lookup_errors=errors)
+        return list(presence.found)
 
     def _run_store(self, job: TransferJob) -> None:
         n = len(job.keys)

@@ -4,11 +4,14 @@ Runs in each vLLM worker. ``register_kv_caches`` maps the per-layer tensors onto
 ``DeviceCache`` (no copy; see :mod:`kvcore_vllm.layout`) and builds a ``TransferManager`` over
 the opened backend, so every byte moves through kvcore's swap ops, staging and backend calls.
 
-- Loads are synchronous with the step: the scheduler already counted the blocks as computed,
+- Loads read what the scheduler's lookup found, asking no query first. In ``sync`` load mode
+  they are synchronous with the step: the scheduler already counted the blocks as computed,
   so ``start_load_kv`` submits every load of the step and waits for them (each bounded by
   ``load_timeout_s``). Blocks that did not arrive are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes them: a miss, a corrupt object or a
-  dead backend costs recomputation, never a wrong token.
+  dead backend costs recomputation, never a wrong token. In ``async`` mode the request waits
+  outside the batch and ``get_finished`` answers it once its loads are in (a failed one as
+  ``failed_recving``: vLLM recomputes the request).
 - Saves are asynchronous: ``wait_for_save`` hands the step's full blocks to the manager's write
   pool and returns. vLLM keeps a finished request's blocks until ``get_finished`` reports its
   saves done; a preempted request's saves are waited for in ``handle_preemptions``, before
@@ -24,9 +27,10 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import kvcore
+from kvcore.schemas import ReadTask, WriteTask
 from kvcore.transfer import DeviceCache, TransferManager
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
@@ -453,19 +457,26 @@ class WorkerSide:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _task(self, run: BlockRun, what: str, timeout_s: float, piece: Slice) -> dict[str, Any]:
-        """The TransferManager task of one slice of ``run``'s blocks."""
+    def _task(
+        self, run: BlockRun, what: Literal["load", "save"], timeout_s: float, piece: Slice
+    ) -> ReadTask | WriteTask:
+        """The TransferManager task of one slice of ``run``'s blocks.
+
+        Built without pydantic's validation: this runs on vLLM's step thread, and every field
+        comes from the connector itself (keys from vLLM's block hashes, ids from its block
+        table, the slice from the plan). The manager still checks the ids against the cache
+        and the key count against the longest sequence, as it does for every task.
+        """
         mapping = self.io[run.group].mapping
         assert mapping is not None
-        task: dict[str, Any] = {
-            "task_id": f"{run.req_id}/{what}/{run.start_block}/g{run.group}/r{piece.rank}",
-            "keys": run.keys,
-            "device_block_ids": mapping.to_kvcore(run.block_ids, piece.local),
-            "start_block": run.start_block,
-            "timeout_s": timeout_s,
-            "rank": piece.rank,
-            "world_size": piece.world,
-        }
-        if run.token_ids is not None:
-            task["token_ids"] = run.token_ids
-        return task
+        model = ReadTask if what == "load" else WriteTask
+        return model.model_construct(
+            task_id=f"{run.req_id}/{what}/{run.start_block}/g{run.group}/r{piece.rank}",
+            keys=run.keys,
+            device_block_ids=mapping.to_kvcore(run.block_ids, piece.local),
+            start_block=run.start_block,
+            timeout_s=timeout_s,
+            rank=piece.rank,
+            world_size=piece.world,
+            token_ids=run.token_ids,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -72,6 +73,65 @@ def kill(pid: int) -> bool:
     """SIGKILL a process (a Mooncake master dying mid-run)."""
     os.kill(pid, signal.SIGKILL)
     return True
+
+
+def abort_while_loading(engine: Any, prompt: list[int], store_root: str) -> dict[str, Any]:
+    """Submit ``prompt`` to an in-process engine whose connector loads in the background,
+    abort it right after the step that started its load, and run the engine until it is idle.
+
+    Returns how many of the connector's background reads were still running when the abort
+    was made (the case this checks: a load in flight when vLLM drops its request) and how
+    many steps the engine took to let the request go."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    evict_from_page_cache(store_root)  # the reads go to the disk: they take a while
+    worker = get_kv_transfer_group().worker_side
+    assert worker is not None, "an in-process engine's worker connector"
+    llm_engine = engine.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    llm_engine.add_request("abort-while-loading", {"prompt_token_ids": prompt}, params)
+    llm_engine.step()  # looked up, blocks allocated, the load started
+    with worker._lock:
+        running = sum(
+            1
+            for _, runs in worker._loading.values()
+            for _, futures in runs
+            for fut in futures
+            if fut is not None and not fut.done()
+        )
+    llm_engine.abort_request(["abort-while-loading"])
+    steps = 0
+    while llm_engine.has_unfinished_requests() and steps < 1000:
+        llm_engine.step()
+        steps += 1
+    return {"reads_running_at_abort": running, "steps_after_abort": steps}
+
+
+def evict_from_page_cache(root: str) -> int:
+    """Drop every regular file under ``root`` from the page cache (no privileges needed)."""
+    count = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    count += 1
+                finally:
+                    os.close(fd)
+    return count
+
+
+def mooncake_mounted_bytes(engine: Any, metrics_port: int) -> int:
+    """The memory every Mooncake client has mounted into the store, as the master counts it
+    (asked while ``engine``'s processes, the scheduler's included, hold their clients)."""
+    from kv_mooncake.testing import MooncakeMaster
+
+    master = MooncakeMaster()
+    master.metrics_port = metrics_port
+    return master.capacity_bytes()
 
 
 def remove_rank_objects(

@@ -51,3 +51,24 @@ def test_bench_vllm_decode_ab_carries_its_aa_control(tmp_path: Path) -> None:
     assert report["connector_hook_ms_per_step_with"] > 0
     # every engine bound to the same cores: vLLM's own choice differs with a connector
     assert report["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_bench_vllm_itl_reports_restores_beside_their_aa_control(tmp_path: Path) -> None:
+    """A decode stream's ITL on four real engines, two rounds: the A/A control and the sync and
+    async restores' ratios over the stream alone, and restores that came from the store."""
+    prompt_tokens = 600  # under the tiny model's 2,048 positions, 18 blocks to restore
+    args = ["--only", "itl", "--model", "tiny", "--reps", "2"]
+    args += ["--prompt-tokens", str(prompt_tokens), "--workdir", str(tmp_path)]
+    report = run_bench("bench_vllm", args, tmp_path, timeout=600)
+    check_report(report)
+    ratios = report["ratios"]
+    for stat in ("p99", "median"):
+        for name in ("aa_control", "async_vs_no_restore", "sync_vs_no_restore"):
+            assert ratios[f"itl_{stat}_{name}"]["n"] == 2, (stat, name)
+    assert report["goals"]["itl_p99_async_vs_no_restore"].startswith("<= ")
+    for mode in ("sync", "async"):
+        # the whole prompt but its last, partial block came from the store
+        cached = report[f"itl_restore_cached_tokens_{mode}"]
+        assert len(cached) == 2 and all(n >= prompt_tokens - 32 for n in cached), (mode, cached)
+        assert report["figures"][f"itl_restore_ttft_{mode}_s"]["n"] == 2
+    assert report["itl_window_tokens"] == [140]

@@ -216,8 +216,37 @@ class _FailingStore:
     def query(self, request):
         raise ConnectionError("backend unreachable")
 
+    def contains(self, request):
+        raise ConnectionError("backend unreachable")
+
     def read(self, request):
         raise ConnectionError("backend unreachable")
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_a_lookup_batch_asks_the_backend_once_however_many_gaps(backend, tmp_path, request) -> None:
+    """vLLM's lookups of one request and step reach the tier as one batch: the tier answers
+    it with one ``contains`` call (kv_file: one index pass; Mooncake: one ``batch_is_exist``)
+    where a leading-run query per gap cost a round trip per miss."""
+    more = {}
+    if backend == "mooncake":
+        more["backend_config"] = request.getfixturevalue("mooncake_config")
+    tier, _ = make_tier(backend, str(tmp_path), **more)
+    try:
+        present = [1, 3, 5, 7]  # stored; 2, 4, 6, 8 are gaps
+        tier.submit_store(make_job(1, [key(i) for i in present], [0, 1, 2, 3]))
+        assert all(r.success for r in drain(tier))
+        backend_stats = tier.store.metrics.snapshot
+        before = backend_stats()
+        got = lookup_and_wait(tier, [key(i) for i in range(1, 9)])
+        after = backend_stats()
+        want = [LookupResult.HIT if i in present else LookupResult.MISS for i in range(1, 9)]
+        assert got == want
+        calls = {op: after.get(f"calls.{op}", 0) - before.get(f"calls.{op}", 0)
+                 for op in ("contains", "query")}  # fmt: skip
+        assert calls == {"contains": 1, "query": 0}
+    finally:
+        tier.shutdown()
 
 
 def test_backend_failures_are_misses_never_raised(tmp_path) -> None:

@@ -345,6 +345,40 @@ def test_a_save_in_flight_holds_its_request(
     worker.close()
 
 
+def test_the_workers_loads_and_saves_skip_pydantic_and_ask_no_query(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On vLLM's step thread the worker builds its tasks without pydantic's validation (it
+    made every field itself) and a load is one read: no query before it."""
+    from kvcore_vllm.worker import WorkerSide
+
+    from kvcore.schemas import ReadTask, WriteTask
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a task was validated on the step thread")
+
+    for model in (ReadTask, WriteTask):
+        monkeypatch.setattr(model, "model_validate", classmethod(refuse))
+    settings = ConnectorSettings(backend="memory", namespace="no-pydantic", load_mode="sync")
+    worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
+    caches = {name: _joined_tensor() for name in LAYERS}
+    worker.register_kv_caches(caches)
+    keys = engine_block_keys(vllm_config, list(range(1, 200)))[:3]
+    worker.wait_for_save(StepMetadata(saves=[BlockRun("w", 0, keys, [2, 3, 4])]))
+    worker.handle_preemptions(StepMetadata(preempted={"w"}))  # waits for the saves
+    backend = worker.handle.get()
+    assert backend is not None
+    queries_before = backend.metrics.snapshot().get("calls.query", 0.0)
+    worker.start_load_kv(StepMetadata(loads=[BlockRun("r", 0, keys, [10, 11, 12])]))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert backend.metrics.snapshot().get("calls.query", 0.0) == queries_before
+    for tensor in caches.values():
+        assert torch.equal(tensor[10:13], tensor[2:5])
+    stats = worker.take_stats()
+    assert (stats["save_written_blocks"], stats["load_done_blocks"]) == (3, 3)
+    worker.close()
+
+
 # -- the scheduler side --------------------------------------------------------------------
 
 
@@ -387,6 +421,73 @@ def test_kv_role_decides_restoring_and_storing(
     request.num_computed_tokens = len(tokens)
     assert side.request_finished(request, [0, 1, 2, 3]) == (stores, None)
     side.close()
+
+
+def test_a_tp2_scheduler_looks_up_every_rank_through_one_client_that_mounts_no_memory(
+    vllm_config: Any, mooncake_cluster_factory: Any
+) -> None:
+    """The scheduler of a TP=2 engine (workers in other processes) asks both ranks' presence
+    through one Mooncake client opened for lookups: the master counts no memory mounted by it
+    (a data client would mount its segment), and a block is found once both ranks stored it."""
+    import copy
+
+    import numpy as np
+    from kvcore_vllm.keys import hashed_request
+    from kvcore_vllm.scheduler import SchedulerSide
+
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.distributed_executor_backend = "mp"
+    mounted_before = cluster.master.capacity_bytes()
+    # a segment of its own if it were a data client: the master's count would grow by it
+    settings = ConnectorSettings(
+        backend="mooncake",
+        backend_config=cluster.config(global_segment_size=32 << 20),
+        namespace="one-client",
+    )
+    side = SchedulerSide(config, _kv_cache_config(), settings)
+    try:
+        assert len(side.handles) == 1
+        client = side.handles[0].get()
+        assert client is not None and client.context.role == "lookup"
+        assert cluster.master.capacity_bytes() == mounted_before
+        tokens = [(5 * i) % 500 + 1 for i in range(100)]  # 3 full blocks and 4 tokens
+        request = hashed_request(config, "r1", tokens, max_tokens=4)
+        keys = side.keys.keys(request, 0, 3)
+        part = side.layout.part_bytes("k")
+        arrays = [np.full(part, i, np.uint8) for i in range(6)]
+        host = kvcore.HostBuffers(
+            ptrs=tuple(
+                (arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data) for i in range(3)
+            ),
+            nbytes=(part, part),
+        )
+        queries_before = client.metrics.snapshot().get("calls.query", 0.0)
+        for rank in (0, 1):  # each rank's worker stores its slice, through a data client
+            writer = kvcore.open_backend(
+                "mooncake",
+                cluster.config(),
+                context={
+                    "layout": side.layout,
+                    "rank": rank,
+                    "world_size": 2,
+                    "namespace": "one-client",
+                },
+            )
+            try:
+                assert writer.write(writer.request(f"fill-{rank}", keys, host=host)) == 3
+            finally:
+                writer.close()
+            want = 3 * BLOCK_SIZE if rank == 1 else 0  # a block is there when every rank's is
+            assert side.get_num_new_matched_tokens(request, 0) == (want, False)
+        # two lookups, each one query per rank (rank 0 has all three blocks both times),
+        # through the one client
+        assert client.metrics.snapshot()["calls.query"] - queries_before == 2 * 2
+        with pytest.raises(ValueError, match="opened for lookups"):
+            client.read(client.request("no", keys))
+    finally:
+        side.close()
 
 
 def test_the_connectors_verify_blocks_setting_is_the_opened_backends() -> None:
@@ -548,7 +649,7 @@ def _store_blocks(group_store: Any, first: int, end: int, *, request: Any) -> No
     store the scheduler's lookups then find."""
     import numpy as np
 
-    backend = group_store.handles[0].get()
+    backend = group_store.handle.get()
     part = group_store.layout.part_bytes("k")
     arrays = [np.zeros(part, np.uint8) for _ in range(2 * (end - first))]
     ptrs = tuple((arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)

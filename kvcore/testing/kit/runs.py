@@ -70,6 +70,24 @@ class LeadingRunTests(KitFixtures):
         assert harness.query(seq) == 2
         harness.assert_reads_back(seq, 2)
 
+    @requires(addressing="key")
+    @exercises("kvcore_contains", "kvcore_write", "kvcore_query")
+    def test_contains_answers_each_block_past_every_gap(self, harness: Harness) -> None:
+        """``Backend.contains`` (the backend's ``kvcore_contains``, or kvcore's queries per
+        gap without it): each block on its own, as a query from that block would count it."""
+        seq = harness.new_sequence(7)
+        assert harness.write(seq, 0, 2) == 2
+        assert harness.write(seq, 3, 2) == 2
+        assert harness.write(seq, 6, 1) == 1
+        presence = harness.backend.contains(harness.request(seq))
+        assert presence.failure is None, f"contains reported failure {presence.failure!r}"
+        assert presence.found == (True, True, False, True, True, False, True)
+        assert harness.query(seq) == 2  # the leading run is unchanged
+        for start in range(7):  # each block as a query from it counts it
+            assert (harness.query(seq, start) > 0) == presence.found[start]
+        never = harness.backend.contains(harness.request(harness.new_sequence(3)))
+        assert (never.found, never.failure) == ((False,) * 3, None)
+
     @exercises(*DATA_HOOKS)
     def test_run_stops_where_stored_blocks_end(self, harness: Harness) -> None:
         seq = harness.new_sequence(6)

@@ -159,11 +159,32 @@ class FileBackend:
     def kvcore_query(self, request: BlockRequest) -> int:
         self._settle()
         self._catalog.sync()  # what other processes stored, removed or evicted meanwhile
+        return self._stored_run(request, 0)
+
+    @kvcore.hookimpl
+    def kvcore_contains(self, request: BlockRequest) -> list[bool]:
+        """Every block's presence in one pass over the index (one catalog sync, however many
+        gaps): a leading run from each gap on."""
+        self._settle()
+        self._catalog.sync()
+        total = request.num_blocks
+        found: list[bool] = []
+        while len(found) < total:
+            end = self._stored_run(request, len(found))
+            found.extend([True] * (end - len(found)))
+            if len(found) < total:
+                found.append(False)
+                if request.expired():  # what is left stays unknown: not found
+                    found.extend([False] * (total - len(found)))
+        return found
+
+    def _stored_run(self, request: BlockRequest, start: int) -> int:
+        """Where the run of stored blocks from block ``start`` ends (an absolute index)."""
         known = self._index.by_name.__contains__  # without the lock: a dict probe is atomic
         names = request.object_names
         columns = name_columns(names, len(request.parts))
         total = request.num_blocks
-        for lo in range(0, total, _QUERY_DEADLINE_STRIDE):
+        for lo in range(start, total, _QUERY_DEADLINE_STRIDE):
             hi = min(total, lo + _QUERY_DEADLINE_STRIDE)
             # a stride's names probed by map() in C: a Python loop per name cost most of a
             # 10,000-block query

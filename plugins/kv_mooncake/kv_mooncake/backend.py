@@ -100,7 +100,9 @@ class MooncakeBackend:
         # calls of concurrent tasks share the transport's queue: never overfill it
         self._pieces = PieceBudget(queued_transfers_limit())
         self._max_call_pieces = min(MAX_BATCH_PIECES, self._pieces.limit)
-        self._store: Any = open_store(config, context.device_id)
+        self._store: Any = open_store(
+            config, context.device_id, lookups_only=context.role == "lookup"
+        )
         from mooncake.store import ReplicateConfig  # importable once open_store succeeded
 
         self._replicate = ReplicateConfig()
@@ -125,6 +127,22 @@ class MooncakeBackend:
             return codes
         self._drops.looked(_names(request), codes)
         return self._present_run(codes, len(request.parts))
+
+    @kvcore.hookimpl
+    def kvcore_contains(self, request: BlockRequest) -> list[bool]:
+        """Every block's presence from one ``batch_is_exist`` (one master round trip, however
+        many gaps the blocks have)."""
+        if request.num_blocks == 0:
+            return []
+        codes = self._master_call(self._store.batch_is_exist, self._keys(request), request)
+        if not isinstance(codes, list):  # no answer: kvcore counts the failure
+            raise ConnectionError(codes.failure or "no answer from the mooncake master")
+        self._drops.looked(_names(request), codes)
+        parts = len(request.parts)
+        return [
+            all(code == 1 for code in codes[i * parts : (i + 1) * parts])
+            for i in range(request.num_blocks)
+        ]
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:

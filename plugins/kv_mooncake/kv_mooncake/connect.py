@@ -115,16 +115,21 @@ def import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
-def open_store(config: MooncakeConfig, device_id: int) -> Any:
-    """A set-up ``MooncakeDistributedStore`` for this rank, or a clear exception."""
+def open_store(config: MooncakeConfig, device_id: int, lookups_only: bool = False) -> Any:
+    """A set-up ``MooncakeDistributedStore`` for this rank, or a clear exception.
+
+    ``lookups_only``: a client that only asks which keys exist (an engine's scheduler)
+    contributes no memory segment to the store and keeps no copy buffer; Mooncake answers its
+    ``batch_is_exist`` from the master alone.
+    """
     store_class = import_store_class()
     check_master(config)
     store = store_class()
     code = store.setup(
         config.local_hostname,
         config.metadata_server,
-        config.global_segment_size,
-        config.local_buffer_size,
+        0 if lookups_only else config.global_segment_size,
+        0 if lookups_only else config.local_buffer_size,
         config.protocol,
         config.devices_for(device_id),
         config.master_server_address,

@@ -153,6 +153,18 @@ class MooncakeMaster:
         self.kill()
         return False
 
+    def capacity_bytes(self) -> int:
+        """The memory every client has mounted into the store, as the master counts it
+        (``master_total_capacity_bytes`` of its metrics endpoint)."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        with opener.open(url, timeout=2.0) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return int(float(line.split()[1]))
+        raise RuntimeError(f"the master's metrics have no master_total_capacity_bytes:\n{text}")
+
     def log_tail(self, n: int = 40) -> str:
         lines = Path(self._log.name).read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])

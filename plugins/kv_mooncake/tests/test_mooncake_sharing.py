@@ -103,3 +103,29 @@ def test_registered_staging_buffers_are_used_without_temporary_registration(
         assert backend.stats()["backend_registered_regions"] == 0
     finally:
         backend.close()
+
+
+def test_a_client_opened_for_lookups_mounts_no_memory_and_sees_every_block(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """An engine's scheduler opens its client with ``role="lookup"``: whatever segment the
+    config names, the master counts no memory mounted by it, and it finds the blocks a data
+    client stored."""
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    layout = small_layout()
+    config = cluster.config(global_segment_size=32 << 20)
+    mounted = cluster.master.capacity_bytes()
+    looker = kvcore.open_backend("mooncake", config, context={"layout": layout, "role": "lookup"})
+    try:
+        assert cluster.master.capacity_bytes() == mounted
+        writer = kvcore.open_backend("mooncake", config, context={"layout": layout})
+        try:
+            assert cluster.master.capacity_bytes() == mounted + (32 << 20)  # a data client's
+            h = Harness(writer, layout)
+            seq = h.new_sequence(4)
+            assert h.write(seq) == 4
+            assert Harness(looker, layout).query(seq) == 4
+        finally:
+            writer.close()
+    finally:
+        looker.close()
