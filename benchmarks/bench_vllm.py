@@ -622,8 +622,12 @@ def _itl_child(spec_path: str) -> None:
     fill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     prompts = [spec["warm_restore"], *spec["stored"]]
     filler.generate([{"prompt_token_ids": p} for p in prompts], fill, use_tqdm=False)
-    if not filler.reset_prefix_cache():
-        raise RuntimeError("the filling engine's prefix cache could not be reset")
+    # vLLM refuses while the prompts' blocks wait for their saves: until those are stored
+    deadline = time.monotonic() + 120
+    while not filler.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the filling engine's prefix cache could not be reset in 120 s")
+        time.sleep(0.1)
 
     def stream_prompt() -> list[int]:
         # a fresh prompt for every engine and round: the stream is never a hit anywhere (a
