@@ -336,8 +336,6 @@ def _decode_overhead(
     """Decode steps of four engines in one process, taking turns on the same prompts: two
     without the connector (A and A': their difference is the noise), one with it, one with it
     and vLLM's KV events on (the store's events built and handed to vLLM's publisher)."""
-    import subprocess
-
     spec = {
         **base,
         "connector": {
@@ -347,17 +345,7 @@ def _decode_overhead(
         },
         "rounds": args.reps * args.decode_prompts,
     }
-    spec_path = workdir / "decode-engines.json"
-    spec_path.write_text(json.dumps(spec))
-    with open(workdir / "decode-engines.log", "w") as log:
-        out = subprocess.run(
-            [sys.executable, __file__, "--decode-child", str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            check=True,
-        ).stdout
-    steps = json.loads(out.strip().splitlines()[-1])
+    steps = _run_child("decode", spec, workdir)
     ms = {label: [v * 1e3 for v in values] for label, values in steps["steps"].items()}
     for label in DECODE_ENGINES:
         report.figure(f"decode_step_{label}_ms", ms[label], "ms")
@@ -371,6 +359,24 @@ def _decode_overhead(
         report.notes[f"connector_hook_ms_per_step_{label}"] = round(hook_ms * 1e3 / n, 4)
         report.notes[f"connector_steps_{label}"] = n
     report.notes["decode_rounds"] = spec["rounds"]
+
+
+def _run_child(part: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run ``part``'s engines in a child process of their own (``--<part>-child``), its log in
+    ``workdir``; the JSON object it prints last."""
+    import subprocess
+
+    spec_path = workdir / f"{part}-engines.json"
+    spec_path.write_text(json.dumps(spec))
+    with open(workdir / f"{part}-engines.log", "w") as log:
+        out = subprocess.run(
+            [sys.executable, __file__, f"--{part}-child", str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            check=True,
+        ).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 #: the decode engines, in the order of the first round (the order rotates every round)
@@ -440,8 +446,6 @@ ITL_WARM_RESTORE_TOKENS = 128
 def _itl(args: argparse.Namespace, base: dict[str, Any], workdir: Path, report: Report) -> None:
     """A decode stream's inter-token latency while another request restores a long stored
     prompt (synchronous and background loads), against the stream alone (module docstring)."""
-    import subprocess
-
     rng = random.Random(11)
     vocab = int(base["vocab_size"])
     # one stored prompt per round: no engine ever restores a prompt it has already seen, so
@@ -463,17 +467,7 @@ def _itl(args: argparse.Namespace, base: dict[str, Any], workdir: Path, report: 
         "stored": stored,
         "warm_restore": warm_restore,
     }
-    spec_path = workdir / "itl-engines.json"
-    spec_path.write_text(json.dumps(spec))
-    with open(workdir / "itl-engines.log", "w") as log:
-        out = subprocess.run(
-            [sys.executable, __file__, "--itl-child", str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            check=True,
-        ).stdout
-    got = json.loads(out.strip().splitlines()[-1])
+    got = _run_child("itl", spec, workdir)
     stats = {label: got["rounds"][label] for label in ITL_ENGINES}
     for label in ITL_ENGINES:
         for stat in ("median", "p99", "max"):

@@ -222,11 +222,7 @@ class Backend:
         except Exception as exc:
             if self.strict:
                 raise
-            late = time.monotonic() >= request.deadline
-            self._log_failure("contains", exc, request)
-            self.metrics.observe("contains", time.monotonic() - t0, calls=1, errors=1, blocks=n)
-            kind = FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
-            return Presence((False,) * n, describe(exc), kind)
+            return Presence((False,) * n, *self._raised("contains", exc, request, t0))
         seconds = time.monotonic() - t0
         if (
             not isinstance(result, Sequence)
@@ -234,14 +230,7 @@ class Backend:
             or len(result) != n
             or not all(isinstance(flag, bool) for flag in result)
         ):
-            msg = (
-                f"backend {self.name!r} contains returned {result!r} for {n} blocks; "
-                f"expected {n} bools"
-            )
-            if self.strict:
-                raise BackendContractError(msg)
-            self._log_failure("contains", BackendContractError(msg), request)
-            self.metrics.observe("contains", seconds, calls=1, invalid_results=1, blocks=n)
+            self._invalid("contains", result, f"{n} bools", request, seconds)
             return Presence((False,) * n, "invalid result", FailureKind.INVALID_RESULT)
         found = tuple(result)
         self.metrics.observe("contains", seconds, calls=1, blocks=n, blocks_done=sum(found))
@@ -589,24 +578,12 @@ class Backend:
         except Exception as exc:
             if self.strict:
                 raise
-            t1 = time.monotonic()
-            late = t1 >= request.deadline and n > 0
-            self._log_failure(op, exc, request)
-            self.metrics.observe(op, t1 - t0, calls=1, errors=1, blocks=n)
-            kind = FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
-            return Outcome(0, describe(exc), kind)
+            return Outcome(0, *self._raised(op, exc, request, t0))
         t1 = time.monotonic()
         if result is None and op in ("flush", "remove"):
             result = 0
         if not _is_count(result) or not 0 <= result <= n:
-            msg = (
-                f"backend {self.name!r} {op} returned {result!r} for {n} blocks; "
-                f"expected an int in [0, {n}]"
-            )
-            if self.strict:
-                raise BackendContractError(msg)
-            self._log_failure(op, BackendContractError(msg), request)
-            self.metrics.observe(op, t1 - t0, calls=1, invalid_results=1, blocks=n)
+            self._invalid(op, result, f"an int in [0, {n}]", request, t1 - t0)
             return Outcome(0, f"invalid result {result!r}", FailureKind.INVALID_RESULT)
         failure = getattr(result, "failure", None)
         late = t1 > request.deadline + DEADLINE_GRACE_S
@@ -643,6 +620,32 @@ class Backend:
             self._log_failure(op, exc, None)
             self.metrics.add(op, errors=1)
             return None
+
+    def _raised(
+        self, op: str, exc: Exception, request: BlockRequest, t0: float
+    ) -> tuple[str, FailureKind]:
+        """A hook call started at ``t0`` raised ``exc`` (not in strict mode): logged once,
+        counted; its failure and kind (``deadline`` when it ended at or past the deadline)."""
+        t1 = time.monotonic()
+        n = request.num_blocks
+        self._log_failure(op, exc, request)
+        self.metrics.observe(op, t1 - t0, calls=1, errors=1, blocks=n)
+        late = t1 >= request.deadline and n > 0
+        return describe(exc), FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
+
+    def _invalid(
+        self, op: str, result: object, expected: str, request: BlockRequest, seconds: float
+    ) -> None:
+        """A hook answered what the contract forbids: raised in strict mode, else logged once
+        and counted (the caller answers with nothing found)."""
+        msg = (
+            f"backend {self.name!r} {op} returned {result!r} for {request.num_blocks} blocks; "
+            f"expected {expected}"
+        )
+        if self.strict:
+            raise BackendContractError(msg)
+        self._log_failure(op, BackendContractError(msg), request)
+        self.metrics.observe(op, seconds, calls=1, invalid_results=1, blocks=request.num_blocks)
 
     def _log_failure(self, op: str, exc: BaseException, request: BlockRequest | None) -> None:
         """Log the first failure of each (op, exception type) with context; later ones at debug."""

@@ -159,7 +159,7 @@ class FileBackend:
     def kvcore_query(self, request: BlockRequest) -> int:
         self._settle()
         self._catalog.sync()  # what other processes stored, removed or evicted meanwhile
-        return self._stored_run(request, 0)
+        return self._stored_run(request, 0, name_columns(request.object_names, len(request.parts)))
 
     @kvcore.hookimpl
     def kvcore_contains(self, request: BlockRequest) -> list[bool]:
@@ -168,9 +168,10 @@ class FileBackend:
         self._settle()
         self._catalog.sync()
         total = request.num_blocks
+        columns = name_columns(request.object_names, len(request.parts))  # once, not per gap
         found: list[bool] = []
         while len(found) < total:
-            end = self._stored_run(request, len(found))
+            end = self._stored_run(request, len(found), columns)
             found.extend([True] * (end - len(found)))
             if len(found) < total:
                 found.append(False)
@@ -178,11 +179,11 @@ class FileBackend:
                     found.extend([False] * (total - len(found)))
         return found
 
-    def _stored_run(self, request: BlockRequest, start: int) -> int:
-        """Where the run of stored blocks from block ``start`` ends (an absolute index)."""
+    def _stored_run(self, request: BlockRequest, start: int, columns: list[list[str]]) -> int:
+        """Where the run of stored blocks from block ``start`` ends (an absolute index);
+        ``columns``: the request's names by part (``name_columns``)."""
         known = self._index.by_name.__contains__  # without the lock: a dict probe is atomic
         names = request.object_names
-        columns = name_columns(names, len(request.parts))
         total = request.num_blocks
         for lo in range(start, total, _QUERY_DEADLINE_STRIDE):
             hi = min(total, lo + _QUERY_DEADLINE_STRIDE)
