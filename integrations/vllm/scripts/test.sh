@@ -59,9 +59,21 @@ fi
 
 [ "$setup_only" = 1 ] && exit 0
 
+# Two pytest workers, each taking whole files (a file's engines are module fixtures, so a file
+# must not be split across workers), the longest first (tests/conftest.py orders them). An
+# engine test keeps about one core busy. The repository's test script runs this suite beside
+# the core's tests at a lower CPU priority: while those run, the workers share the core they
+# leave idle; once they end, each worker has a core. KVCORE_VLLM_TEST_WORKERS=0 runs
+# everything in one process.
+workers="${KVCORE_VLLM_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ]; then
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+
 cd "$HERE"
 set +e
-"$VENV/bin/python" -m pytest -p no:cacheprovider -q --durations=10 tests "$@"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -q --durations=10 "${parallel[@]}" tests "$@"
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then
