@@ -1,4 +1,5 @@
-"""Build script: dependencies that depend on the CUDA choice, and the native swap ops (csrc/)."""
+"""Build script: dependencies that depend on the CUDA choice, and the native extensions (csrc/):
+the swap ops and whole-file reads."""
 
 from __future__ import annotations
 
@@ -97,8 +98,21 @@ swap_ext = Extension(
     language="c++",
 )
 
+# Native whole-file reads for file backends (kvcore.fileio). xxhash's header (the
+# libxxhash-dev package, or any xxhash.h on the include path) compiles xxh3 in, so the
+# library needs no libxxhash at run time; without it the reads still work and the caller
+# hashes the payload itself.
+fileio_ext = Extension(
+    "kvcore._fileio",
+    sources=["csrc/_fileio_module.cc", "csrc/file_ops.cc"],
+    include_dirs=["csrc"],
+    depends=["csrc/file_ops.h"],
+    extra_compile_args=["-O3", "-std=c++17"],
+    language="c++",
+)
+
 setup(
     install_requires=BASE_DEPS,
-    ext_modules=[swap_ext],
+    ext_modules=[swap_ext, fileio_ext],
     cmdclass={"build_ext": BuildExtWithCuda},
 )

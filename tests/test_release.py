@@ -144,6 +144,11 @@ def test_installed_wheels_work_without_a_compiler_or_a_checkout(
                 env, tmp_path)  # fmt: skip
     assert str(venv) in where.stdout and str(ROOT) not in where.stdout, where.stdout + where.stderr
 
+    # the wheel's native file I/O, checksums included, with no compiler on PATH
+    native = run([python, "-c", "from kvcore import fileio; print(fileio.NATIVE_DIGESTS)"],
+                 env, tmp_path)  # fmt: skip
+    assert native.stdout.strip() == "True", native.stdout + native.stderr
+
     version = run([str(venv / "bin" / "kvcore"), "--version"], env, tmp_path)
     assert version.returncode == 0, version.stderr
     lines = dict(line.split() for line in version.stdout.splitlines())

@@ -23,6 +23,7 @@ SDK_MODULES = (
     "kvcore.errors",
     "kvcore.events",
     "kvcore.evictions",
+    "kvcore.fileio",
     "kvcore.handles",
     "kvcore.integrity",
     "kvcore.keys",

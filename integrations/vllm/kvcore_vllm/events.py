@@ -14,7 +14,9 @@ Two halves, as vLLM splits a connector:
   (self-describing: its hash, parent hash, token ids and block size) once every rank stored
   its slice, ``BlockRemoved`` once any rank's slice left the store (an eviction, a removal,
   another process's), and a store that was cleared, or a stream that fell behind, is
-  ``AllBlocksCleared``.
+  ``AllBlocksCleared``. Blocks a lookup finds stored (by another engine sharing the store, or
+  before a restart) are announced when the lookup finds them: this engine can load them from
+  then on, and it never tells of the removal of a block it did not announce.
 
 Blocks are named by vLLM's own hashes (``maybe_convert_block_hash``), exactly as the engine's
 GPU events name them, so an indexer places a stored block without seeing the GPU event. What
@@ -158,8 +160,11 @@ class SchedulerEvents:
     def _hash(self, key: str) -> Any:
         return self._convert(self._keys.block_hash(key))
 
-    def remember(self, request: Any, keys: Sequence[str], first_block: int) -> None:
-        """Blocks ``first_block ..`` of ``request`` (kvcore ``keys``) are being saved."""
+    def _describe(
+        self, request: Any, keys: Sequence[str], first_block: int
+    ) -> list[tuple[str, _Block]]:
+        """What an event says of blocks ``first_block ..`` of ``request`` (kvcore ``keys``),
+        as vLLM's own events say it: hash, parent hash, token ids, adapter, extra keys."""
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
             to_event_extra_keys,
@@ -173,31 +178,44 @@ class SchedulerEvents:
             if first_block > 0
             else None
         )
+        out = []
         for offset, key in enumerate(keys):
             i = first_block + offset
             block_hash = self._hash(key)
-            if key not in self._stored:
-                extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
-                self._pending[key] = _Block(
-                    block_hash=block_hash,
-                    parent_hash=parent,
-                    token_ids=list(tokens[i * bs : (i + 1) * bs]),
-                    lora_id=lora.adapter_id if lora is not None else None,
-                    lora_name=lora.name if lora is not None else None,
-                    extra_keys=to_event_extra_keys([extra]),
-                    ranks=set(),
-                )
-                self._pending.move_to_end(key)
+            extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+            block = _Block(
+                block_hash=block_hash,
+                parent_hash=parent,
+                token_ids=list(tokens[i * bs : (i + 1) * bs]),
+                lora_id=lora.adapter_id if lora is not None else None,
+                lora_name=lora.name if lora is not None else None,
+                extra_keys=to_event_extra_keys([extra]),
+                ranks=set(),
+            )
+            out.append((key, block))
             parent = block_hash
+        return out
+
+    def remember(self, request: Any, keys: Sequence[str], first_block: int) -> None:
+        """Blocks ``first_block ..`` of ``request`` (kvcore ``keys``) are being saved: each is
+        announced once every rank stored its slice."""
+        for key, block in self._describe(request, keys, first_block):
+            if key not in self._stored:
+                self._pending[key] = block
+                self._pending.move_to_end(key)
         while len(self._pending) > self.max_known:
             self._pending.popitem(last=False)
 
     def known(self, request: Any, keys: Sequence[str], first_block: int) -> None:
-        """Blocks found in the store (stored by another engine, or before a restart): their
-        hashes, so their removal can be told."""
-        for key in keys:
-            if key not in self._stored:
-                self._remember_stored(key, self._hash(key))
+        """Blocks the lookup found stored for every rank (by another engine, or before a
+        restart): this engine can load them, so it announces them now, and later tells of
+        their removal. A block is never told removed by an engine that did not announce it."""
+        for key, block in self._describe(request, keys, first_block):
+            if key in self._stored:
+                continue
+            self._pending.pop(key, None)
+            self._announce(block)
+            self._remember_stored(key, block.block_hash)
 
     def receive(self, events: Any) -> None:
         """The workers' records of one step (a :class:`BlockEvents`)."""

@@ -10,8 +10,9 @@ the opened backend, so every byte moves through kvcore's swap ops, staging and b
   ``load_timeout_s``). Blocks that did not arrive are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes them: a miss, a corrupt object or a
   dead backend costs recomputation, never a wrong token. In ``async`` mode the request waits
-  outside the batch and ``get_finished`` answers it once its loads are in (a failed one as
-  ``failed_recving``: vLLM recomputes the request).
+  outside the batch and ``get_finished`` answers it once its loads are in; blocks that did not
+  load are reported as in ``sync`` mode and vLLM recomputes from the first of them (a model with
+  several KV cache groups: the request is reported in ``failed_recving`` and recomputed whole).
 - Saves are asynchronous: ``wait_for_save`` hands the step's full blocks to the manager's write
   pool and returns. vLLM keeps a finished request's blocks until ``get_finished`` reports its
   saves done; a preempted request's saves are waited for in ``handle_preemptions``, before
@@ -119,6 +120,10 @@ class WorkerSide:
         self._with_saves: set[str] = set()  # reqs the scheduler delays freeing for
         self._finished: set[str] = set()  # of those, the ones vLLM finished
         self._load_errors: set[int] = set()
+        #: whether vLLM can map a failed block's id back to its request: with one KV cache
+        #: group, block ids are unique and a background load that failed part-way keeps the
+        #: blocks before the failure; with several, vLLM accepts only whole failed requests
+        self._block_errors_name_requests = len(kv_cache_config.kv_cache_groups) == 1
         #: requests loading in the background: (when submitted, their runs and futures)
         self._loading: dict[str, tuple[float, list[tuple[BlockRun, list[Future | None]]]]] = {}
         self._snapshots: dict[str, dict[str, float]] = {}
@@ -279,9 +284,14 @@ class WorkerSide:
         return failed
 
     def _finished_loads(self) -> tuple[set[str], set[str]]:
-        """Requests whose background loads are all in, and those of them with a block that did
-        not load (vLLM recomputes such a request: a hybrid model's block ids cannot name the
-        failed blocks alone)."""
+        """Requests whose background loads are all in, and those of them that vLLM must
+        recompute whole.
+
+        A block that did not load is reported as such (``get_block_ids_with_load_errors``, in
+        the same step's output): vLLM keeps the blocks before the first failed one and
+        recomputes from there. A model with several KV cache groups cannot name its failed
+        blocks by id alone (vLLM refuses that), so such a request is failed whole.
+        """
         with self._lock:
             ready = [
                 req
@@ -290,12 +300,22 @@ class WorkerSide:
             ]
             taken = {req: self._loading.pop(req) for req in ready}
         failed: set[str] = set()
+        failed_blocks: set[int] = set()
+        partial = 0
         for req, (t0, runs) in taken.items():
-            if self._collect_loads(runs, t0):
-                failed.add(req)
+            missing = self._collect_loads(runs, t0)
+            if missing:
+                partial += 1
+                if self._block_errors_name_requests:
+                    failed_blocks.update(missing)
+                else:
+                    failed.add(req)
             self.counters.add(load_async_requests=1, load_wait_seconds=time.monotonic() - t0)
-        if failed:
-            self.counters.add(load_failed_requests=len(failed))
+        if partial:
+            self.counters.add(load_failed_requests=partial)
+        if failed_blocks:
+            with self._lock:
+                self._load_errors.update(failed_blocks)
         return set(taken), failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:

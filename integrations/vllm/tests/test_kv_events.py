@@ -304,3 +304,68 @@ def test_storage_events_place_each_block_under_its_own_requests_prefix(
         for h in e.block_hashes
     }
     assert early and early <= set(chains["plain"])
+
+
+def test_an_engine_announces_what_it_finds_stored_and_removes_only_what_it_announced(
+    model_dir: Path, prompts: Prompts, tmp_path: Path
+) -> None:
+    """Engine B restores prompt A from a store another engine filled: the lookup that finds
+    A's blocks announces them ``BlockStored`` (STORAGE), with the hashes, tokens and parents
+    B's own GPU events give them; a clear by another process then removes them, and B never
+    sends ``BlockRemoved`` for a block it did not announce first."""
+    root = str(tmp_path / "store")
+    connector = {"backend": "file", "backend_config": {"root": root}, "namespace": "shared"}
+    a = {"op": "generate", "prompts": [prompts.a], "max_tokens": 4}
+    tiny = [[5, 6, 7]]
+    writer = run_engine(
+        {
+            "model": str(model_dir),
+            "connector": connector,
+            "in_process": True,
+            "steps": [{**a, "name": "A"}, {"op": "sleep", "seconds": 1.0}],
+        },
+        tmp_path,
+        "events-writer",
+    )
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sub = Subscriber(endpoint)
+    try:
+        run = run_engine(
+            {
+                "model": str(model_dir),
+                "connector": connector,
+                "in_process": True,
+                "kv_events_endpoint": endpoint,
+                "steps": [
+                    {**a, "name": "A"},
+                    *settle_steps("after_a", tiny),
+                    {"op": "call", "name": "clear", "target": "engine_helpers:clear_store"},
+                    *settle_steps("after_clear", tiny),
+                ],
+            },
+            tmp_path,
+            "events-reader",
+        )
+    finally:
+        sub.close()
+    saved = (600 - 1) // BLOCK_SIZE
+    assert run.step("A")["num_cached_tokens"] == [saved * BLOCK_SIZE]
+    assert run.step("A")["tokens"] == writer.step("A")["tokens"]
+    events = [e for _, e in sub.events]
+    chain = _router_chain(_per_block(events, MEDIUM_GPU), prompts.a, None, None)
+    assert len(chain) >= saved
+    storage = {b["hash"]: b for b in _per_block(events, MEDIUM_STORAGE)}
+    for i, h in enumerate(chain[:saved]):  # every restored block, as B's GPU events name it
+        assert h in storage, f"block {i} found stored but never announced"
+        assert storage[h]["parent"] == (chain[i - 1] if i else None)
+        assert storage[h]["tokens"] == prompts.a[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+    announced: set = set()
+    removed: set = set()
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE:
+            announced.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved) and e.medium == MEDIUM_STORAGE:
+            unannounced = set(e.block_hashes) - announced
+            assert not unannounced, f"BlockRemoved for {len(unannounced)} unannounced blocks"
+            removed.update(e.block_hashes)
+    assert set(chain[:saved]) <= removed, "the clear removed A's blocks without an event"

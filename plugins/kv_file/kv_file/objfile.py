@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import xxhash
 
 __all__ = [
+    "DIGEST_AT",
     "HEADER",
     "MAGIC",
     "MAX_NAME_BYTES",
@@ -40,6 +41,8 @@ __all__ = [
 MAGIC = b"KVCF"
 VERSION = 1
 HEADER = struct.Struct("<4sHHIQ16s4x")
+#: where the checksum sits in the header (after magic, version, flags, name_len, length)
+DIGEST_AT = 20
 #: Names longer than this are refused (a write miss), so a header never needs a large read.
 MAX_NAME_BYTES = 1 << 16
 PAGE = 4096

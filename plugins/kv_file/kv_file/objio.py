@@ -17,15 +17,19 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kv_file.objfile import (
+    DIGEST_AT,
     HEADER,
+    MAGIC,
     MAX_NAME_BYTES,
     PAGE,
+    VERSION,
     Header,
     checksum,
     header_size,
     pack_header,
 )
 from kv_file.paths import discard, name_digest
+from kvcore import fileio
 
 __all__ = [
     "DirectReads",
@@ -47,6 +51,16 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: layer, plus the header)
 _IOV_MAX = 1024
 _O_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+#: ``KVCORE_NATIVE_IO=0`` reads and writes objects with this module's Python code instead of
+#: kvcore's native file I/O (:mod:`kvcore.fileio`); the two give the same outcomes and files,
+#: byte for byte.
+NATIVE_IO_ENV = "KVCORE_NATIVE_IO"
+#: whether :func:`read_object` and :func:`write_object` go through :mod:`kvcore.fileio`
+#: (tests switch it)
+native_reads = os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
+_heads = threading.local()  # per thread: the buffer native reads put an object's header in
 
 
 class ReadOutcome(enum.Enum):
@@ -158,7 +172,14 @@ def read_object(
     does not hold it); the checksum is then computed over the pieces themselves. ``expected_len``: the
     payload size an object of this name must have (None: unknown); a stored object of another
     size is foreign and removed.
+
+    With :data:`native_reads`, all of this but the rare cases runs in one native call that
+    holds no GIL (:func:`_read_native`); whatever that call does not settle is read again here.
     """
+    if native_reads:
+        outcome = _read_native(path, name, pieces, direct)
+        if outcome is not None:
+            return outcome
     try:
         fd = os.open(path, _O_READ)
     except FileNotFoundError:
@@ -193,6 +214,43 @@ def read_object(
         return check.verify(head, pieces, got == total)
     finally:
         os.close(fd)
+
+
+def _read_native(
+    path: str, name: bytes, pieces: list[memoryview], direct: DirectReads | None
+) -> ReadOutcome | None:
+    """:func:`read_object` in one native call: OK or MISSING, or None for anything to look at
+    again in Python (a file of another size or kind, a header or checksum that does not
+    verify, direct reads refused). Raises the OSError of a failed read (e.g. EFAULT)."""
+    hsize = header_size(len(name))
+    head = getattr(_heads, "buf", None)
+    if head is None or len(head) != hsize:
+        head = _heads.buf = bytearray(hsize)
+    use_direct = direct is not None and direct.enabled
+    code, err, read_directly, got = fileio.read_file(
+        path, head, pieces, direct=use_direct, digest_prefix=name
+    )
+    if code == fileio.FileRead.OK:
+        if read_directly and direct is not None:
+            direct.counted()
+        header = Header.parse(head)
+        if (
+            header is None
+            or header.name_len != len(name)
+            or header.length != sum(len(p) for p in pieces)
+            or head[HEADER.size : HEADER.size + len(name)] != name
+        ):
+            return None
+        if got is None:  # kvcore built without xxhash's header: hash here
+            got = checksum(name, pieces)
+        return ReadOutcome.OK if got == header.digest else None
+    if code == fileio.FileRead.MISSING:
+        return ReadOutcome.MISSING
+    if code == fileio.FileRead.ERRNO:
+        raise OSError(err, os.strerror(err), path)
+    if code == fileio.FileRead.DIRECT_REFUSED and direct is not None:
+        direct.disable(OSError(err, os.strerror(err)))
+    return None
 
 
 class _Check:
@@ -324,6 +382,17 @@ def write_object(path: str, temp: str, name: bytes, pieces: list[memoryview], *,
     """
     if len(name) > MAX_NAME_BYTES:
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
+    if native_reads and fileio.NATIVE_DIGESTS:  # one native call: digest, write, sync, rename
+        length = sum(len(p) for p in pieces)
+        head = bytearray(header_size(len(name)))
+        HEADER.pack_into(head, 0, MAGIC, VERSION, 0, len(name), length, bytes(16))
+        head[HEADER.size : HEADER.size + len(name)] = name
+        err = fileio.write_file(
+            temp, path, head, pieces, sync=sync, digest_offset=DIGEST_AT, digest_prefix=name
+        )
+        if err:
+            raise OSError(err, os.strerror(err), temp)
+        return len(head) + length
 
     def fill(fd: int) -> int:
         header = pack_header(name, pieces)

@@ -18,3 +18,16 @@ def store_config(tmp_path) -> dict[str, Any]:
 @pytest.fixture
 def layout():
     return small_layout()
+
+
+@pytest.fixture(params=["native", "python"])
+def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test that uses it runs twice: objects read through kvcore's native reads
+    (``kvcore.fileio``, the default) and through kv_file's Python path (the fallback), which
+    must give the same outcomes byte for byte. Child processes follow the environment."""
+    from kv_file import objio
+
+    native = request.param == "native"
+    monkeypatch.setattr(objio, "native_reads", native)
+    monkeypatch.setenv(objio.NATIVE_IO_ENV, "1" if native else "0")
+    return str(request.param)

@@ -20,6 +20,9 @@ from kv_file_testutil import (
 
 from kvcore import CacheLayout, HostBuffers
 
+#: every test here reads through both paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("read_path")
+
 
 @pytest.fixture
 def store(tmp_path):

@@ -19,6 +19,9 @@ from kv_file_testutil import (
     write,
 )
 
+#: every test here reads through both paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("read_path")
+
 KEYS = [f"d{i}" for i in range(6)]
 PARTS = 2
 

@@ -13,6 +13,9 @@ from kv_file_testutil import object_files, object_path, open_store, query, read_
 
 from kvcore import HostBuffers
 
+#: every test here reads through both paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("read_path")
+
 
 def _write_short(store, keys: list[str]) -> int:
     """Write through the hook itself with buffers half the part size: a buggy caller that

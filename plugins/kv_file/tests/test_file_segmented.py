@@ -20,6 +20,9 @@ from kv_file_testutil import (
 
 from kvcore import HostBuffers
 
+#: every test here reads through both paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("read_path")
+
 KEYS = ["s0", "s1", "s2"]
 CACHE_BLOCKS = 8  # blocks per layer tensor of the "engine"
 BLOCK_IDS = (5, 0, 3)  # where KEYS[i] lives in the engine's cache

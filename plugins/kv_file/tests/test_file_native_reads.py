@@ -1,0 +1,75 @@
+"""kv_file reads and writes objects through kvcore's native file I/O (``kvcore.fileio``): one
+native call per object holds no GIL, and only what a read cannot settle is read again by the
+Python path (which stays as the fallback, ``KVCORE_NATIVE_IO=0``, and is tested beside it:
+``read_path``). Both paths make the same files, byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kv_file import objio
+from kv_file_testutil import object_path, open_store, read_verified, write
+
+from kvcore import fileio
+
+KEYS = [f"k{i}" for i in range(6)]
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts native reads; the Python path's vectored read fails the test if a good object
+    reaches it."""
+    counted = {"native": 0}
+    real = fileio.read_file
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counted["native"] += 1
+        return real(*args, **kwargs)
+
+    def python_path(*args: Any, **kwargs: Any) -> int:
+        raise AssertionError("a good object was read again by the Python path")
+
+    monkeypatch.setattr(objio, "native_reads", True)
+    monkeypatch.setattr(fileio, "read_file", counting)
+    monkeypatch.setattr(objio, "_preadv_all", python_path)
+    return counted
+
+
+def test_each_good_object_is_one_native_call(tmp_path, calls) -> None:
+    store = open_store(str(tmp_path / "s"))
+    assert write(store, KEYS) == len(KEYS)
+    parts = len(store.context.layout.parts)
+    assert read_verified(store, KEYS) == len(KEYS)
+    assert calls["native"] == len(KEYS) * parts
+    store.close()
+
+
+def test_a_corrupt_object_goes_to_the_python_path_which_removes_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(objio, "native_reads", True)
+    store = open_store(str(tmp_path / "s"))
+    assert write(store, KEYS) == len(KEYS)
+    path = object_path(store, KEYS[2])
+    with open(path, "r+b") as f:  # one bit of the payload, past the header page
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0x10]))
+    assert read_verified(store, KEYS) == 2  # the leading run ends at the corrupt object
+    assert store.stats()["backend_corrupt_removed"] == 1
+    store.close()
+
+
+def test_native_and_python_writes_make_the_same_files(tmp_path, monkeypatch) -> None:
+    files = {}
+    for native in (True, False):
+        monkeypatch.setattr(objio, "native_reads", native)
+        store = open_store(str(tmp_path / f"native-{native}"))
+        assert write(store, KEYS) == len(KEYS)
+        paths = [object_path(store, key) for key in KEYS]
+        files[native] = [Path(p).read_bytes() for p in paths]
+        monkeypatch.setattr(objio, "native_reads", not native)  # each reads the other's way
+        assert read_verified(store, KEYS) == len(KEYS)
+        store.close()
+    assert files[True] == files[False]

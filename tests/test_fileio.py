@@ -1,0 +1,174 @@
+"""kvcore.fileio: native whole-file reads into the caller's memory, checked against what Python's
+own system calls and xxhash give for the same files."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+
+import pytest
+import xxhash
+
+from kvcore import fileio
+from kvcore.fileio import FileRead
+
+PAGE = 4096
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _expected_digest(prefix: bytes, payload: bytes) -> bytes:
+    h = xxhash.xxh3_128()
+    h.update(prefix)
+    h.update(struct.pack("<Q", len(payload)))
+    h.update(payload)
+    return h.digest()
+
+
+def _drop_from_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_fills_the_head_and_every_piece_in_order_with_its_digest(tmp_path) -> None:
+    head_bytes, payload = os.urandom(100), os.urandom(3 * PAGE + 7)
+    path = str(tmp_path / "f")
+    _write(path, head_bytes + payload)
+    head = bytearray(100)
+    sizes = [PAGE, 0, 2 * PAGE, 7]  # an empty piece too
+    pieces = [memoryview(bytearray(n)) for n in sizes]
+    code, err, direct, digest = fileio.read_file(path, head, pieces, digest_prefix=b"name")
+    assert (code, err, direct) == (FileRead.OK, 0, False)
+    assert bytes(head) == head_bytes
+    assert b"".join(bytes(p) for p in pieces) == payload
+    assert digest == _expected_digest(b"name", payload)
+    assert fileio.read_file(path, head, pieces)[3] is None  # no prefix: no digest
+
+
+def test_more_pieces_than_one_system_call_takes(tmp_path) -> None:
+    """Linux takes 1024 iovecs a call: 1500 pieces need two reads, in order."""
+    payload = os.urandom(1500 * 64)
+    path = str(tmp_path / "f")
+    _write(path, b"h" * 8 + payload)
+    pieces = [memoryview(bytearray(64)) for _ in range(1500)]
+    code, _, _, digest = fileio.read_file(path, bytearray(8), pieces, digest_prefix=b"")
+    assert code == FileRead.OK
+    assert b"".join(bytes(p) for p in pieces) == payload
+    assert digest == _expected_digest(b"", payload)
+
+
+def test_what_is_not_the_file_asked_for_is_told_apart(tmp_path) -> None:
+    head, piece = bytearray(8), memoryview(bytearray(8))
+    missing = str(tmp_path / "missing")
+    assert fileio.read_file(missing, head, [piece])[0] == FileRead.MISSING
+    short = str(tmp_path / "short")
+    _write(short, b"x" * 15)
+    assert fileio.read_file(short, head, [piece])[0] == FileRead.OTHER
+    longer = str(tmp_path / "long")
+    _write(longer, b"x" * 17)
+    assert fileio.read_file(longer, head, [piece])[0] == FileRead.OTHER
+    os.mkdir(tmp_path / "dir")
+    assert fileio.read_file(str(tmp_path / "dir"), head, [piece])[0] == FileRead.OTHER
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)  # opened without blocking: no writer is waited for
+    assert fileio.read_file(fifo, head, [piece])[0] == FileRead.OTHER
+    good = str(tmp_path / "good")
+    _write(good, b"y" * 16)
+    os.symlink(good, tmp_path / "link")
+    assert fileio.read_file(str(tmp_path / "link"), head, [piece])[0] == FileRead.OTHER
+
+
+def test_memory_the_kernel_cannot_write_is_an_os_error_not_a_short_file(tmp_path) -> None:
+    """An engine's bad pointer: the read stops with EFAULT, reported as such (a caller that
+    took it for a short file would remove a good object)."""
+    path = str(tmp_path / "f")
+    _write(path, b"h" * 8 + os.urandom(2 * PAGE))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    prot_none, private_anonymous = 0, 0x02 | 0x20
+    address = libc.mmap(None, PAGE, prot_none, private_anonymous, -1, 0)
+    assert address not in (None, ctypes.c_void_p(-1).value)
+    try:
+        forbidden = memoryview((ctypes.c_char * PAGE).from_address(address)).cast("B")
+        good = memoryview(bytearray(PAGE))
+        code, err, _, _ = fileio.read_file(path, bytearray(8), [good, forbidden])
+        assert (code, err) == (FileRead.ERRNO, 14)  # EFAULT
+    finally:
+        libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(PAGE))
+
+
+def test_a_file_the_page_cache_does_not_hold_is_read_around_it(tmp_path) -> None:
+    payload = os.urandom(8 * PAGE)
+    path = str(tmp_path / "f")
+    _write(path, b"H" * PAGE + payload)
+    region = mmap.mmap(-1, 8 * PAGE)  # page-aligned, as staging and cache blocks are
+    head = bytearray(PAGE)  # the head buffer need not be aligned
+    _drop_from_page_cache(path)
+    code, _, direct, digest = fileio.read_file(
+        path, head, [memoryview(region)], direct=True, digest_prefix=b"n"
+    )
+    if code == FileRead.DIRECT_REFUSED:
+        pytest.skip("this file system or kernel refuses O_DIRECT or cachestat(2)")
+    assert (code, direct) == (FileRead.OK, True)
+    assert bytes(head) == b"H" * PAGE and bytes(region) == payload
+    assert digest == _expected_digest(b"n", payload)
+    with open(path, "rb") as f:  # cached now: through the page cache
+        f.read()
+    assert fileio.read_file(path, head, [memoryview(region)], direct=True)[:3] == (0, 0, False)
+    _drop_from_page_cache(path)  # cold, but a piece is not page-aligned: through the cache
+    unaligned = [memoryview(region)[: 4 * PAGE], memoryview(bytearray(4 * PAGE))]
+    code, _, direct, _ = fileio.read_file(path, head, unaligned, direct=True)
+    assert (code, direct) == (FileRead.OK, False)
+
+
+def test_buffers_it_cannot_write_are_refused_by_name(tmp_path) -> None:
+    path = str(tmp_path / "f")
+    _write(path, b"x" * 16)
+    with pytest.raises(TypeError, match="head"):
+        fileio.read_file(path, bytes(8), [memoryview(bytearray(8))])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="piece"):
+        fileio.read_file(path, bytearray(8), [memoryview(b"x" * 8)])
+
+
+def test_a_write_lands_whole_under_its_name_with_the_digest_in_its_head(tmp_path) -> None:
+    payload = [os.urandom(PAGE), b"", os.urandom(100)]
+    head = bytearray(64)
+    head[:4] = b"HEAD"
+    temp, path = str(tmp_path / "f.tmp"), str(tmp_path / "f")
+    assert fileio.write_file(temp, path, head, payload, digest_offset=8, digest_prefix=b"p") == 0
+    assert not os.path.exists(temp)
+    digest = _expected_digest(b"p", b"".join(payload))
+    assert head[8:24] == digest
+    with open(path, "rb") as f:
+        assert f.read() == bytes(head) + b"".join(payload)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    # what read_file computes for the file is what write_file put in its head
+    back = [memoryview(bytearray(len(p))) for p in payload]
+    got = fileio.read_file(path, bytearray(64), back, digest_prefix=b"p")
+    assert got[0] == FileRead.OK and got[3] == digest
+    # synced, no digest: the bytes as given
+    assert fileio.write_file(temp, path, bytearray(b"plain"), [b"x"], sync=True) == 0
+    with open(path, "rb") as f:
+        assert f.read() == b"plainx"
+
+
+def test_a_failed_write_leaves_no_temp_file_and_says_why(tmp_path) -> None:
+    temp = str(tmp_path / "t.tmp")
+    missing_dir = str(tmp_path / "no" / "f")
+    assert fileio.write_file(temp, missing_dir, bytearray(8), [b"x"]) == 2  # ENOENT: rename
+    assert not os.path.exists(temp)
+    _write(temp, b"someone else's")
+    assert fileio.write_file(temp, str(tmp_path / "f"), bytearray(8), [b"x"]) == 17  # EEXIST
+    with open(temp, "rb") as f:
+        assert f.read() == b"someone else's"  # not ours: left alone
