@@ -15,6 +15,10 @@ from kvcore import fileio
 from kvcore.fileio import FileRead
 
 PAGE = 4096
+#: a kvcore built without xxhash's header reads and writes natively but computes no digest
+needs_digests = pytest.mark.skipif(
+    not fileio.NATIVE_DIGESTS, reason="kvcore was built without xxhash.h (libxxhash-dev)"
+)
 
 
 def _write(path: str, data: bytes) -> None:
@@ -39,6 +43,7 @@ def _drop_from_page_cache(path: str) -> None:
         os.close(fd)
 
 
+@needs_digests
 def test_a_file_fills_the_head_and_every_piece_in_order_with_its_digest(tmp_path) -> None:
     head_bytes, payload = os.urandom(100), os.urandom(3 * PAGE + 7)
     path = str(tmp_path / "f")
@@ -54,6 +59,7 @@ def test_a_file_fills_the_head_and_every_piece_in_order_with_its_digest(tmp_path
     assert fileio.read_file(path, head, pieces)[3] is None  # no prefix: no digest
 
 
+@needs_digests
 def test_more_pieces_than_one_system_call_takes(tmp_path) -> None:
     """Linux takes 1024 iovecs a call: 1500 pieces need two reads, in order."""
     payload = os.urandom(1500 * 64)
@@ -108,6 +114,7 @@ def test_memory_the_kernel_cannot_write_is_an_os_error_not_a_short_file(tmp_path
         libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(PAGE))
 
 
+@needs_digests
 def test_a_file_the_page_cache_does_not_hold_is_read_around_it(tmp_path) -> None:
     payload = os.urandom(8 * PAGE)
     path = str(tmp_path / "f")
@@ -141,6 +148,7 @@ def test_buffers_it_cannot_write_are_refused_by_name(tmp_path) -> None:
         fileio.read_file(path, bytearray(8), [memoryview(b"x" * 8)])
 
 
+@needs_digests
 def test_a_write_lands_whole_under_its_name_with_the_digest_in_its_head(tmp_path) -> None:
     payload = [os.urandom(PAGE), b"", os.urandom(100)]
     head = bytearray(64)
@@ -172,3 +180,12 @@ def test_a_failed_write_leaves_no_temp_file_and_says_why(tmp_path) -> None:
     assert fileio.write_file(temp, str(tmp_path / "f"), bytearray(8), [b"x"]) == 17  # EEXIST
     with open(temp, "rb") as f:
         assert f.read() == b"someone else's"  # not ours: left alone
+
+
+def test_without_native_digests_reads_still_run_natively_and_return_none(tmp_path) -> None:
+    path = str(tmp_path / "f")
+    _write(path, b"h" * 8 + b"p" * 8)
+    piece = memoryview(bytearray(8))
+    code, _, _, digest = fileio.read_file(path, bytearray(8), [piece], digest_prefix=b"n")
+    assert code == FileRead.OK and bytes(piece) == b"p" * 8
+    assert (digest is not None) == fileio.NATIVE_DIGESTS
