@@ -35,6 +35,7 @@ __all__ = [
     "Header",
     "checksum",
     "header_size",
+    "header_template",
     "pack_header",
 ]
 
@@ -71,11 +72,20 @@ def checksum(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
+def header_template(name: bytes, length: int) -> bytearray:
+    """Header, name and padding of an object of ``length`` payload bytes, its checksum zero
+    (at :data:`DIGEST_AT`, for the writer to fill)."""
+    head = bytearray(header_size(len(name)))
+    HEADER.pack_into(head, 0, MAGIC, VERSION, 0, len(name), length, bytes(16))
+    head[HEADER.size : HEADER.size + len(name)] = name
+    return head
+
+
 def pack_header(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
     """Header, name and padding, ready to be written in front of ``payload``'s pieces."""
-    length = sum(len(piece) for piece in payload)
-    head = HEADER.pack(MAGIC, VERSION, 0, len(name), length, checksum(name, payload))
-    return head + name + bytes(header_size(len(name)) - len(head) - len(name))
+    head = header_template(name, sum(len(piece) for piece in payload))
+    head[DIGEST_AT : DIGEST_AT + 16] = checksum(name, payload)
+    return bytes(head)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,13 +19,12 @@ from typing import TypeVar
 from kv_file.objfile import (
     DIGEST_AT,
     HEADER,
-    MAGIC,
     MAX_NAME_BYTES,
     PAGE,
-    VERSION,
     Header,
     checksum,
     header_size,
+    header_template,
     pack_header,
 )
 from kv_file.paths import discard, name_digest
@@ -59,7 +58,7 @@ _O_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 NATIVE_IO_ENV = "KVCORE_NATIVE_IO"
 #: whether :func:`read_object` and :func:`write_object` go through :mod:`kvcore.fileio`
 #: (tests switch it)
-native_reads = os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
+native_io = os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
 _heads = threading.local()  # per thread: the buffer native reads put an object's header in
 
 
@@ -173,10 +172,10 @@ def read_object(
     payload size an object of this name must have (None: unknown); a stored object of another
     size is foreign and removed.
 
-    With :data:`native_reads`, all of this but the rare cases runs in one native call that
+    With :data:`native_io`, all of this but the rare cases runs in one native call that
     holds no GIL (:func:`_read_native`); whatever that call does not settle is read again here.
     """
-    if native_reads:
+    if native_io:
         outcome = _read_native(path, name, pieces, direct)
         if outcome is not None:
             return outcome
@@ -382,11 +381,9 @@ def write_object(path: str, temp: str, name: bytes, pieces: list[memoryview], *,
     """
     if len(name) > MAX_NAME_BYTES:
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
-    if native_reads and fileio.NATIVE_DIGESTS:  # one native call: digest, write, sync, rename
+    if native_io and fileio.NATIVE_DIGESTS:  # one native call: digest, write, sync, rename
         length = sum(len(p) for p in pieces)
-        head = bytearray(header_size(len(name)))
-        HEADER.pack_into(head, 0, MAGIC, VERSION, 0, len(name), length, bytes(16))
-        head[HEADER.size : HEADER.size + len(name)] = name
+        head = header_template(name, length)
         err = fileio.write_file(
             temp, path, head, pieces, sync=sync, digest_offset=DIGEST_AT, digest_prefix=name
         )

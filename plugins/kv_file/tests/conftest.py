@@ -21,13 +21,13 @@ def layout():
 
 
 @pytest.fixture(params=["native", "python"])
-def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test that uses it runs twice: objects read through kvcore's native reads
+def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test that uses it runs twice: objects read and written through kvcore's native I/O
     (``kvcore.fileio``, the default) and through kv_file's Python path (the fallback), which
     must give the same outcomes byte for byte. Child processes follow the environment."""
     from kv_file import objio
 
     native = request.param == "native"
-    monkeypatch.setattr(objio, "native_reads", native)
+    monkeypatch.setattr(objio, "native_io", native)
     monkeypatch.setenv(objio.NATIVE_IO_ENV, "1" if native else "0")
     return str(request.param)

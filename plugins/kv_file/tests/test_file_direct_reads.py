@@ -19,8 +19,8 @@ from kv_file_testutil import (
     write,
 )
 
-#: every test here reads through both paths: native (kvcore.fileio) and Python
-pytestmark = pytest.mark.usefixtures("read_path")
+#: every test here runs on both I/O paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("io_path")
 
 KEYS = [f"d{i}" for i in range(6)]
 PARTS = 2

@@ -13,8 +13,8 @@ from kv_file_testutil import object_files, object_path, open_store, query, read_
 
 from kvcore import HostBuffers
 
-#: every test here reads through both paths: native (kvcore.fileio) and Python
-pytestmark = pytest.mark.usefixtures("read_path")
+#: every test here runs on both I/O paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("io_path")
 
 
 def _write_short(store, keys: list[str]) -> int:

@@ -20,8 +20,8 @@ from kv_file_testutil import (
 
 from kvcore import HostBuffers
 
-#: every test here reads through both paths: native (kvcore.fileio) and Python
-pytestmark = pytest.mark.usefixtures("read_path")
+#: every test here runs on both I/O paths: native (kvcore.fileio) and Python
+pytestmark = pytest.mark.usefixtures("io_path")
 
 KEYS = ["s0", "s1", "s2"]
 CACHE_BLOCKS = 8  # blocks per layer tensor of the "engine"

@@ -1,7 +1,7 @@
 """kv_file reads and writes objects through kvcore's native file I/O (``kvcore.fileio``): one
 native call per object holds no GIL, and only what a read cannot settle is read again by the
 Python path (which stays as the fallback, ``KVCORE_NATIVE_IO=0``, and is tested beside it:
-``read_path``). Both paths make the same files, byte for byte."""
+``io_path``). Both paths make the same files, byte for byte."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     def python_path(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("a good object was read again by the Python path")
 
-    monkeypatch.setattr(objio, "native_reads", True)
+    monkeypatch.setattr(objio, "native_io", True)
     monkeypatch.setattr(fileio, "read_file", counting)
     monkeypatch.setattr(objio, "_preadv_all", python_path)
     return counted
@@ -47,7 +47,7 @@ def test_each_good_object_is_one_native_call(tmp_path, calls) -> None:
 
 
 def test_a_corrupt_object_goes_to_the_python_path_which_removes_it(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(objio, "native_reads", True)
+    monkeypatch.setattr(objio, "native_io", True)
     store = open_store(str(tmp_path / "s"))
     assert write(store, KEYS) == len(KEYS)
     path = object_path(store, KEYS[2])
@@ -64,12 +64,12 @@ def test_a_corrupt_object_goes_to_the_python_path_which_removes_it(tmp_path, mon
 def test_native_and_python_writes_make_the_same_files(tmp_path, monkeypatch) -> None:
     files = {}
     for native in (True, False):
-        monkeypatch.setattr(objio, "native_reads", native)
+        monkeypatch.setattr(objio, "native_io", native)
         store = open_store(str(tmp_path / f"native-{native}"))
         assert write(store, KEYS) == len(KEYS)
         paths = [object_path(store, key) for key in KEYS]
         files[native] = [Path(p).read_bytes() for p in paths]
-        monkeypatch.setattr(objio, "native_reads", not native)  # each reads the other's way
+        monkeypatch.setattr(objio, "native_io", not native)  # each reads the other's way
         assert read_verified(store, KEYS) == len(KEYS)
         store.close()
     assert files[True] == files[False]
