@@ -23,11 +23,39 @@ from collections.abc import Sequence
 
 from kvcore import _fileio
 
-__all__ = ["NATIVE_DIGESTS", "FileRead", "read_file", "write_file"]
+__all__ = [
+    "NATIVE_DIGESTS",
+    "NATIVE_IO_ENV",
+    "FileRead",
+    "describe",
+    "enabled",
+    "read_file",
+    "write_file",
+]
 
 #: Whether the native reads compute the xxh3-128 digest (False when kvcore was built without
 #: xxhash's header: the caller then hashes the pieces itself).
 NATIVE_DIGESTS: bool = bool(_fileio.HAVE_DIGEST)
+
+
+#: ``KVCORE_NATIVE_IO=0``: backends that use this module read and write with their own Python
+#: code instead (for comparison, or to rule out the native path in a fault).
+NATIVE_IO_ENV = "KVCORE_NATIVE_IO"
+
+
+def enabled() -> bool:
+    """Whether backends should read and write through this module (the default), as the
+    operator chose with :data:`NATIVE_IO_ENV`."""
+    return os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
+
+
+def describe() -> str:
+    """Which file I/O path backends take, in one line for operators (``kvcore backends``)."""
+    if not enabled():
+        return f"file I/O: Python ({NATIVE_IO_ENV}=0)"
+    if NATIVE_DIGESTS:
+        return "file I/O: native (kvcore.fileio; xxh3 checksums in C++)"
+    return "file I/O: native, checksums in Python (kvcore was built without xxhash.h)"
 
 
 class FileRead(enum.IntEnum):

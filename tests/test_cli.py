@@ -57,6 +57,10 @@ def test_backends_json_lists_the_three_backends():
         re.M,
     ), text.stdout
     assert "Not opened" in text.stdout  # says plainly what was not checked
+    # which file I/O path kv_file takes: native (the default), or Python when chosen
+    assert re.search(r"^file I/O: native", text.stdout, re.M), text.stdout
+    python_io = kvcore_cli("backends", env={"KVCORE_NATIVE_IO": "0"})
+    assert "file I/O: Python (KVCORE_NATIVE_IO=0)" in python_io.stdout, python_io.stdout
 
 
 def _table(stdout: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.table import Table
 
+from kvcore import fileio
 from kvcore.cli.common import open_for_cli
 from kvcore.cli.console import CommandConsole, print_table
 from kvcore.cli.errors import classify
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
             _capabilities(r["capabilities"]),
         )
     print_table(console.out, table)
+    console.out.print(fileio.describe(), markup=False)
     for r in rows:
         if r["error"]:
             console.out.print(f"{r['name']}: {r['error']}", markup=False)

@@ -52,13 +52,13 @@ _IOV_MAX = 1024
 _O_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
-#: ``KVCORE_NATIVE_IO=0`` reads and writes objects with this module's Python code instead of
-#: kvcore's native file I/O (:mod:`kvcore.fileio`); the two give the same outcomes and files,
-#: byte for byte.
-NATIVE_IO_ENV = "KVCORE_NATIVE_IO"
+#: ``KVCORE_NATIVE_IO=0`` (:data:`kvcore.fileio.NATIVE_IO_ENV`) reads and writes objects with
+#: this module's Python code instead of kvcore's native file I/O; the two give the same
+#: outcomes and files, byte for byte.
+NATIVE_IO_ENV = fileio.NATIVE_IO_ENV
 #: whether :func:`read_object` and :func:`write_object` go through :mod:`kvcore.fileio`
 #: (tests switch it)
-native_io = os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
+native_io = fileio.enabled()
 _heads = threading.local()  # per thread: the buffer native reads put an object's header in
 
 
