@@ -34,6 +34,8 @@ objects per process, 4 blocks per write). Reported beside it without a goal, 64 
 microseconds per object) is then a large share of each object's write, and four processes on
 two cores queue for the lock.
 
+Beside each rate, the CPU time it cost: user plus system seconds of every thread of the process
+per GB moved (``*_cpu_s_per_gb``, and ``*_cpu_vs_raw``), for kv_file and the raw contender.
 One JSON object with ``--json``: figures and ratios with median, min and max over ``--reps``.
 """
 
@@ -44,6 +46,7 @@ import ctypes
 import json
 import mmap
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -178,6 +181,12 @@ class RawFiles:
 # -- one run -------------------------------------------------------------------------------
 
 
+def cpu_seconds() -> float:
+    """User plus system CPU seconds of this process, all its threads, so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -200,6 +209,8 @@ class Bench:
         self.cpus = usable_cpus()
         self.io_threads = min(32, max(16, 2 * (os.cpu_count() or 1)))  # kv_file's default
         self.state: dict[str, list[float | None]] = {}
+        #: CPU seconds (user + system, every thread) per GB moved, by contender and operation
+        self.cpu: dict[str, list[float]] = {}
         # the raw contender's threads, as many as kv_file's for each kind of call, started once
         self.cpu_pool = ThreadPoolExecutor(min(self.io_threads, self.cpus))
         self.io_pool = ThreadPoolExecutor(self.io_threads)
@@ -249,13 +260,16 @@ class Bench:
                 order = names[r % len(names) :] + names[: r % len(names)]  # rotating
                 for who in order:
                     os.sync()  # everyone starts without dirty pages
-                    t0 = time.perf_counter()
+                    c0, t0 = cpu_seconds(), time.perf_counter()
                     if who == "file":
                         assert backend.write(req) == self.n
                     else:
                         raws[who].write(src_views, fsync == "data")
                     samples.setdefault(f"{who}_write_{fsync}", []).append(
                         gb / (time.perf_counter() - t0)
+                    )
+                    self.cpu.setdefault(f"{who}_write_{fsync}", []).append(
+                        (cpu_seconds() - c0) / gb
                     )
                 self.reads(backend, keys, raws, dst_views, heads, samples, order, read)
                 backend.close()
@@ -265,6 +279,12 @@ class Bench:
         units = "GB/s"
         for name, values in samples.items():
             report.figure(f"{name}_gbps", values, units)
+        # the CPU time each moved GB cost (user + system, every thread of this process; the
+        # kernel's copies included), kv_file against the raw system calls for the same files
+        for name, values in self.cpu.items():
+            report.figure(f"{name}_cpu_s_per_gb", values, "CPU s/GB")
+        for op in ("write_none", "write_data", "read_warm", "read_cold"):
+            report.ratio(f"{op}_cpu_vs_raw", self.cpu[f"file_{op}"], self.cpu[f"raw_{op}"])
         report.ratio("write_vs_raw", samples["file_write_none"], samples["raw_write_none"],
                      goal=">= 0.9", limit=True)  # fmt: skip
         report.ratio("write_fsync_data_vs_raw", samples["file_write_data"],
@@ -295,12 +315,13 @@ class Bench:
                 drop_cached(paths)
             self.note_state(f"{who}_read_{kind}", paths)
             dst[:] = 0
-            t0 = time.perf_counter()
+            c0, t0 = cpu_seconds(), time.perf_counter()
             if who == "file":
                 assert backend.read(req) == self.n
             else:  # on the pool of the phase: the cores warm, io_threads cold
                 raws[who].read(dst_views, kind == "cold", heads)
             samples.setdefault(f"{who}_read_{kind}", []).append(gb / (time.perf_counter() - t0))
+            self.cpu.setdefault(f"{who}_read_{kind}", []).append((cpu_seconds() - c0) / gb)
             assert np.array_equal(dst, src), f"{who} read back other bytes"
 
     def queries(self, report: Report) -> None:
