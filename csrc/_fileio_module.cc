@@ -33,6 +33,18 @@ class Buffers {
     return &views_.back();
   }
 
+  // Every item of `seq` (a PySequence_Fast) as one entry of `iov` (sized to match); false
+  // with an exception set when one is not a buffer of the kind asked.
+  bool acquire_pieces(PyObject* seq, bool writable, std::vector<struct iovec>& iov) {
+    for (size_t i = 0; i < iov.size(); ++i) {
+      Py_buffer* piece = acquire(PySequence_Fast_GET_ITEM(seq, static_cast<Py_ssize_t>(i)),
+                                 writable, "each piece");
+      if (piece == nullptr) return false;
+      iov[i] = {piece->buf, static_cast<size_t>(piece->len)};
+    }
+    return true;
+  }
+
  private:
   std::vector<Py_buffer> views_;
 };
@@ -55,12 +67,7 @@ PyObject* py_read_file(PyObject*, PyObject* args) {
   std::vector<struct iovec> iov(static_cast<size_t>(npieces));
   Py_buffer* head = held.acquire(o_head, true, "head");
   Py_buffer* prefix = nullptr;
-  bool ok = head != nullptr;
-  for (Py_ssize_t i = 0; ok && i < npieces; ++i) {
-    Py_buffer* piece = held.acquire(PySequence_Fast_GET_ITEM(seq, i), true, "each piece");
-    ok = piece != nullptr;
-    if (ok) iov[static_cast<size_t>(i)] = {piece->buf, static_cast<size_t>(piece->len)};
-  }
+  bool ok = head != nullptr && held.acquire_pieces(seq, true, iov);
   if (ok && o_prefix != Py_None) {
     prefix = held.acquire(o_prefix, false, "prefix");
     ok = prefix != nullptr;
@@ -106,12 +113,7 @@ PyObject* py_write_file(PyObject*, PyObject* args) {
   std::vector<struct iovec> iov(static_cast<size_t>(npieces));
   Py_buffer* head = held.acquire(o_head, true, "head");
   Py_buffer* prefix = nullptr;
-  bool ok = head != nullptr;
-  for (Py_ssize_t i = 0; ok && i < npieces; ++i) {
-    Py_buffer* piece = held.acquire(PySequence_Fast_GET_ITEM(seq, i), false, "each piece");
-    ok = piece != nullptr;
-    if (ok) iov[static_cast<size_t>(i)] = {piece->buf, static_cast<size_t>(piece->len)};
-  }
+  bool ok = head != nullptr && held.acquire_pieces(seq, false, iov);
   if (ok && o_prefix != Py_None) {
     prefix = held.acquire(o_prefix, false, "prefix");
     ok = prefix != nullptr;

@@ -88,6 +88,20 @@ void* direct_head_buffer(int64_t bytes) {
   return buffer.data;
 }
 
+// Past the `moved` bytes a vectored call moved from iov[first..]: the index of the first entry
+// not wholly moved, that entry trimmed to what is left of it.
+size_t advance(std::vector<struct iovec>& iov, size_t first, size_t moved) {
+  while (first < iov.size() && moved >= iov[first].iov_len) {
+    moved -= iov[first].iov_len;
+    ++first;
+  }
+  if (moved != 0) {
+    iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + moved;
+    iov[first].iov_len -= moved;
+  }
+  return first;
+}
+
 // Read the file from its start into `iov` (consumed), IOV_MAX entries a call, through short
 // reads, up to the end of the file. Returns the bytes read, or -1 with errno set. A read short
 // of the end is continued rather than taken for a short file: the kernel copies up to a buffer
@@ -104,15 +118,7 @@ int64_t preadv_all(int fd, std::vector<struct iovec>& iov) {
     }
     if (got == 0) break;  // the end of the file
     done += got;
-    size_t left = static_cast<size_t>(got);
-    while (first < iov.size() && left >= iov[first].iov_len) {
-      left -= iov[first].iov_len;
-      ++first;
-    }
-    if (left != 0) {
-      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-      iov[first].iov_len -= left;
-    }
+    first = advance(iov, first, static_cast<size_t>(got));
   }
   return done;
 }
@@ -127,15 +133,7 @@ int writev_all(int fd, std::vector<struct iovec>& iov) {
       if (errno == EINTR) continue;
       return errno;
     }
-    size_t left = static_cast<size_t>(put);
-    while (first < iov.size() && left >= iov[first].iov_len) {
-      left -= iov[first].iov_len;
-      ++first;
-    }
-    if (left != 0) {
-      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-      iov[first].iov_len -= left;
-    }
+    first = advance(iov, first, static_cast<size_t>(put));
   }
   return 0;
 }
