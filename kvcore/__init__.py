@@ -23,6 +23,7 @@ from kvcore.keys import KeyScope, block_hashes, object_names
 from kvcore.metrics import Counters, OnceLogger
 from kvcore.registry import available_backends, check_backend_config, open_backend
 from kvcore.requests import (
+    MAX_BLOCK_META_BYTES,
     BlockRequest,
     DeviceBuffers,
     FailureKind,
@@ -38,6 +39,7 @@ from kvcore.versions import installed_version as _installed_version
 __version__ = _installed_version("kvcore")
 
 __all__ = [
+    "MAX_BLOCK_META_BYTES",
     "Backend",
     "BackendConfig",
     "BackendContext",

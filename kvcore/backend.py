@@ -21,6 +21,7 @@ from kvcore.integrity import BlockDigests
 from kvcore.keys import ObjectName, identities, object_names
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import (
+    MAX_BLOCK_META_BYTES,
     BlockRequest,
     DeviceBuffers,
     FailureKind,
@@ -76,6 +77,7 @@ class Backend:
         self._flush = hook.kvcore_flush_token_index
         self._admits = bool(hook.kvcore_admit.get_hookimpls())
         self._contains = hook.kvcore_contains if hook.kvcore_contains.get_hookimpls() else None
+        self._describe = hook.kvcore_describe if hook.kvcore_describe.get_hookimpls() else None
         self._serial = nullcontext() if capabilities.concurrent else threading.Lock()
         self._failures = OnceLogger(log)
         self._weight_version = context.weight_version
@@ -131,6 +133,7 @@ class Backend:
         part_bytes: Sequence[int] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        block_meta: Sequence[bytes] | None = None,
     ) -> BlockRequest:
         """A :class:`BlockRequest` with this rank's object names.
 
@@ -144,6 +147,12 @@ class Backend:
         (checked against the host buffers at the door), and may store under another
         ``rank``/``world_size`` (MLA's latent is the same on every tensor-parallel rank, so it
         is stored once, as rank 0 of 1).
+
+        ``block_meta``: what each block says of itself, stored with it on writes by backends
+        that keep it (``Capabilities.block_meta``), for :meth:`describe` (one ``bytes`` per
+        block, each at most :data:`kvcore.MAX_BLOCK_META_BYTES`).
+
+        .. versionchanged:: 0.4 ``block_meta``.
         """
         ctx = self.context
         if deadline is None:
@@ -152,6 +161,7 @@ class Backend:
         own_parts = self._parts if parts is None else tuple(parts)
         if part_bytes is not None and len(part_bytes) != len(own_parts):
             raise ValueError(f"part_bytes has {len(part_bytes)} sizes for parts {list(own_parts)}")
+        meta = None if block_meta is None else _checked_meta(block_meta, len(block_keys))
         return BlockRequest(
             task_id=task_id,
             block_keys=tuple(block_keys),
@@ -171,6 +181,7 @@ class Backend:
             device=device,
             num_blocks=len(block_keys) if num_blocks is None else num_blocks,
             part_nbytes=None if part_bytes is None else tuple(part_bytes),
+            block_meta=meta,
         )
 
     @property
@@ -249,6 +260,41 @@ class Backend:
             if len(found) < n:
                 found.append(False)  # the gap; the next query starts after it
         return Presence(tuple(found))
+
+    def describe(self, request: BlockRequest) -> list[bytes | None]:
+        """What each block of ``request`` said of itself when written (``block_meta``), as the
+        backend stored it: None for a block without it (absent, written without it, failing
+        verification, a backend that keeps none). A failure makes every block None, counted
+        and logged like any other (strict mode raises).
+
+        .. versionadded:: 0.4
+        """
+        n = request.num_blocks
+        if self._describe is None or n == 0:
+            return [None] * n
+        if self._closed:
+            raise RuntimeError(f"backend {self.name!r} is closed")
+        t0 = time.monotonic()
+        try:
+            with self._serial:
+                result = self._describe(request=request)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._raised("describe", exc, request, t0)
+            return [None] * n
+        seconds = time.monotonic() - t0
+        if (
+            not isinstance(result, Sequence)
+            or isinstance(result, str | bytes)
+            or len(result) != n
+            or not all(meta is None or isinstance(meta, bytes) for meta in result)
+        ):
+            self._invalid("describe", result, f"{n} bytes or None", request, seconds)
+            return [None] * n
+        found = sum(meta is not None for meta in result)
+        self.metrics.observe("describe", seconds, calls=1, blocks=n, blocks_done=found)
+        return list(result)
 
     def read(self, request: BlockRequest) -> Outcome:
         """Leading blocks fully read into the request's buffers (and matching their digests,
@@ -701,6 +747,20 @@ def _kind_of(result: object) -> FailureKind:
         return FailureKind(getattr(result, "kind", None) or FailureKind.BACKEND_ERROR)
     except ValueError:
         return FailureKind.BACKEND_ERROR
+
+
+def _checked_meta(block_meta: Sequence[bytes], num_blocks: int) -> tuple[bytes, ...]:
+    """``block_meta`` as the door accepts it: one ``bytes`` per block, none too long."""
+    if isinstance(block_meta, bytes | str) or len(block_meta) != num_blocks:
+        raise ValueError(f"block_meta must hold one bytes per block ({num_blocks} blocks)")
+    for i, meta in enumerate(block_meta):
+        if not isinstance(meta, bytes):
+            raise ValueError(f"block_meta[{i}] is {type(meta).__name__}, not bytes")
+        if len(meta) > MAX_BLOCK_META_BYTES:
+            raise ValueError(
+                f"block_meta[{i}] is {len(meta)} bytes; at most {MAX_BLOCK_META_BYTES} are stored"
+            )
+    return tuple(block_meta)
 
 
 def _is_count(value: object) -> bool:

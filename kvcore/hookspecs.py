@@ -59,6 +59,7 @@ REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
 #: Optional hooks; :meth:`kvcore.Backend.implements` tells whether a backend has one.
 OPTIONAL_HOOKS = (
     "kvcore_contains",
+    "kvcore_describe",
     "kvcore_admit",
     "kvcore_evict_to",
     "kvcore_flush_token_index",
@@ -115,6 +116,30 @@ def kvcore_contains(request: BlockRequest) -> Sequence[bool]:
 
 
 @hookspec(firstresult=True)
+def kvcore_describe(request: BlockRequest) -> Sequence[bytes | None]:
+    """Return what each block of ``request`` said of itself when it was written.
+
+    A writer may give each block a little metadata (:attr:`BlockRequest.block_meta`: its
+    engine's block hash, parent hash, token ids); a backend that declares
+    ``Capabilities(block_meta=True)`` stores it with the block's objects, verified, and
+    returns it here to any process sharing the store, without reading the payload. This is
+    how an engine announces blocks another process stored (a router credits every engine
+    that can load them), from the store alone.
+
+    :param request: as for :func:`kvcore_query` (names, no buffers).
+    :return: one entry per block, in order: the bytes the block was written with, or None
+        when the block is absent, was written without metadata, or its metadata does not
+        verify (a flipped bit is None, never other bytes). A block's parts carry the same
+        metadata; the backend may read it from any one of them.
+
+    Optional (only with ``Capabilities(block_meta=True)``): without it every block is None.
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.4
+    """
+
+
+@hookspec(firstresult=True)
 def kvcore_read(request: BlockRequest) -> int:
     """Copy stored blocks into the request's buffers.
 
@@ -149,11 +174,15 @@ def kvcore_write(request: BlockRequest) -> int:
     The bytes must have been copied out of the buffers before the hook returns: the caller
     reuses them immediately.
 
+    A backend with ``Capabilities(block_meta=True)`` stores ``request.block_meta[i]`` (when
+    set) with block ``i``'s objects, for :func:`kvcore_describe`; others ignore it.
+
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.1
     .. versionchanged:: 0.2 segmented host buffers as for :func:`kvcore_read`; may return
        :class:`kvcore.Outcome` (e.g. ``Outcome(i, "disk full")``).
+    .. versionchanged:: 0.4 ``request.block_meta``.
     """
 
 

@@ -16,6 +16,7 @@ from enum import StrEnum
 from kvcore.schemas import CacheLayout
 
 __all__ = [
+    "MAX_BLOCK_META_BYTES",
     "BlockRequest",
     "DeviceBuffers",
     "FailureKind",
@@ -25,6 +26,11 @@ __all__ = [
     "leading_run",
     "merge_spans",
 ]
+
+
+#: the most bytes of metadata a block may carry (:attr:`BlockRequest.block_meta`): small enough
+#: for a backend to keep it beside an object's name (kv_file: in the header's page)
+MAX_BLOCK_META_BYTES = 2048
 
 
 class FailureKind(StrEnum):
@@ -232,6 +238,12 @@ class BlockRequest:
       tokens only.
     - ``part_nbytes``: the size of each part's object when the request names parts of its own
       (not the layout's); the host buffers are checked against it.
+    - ``block_meta``: on writes, what each block says of itself (``block_meta[i]``: at most
+      :data:`MAX_BLOCK_META_BYTES` opaque bytes, the engine adapter's own encoding: its block
+      hash, parent hash, token ids), stored with the block's objects by backends that declare
+      ``Capabilities(block_meta=True)`` and returned by ``kvcore_describe`` to any process, so
+      another engine sharing the store can announce the block without its payload. None: no
+      metadata.
 
     What kvcore promises a hook (checked once, where the request enters the core): ``host`` is
     set on reads and writes of ``io="host"`` backends and ``device`` on those of ``io="device"``
@@ -242,6 +254,7 @@ class BlockRequest:
 
     .. versionchanged:: 0.2 ``num_blocks`` is a field (token-only requests carry no fake keys);
        ``part_nbytes``; :meth:`slice`.
+    .. versionchanged:: 0.4 ``block_meta``.
     """
 
     task_id: str
@@ -255,6 +268,7 @@ class BlockRequest:
     device: DeviceBuffers | None = None
     num_blocks: int = -1
     part_nbytes: tuple[int, ...] | None = None
+    block_meta: tuple[bytes, ...] | None = None
 
     def __post_init__(self) -> None:
         # keys, when present, decide (so dataclasses.replace(request, block_keys=...) stays
@@ -291,6 +305,7 @@ class BlockRequest:
             device=device,
             num_blocks=hi - lo,
             part_nbytes=self.part_nbytes,
+            block_meta=None if self.block_meta is None else self.block_meta[lo:hi],
         )
 
     def with_buffers(

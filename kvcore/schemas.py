@@ -225,7 +225,11 @@ class Capabilities(StrictModel):
     ``checksums``: the backend verifies every object it returns (kv_file does); otherwise
     the transfer manager keeps a digest beside each block and verifies reads itself.
 
+    ``block_meta``: the backend stores each block's metadata (``BlockRequest.block_meta``)
+    with its objects and returns it from ``kvcore_describe``, to any process.
+
     .. versionchanged:: 0.2 ``segmented_host``, ``checksums``.
+    .. versionchanged:: 0.4 ``block_meta``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -239,6 +243,7 @@ class Capabilities(StrictModel):
     concurrent: bool = True
     segmented_host: bool = False
     checksums: bool = False
+    block_meta: bool = False
 
 
 #: What a backend is opened for (:attr:`BackendContext.role`)

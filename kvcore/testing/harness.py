@@ -28,6 +28,7 @@ class _RequestOptions(TypedDict, total=False):
     """What the request builders pass on to :meth:`Harness.request` (they make the buffers)."""
 
     timeout_s: float | None
+    block_meta: Sequence[bytes] | None
 
 
 class _Buffers(TypedDict, total=False):
@@ -141,6 +142,7 @@ class Harness:
         timeout_s: float | None = None,
         host: HostBuffers | None = None,
         device: DeviceBuffers | None = None,
+        block_meta: Sequence[bytes] | None = None,
     ) -> BlockRequest:
         n = len(seq.keys) - start if n is None else n
         return self.backend.request(
@@ -151,6 +153,7 @@ class Harness:
             timeout_s=self.timeout_s if timeout_s is None else timeout_s,
             host=host,
             device=device,
+            block_meta=block_meta,
         )
 
     def query(

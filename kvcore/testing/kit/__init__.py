@@ -24,6 +24,7 @@ The mixins, in the order the kit runs them:
 - :class:`VerificationTests`: kvcore's block digests catch a flipped bit
 - :class:`BufferTests`: registered regions and segmented host buffers
 - :class:`LifecycleTests`: token-index flush, stats, raw baseline, close
+- :class:`MetadataTests`: blocks that describe themselves (``kvcore_describe``)
 """
 
 from kvcore.testing.kit.buffers import BufferTests
@@ -35,6 +36,7 @@ from kvcore.testing.kit.evictions import EvictionTests
 from kvcore.testing.kit.fixtures import KitFixtures
 from kvcore.testing.kit.inputs import InputTests
 from kvcore.testing.kit.lifecycle import LifecycleTests
+from kvcore.testing.kit.metadata import MetadataTests
 from kvcore.testing.kit.removal import RemovalTests
 from kvcore.testing.kit.runs import LeadingRunTests
 from kvcore.testing.kit.sharing import SharingTests
@@ -50,6 +52,7 @@ __all__ = [
     "KitFixtures",
     "LeadingRunTests",
     "LifecycleTests",
+    "MetadataTests",
     "RemovalTests",
     "RoundTripTests",
     "SharingTests",

@@ -36,7 +36,7 @@ from kv_file.files import ObjectFiles, describe, fsync_dir, retire_files
 from kv_file.handover import HandOver
 from kv_file.model import StoreModel
 from kv_file.objfile import encode_name, header_size
-from kv_file.objio import DirectReads, ReadOutcome, read_object, write_object
+from kv_file.objio import DirectReads, ReadOutcome, read_meta, read_object, write_object
 from kv_file.paths import StoreDir, name_digest
 from kv_file.removal import clear_objects, remove_blocks
 from kv_file.watch import Watch
@@ -68,6 +68,7 @@ class FileBackend:
         shared=True,
         segmented_host=True,
         checksums=True,
+        block_meta=True,
     )
 
     def __init__(self, config: FileConfig, context: kvcore.BackendContext) -> None:
@@ -197,6 +198,18 @@ class FileBackend:
         return total
 
     @kvcore.hookimpl
+    def kvcore_describe(self, request: BlockRequest) -> list[bytes | None]:
+        """Each block's metadata from its first part's header (one page read, no payload)."""
+        out: list[bytes | None] = []
+        for i, names in enumerate(request.object_names):
+            if i % _QUERY_DEADLINE_STRIDE == 0 and i and request.expired():
+                out.extend([None] * (request.num_blocks - i))
+                break
+            raw = encode_name(names[0])
+            out.append(read_meta(self._dir.object_path(self._digest(names[0], raw)), raw))
+        return out
+
+    @kvcore.hookimpl
     def kvcore_admit(self, request: BlockRequest) -> int:
         """The store's admission policy (``admission``) on the blocks offered."""
         self._catalog.sync()
@@ -305,6 +318,7 @@ class FileBackend:
                     raw,
                     host.views(i, j),
                     sync=self._sync,
+                    meta=None if request.block_meta is None else request.block_meta[i],
                 )
             except OSError:
                 catalog.release(size)

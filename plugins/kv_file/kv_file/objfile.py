@@ -4,11 +4,20 @@
 
     magic    4s   b"KVCF"
     version  u16  1
-    flags    u16  0
+    flags    u16  0, or 1 (FLAG_META) when the object carries its block's metadata
     name_len u32  bytes of the UTF-8 name that follows the header
     length   u64  payload bytes
     checksum 16s  xxh3_128 over name, length (little-endian u64) and payload
-    (4 bytes padding, the name, zeros up to a 4 KiB boundary, then the payload)
+    meta_len u32  bytes of metadata (0: none)
+    (the name; with metadata, its u64 xxh3_64 over name and metadata, then the metadata; zeros
+    up to a 4 KiB boundary, then the payload)
+
+A block's metadata (``BlockRequest.block_meta``: what an engine's events say of the block)
+lives in the header's page, in what was padding before it existed: an object's size is
+still ``header_size(name_len) + length``, and a reader that predates it (its ``meta_len``
+was padding it never read) reads the object as before. Metadata that does not fit in the
+page beside the name is not stored (:func:`meta_fits`). It has its own digest, so it is
+verified without reading the payload.
 
 The payload starts on a page boundary so the kernel copies whole pages between the page
 cache and the (page-aligned) staging buffers: a misaligned copy measured ~20% slower.
@@ -28,6 +37,7 @@ import xxhash
 
 __all__ = [
     "DIGEST_AT",
+    "FLAG_META",
     "HEADER",
     "MAGIC",
     "MAX_NAME_BYTES",
@@ -36,14 +46,18 @@ __all__ = [
     "checksum",
     "header_size",
     "header_template",
+    "meta_fits",
     "pack_header",
 ]
 
 MAGIC = b"KVCF"
 VERSION = 1
-HEADER = struct.Struct("<4sHHIQ16s4x")
+HEADER = struct.Struct("<4sHHIQ16sI")
 #: where the checksum sits in the header (after magic, version, flags, name_len, length)
 DIGEST_AT = 20
+#: the flag of an object that carries its block's metadata
+FLAG_META = 1
+_META_DIGEST = struct.Struct("<Q")
 #: Names longer than this are refused (a write miss), so a header never needs a large read.
 MAX_NAME_BYTES = 1 << 16
 PAGE = 4096
@@ -72,18 +86,38 @@ def checksum(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
-def header_template(name: bytes, length: int) -> bytearray:
-    """Header, name and padding of an object of ``length`` payload bytes, its checksum zero
-    (at :data:`DIGEST_AT`, for the writer to fill)."""
+def meta_fits(name_len: int, meta_len: int) -> bool:
+    """Whether ``meta_len`` bytes of metadata fit in the header's page(s) beside a name of
+    ``name_len`` bytes (the object's size does not depend on its metadata)."""
+    return HEADER.size + name_len + _META_DIGEST.size + meta_len <= header_size(name_len)
+
+
+def _meta_digest(name: bytes, meta: bytes) -> bytes:
+    return _META_DIGEST.pack(xxhash.xxh3_64_intdigest(name + meta))
+
+
+def header_template(name: bytes, length: int, meta: bytes | None = None) -> bytearray:
+    """Header, name, metadata (when given and it fits) and padding of an object of ``length``
+    payload bytes, its checksum zero (at :data:`DIGEST_AT`, for the writer to fill)."""
     head = bytearray(header_size(len(name)))
-    HEADER.pack_into(head, 0, MAGIC, VERSION, 0, len(name), length, bytes(16))
-    head[HEADER.size : HEADER.size + len(name)] = name
+    if meta is not None and not meta_fits(len(name), len(meta)):
+        meta = None
+    flags, meta_len = (0, 0) if meta is None else (FLAG_META, len(meta))
+    HEADER.pack_into(head, 0, MAGIC, VERSION, flags, len(name), length, bytes(16), meta_len)
+    at = HEADER.size + len(name)
+    head[HEADER.size : at] = name
+    if meta is not None:
+        head[at : at + _META_DIGEST.size] = _meta_digest(name, meta)
+        head[at + _META_DIGEST.size : at + _META_DIGEST.size + len(meta)] = meta
     return head
 
 
-def pack_header(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
-    """Header, name and padding, ready to be written in front of ``payload``'s pieces."""
-    head = header_template(name, sum(len(piece) for piece in payload))
+def pack_header(
+    name: bytes, payload: Sequence[memoryview | bytes], meta: bytes | None = None
+) -> bytes:
+    """Header, name, metadata and padding, ready to be written in front of ``payload``'s
+    pieces."""
+    head = header_template(name, sum(len(piece) for piece in payload), meta)
     head[DIGEST_AT : DIGEST_AT + 16] = checksum(name, payload)
     return bytes(head)
 
@@ -93,6 +127,7 @@ class Header:
     name_len: int
     length: int
     digest: bytes
+    meta_len: int = 0
 
     @property
     def size(self) -> int:
@@ -104,7 +139,21 @@ class Header:
         """The header at the start of ``raw``; None when it is not one of ours."""
         if len(raw) < HEADER.size:
             return None
-        magic, version, _flags, name_len, length, digest = HEADER.unpack_from(raw)
+        magic, version, flags, name_len, length, digest, meta_len = HEADER.unpack_from(raw)
         if magic != MAGIC or version != VERSION or name_len > MAX_NAME_BYTES:
             return None
-        return cls(name_len, length, digest)
+        if not flags & FLAG_META or not meta_fits(name_len, meta_len):
+            meta_len = 0
+        return cls(name_len, length, digest, meta_len)
+
+    def meta(self, head: bytes | bytearray | memoryview, name: bytes) -> bytes | None:
+        """The metadata in ``head`` (the object's header page(s)) of an object named ``name``,
+        verified; None when the object carries none, is another's, or it does not verify."""
+        if not self.meta_len or self.name_len != len(name):
+            return None
+        at = HEADER.size + self.name_len
+        end = at + _META_DIGEST.size + self.meta_len
+        if len(head) < end or bytes(head[HEADER.size : at]) != name:
+            return None
+        meta = bytes(head[at + _META_DIGEST.size : end])
+        return meta if head[at : at + _META_DIGEST.size] == _meta_digest(name, meta) else None

@@ -33,6 +33,7 @@ from kvcore import fileio
 __all__ = [
     "DirectReads",
     "ReadOutcome",
+    "read_meta",
     "read_name",
     "read_object",
     "write_object",
@@ -372,9 +373,18 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def write_object(path: str, temp: str, name: bytes, pieces: list[memoryview], *, sync: bool) -> int:
+def write_object(
+    path: str,
+    temp: str,
+    name: bytes,
+    pieces: list[memoryview],
+    *,
+    sync: bool,
+    meta: bytes | None = None,
+) -> int:
     """Write the payload ``pieces`` (in order) under ``name`` to a temp file, sync it if
-    asked, rename it to ``path``.
+    asked, rename it to ``path``. ``meta``: the block's metadata, kept in the header when it
+    fits (:func:`kv_file.objfile.meta_fits`).
 
     Readers see the old file or the new one, never a partial one. Returns the file's size.
     Raises OSError (the temp file is removed first).
@@ -383,7 +393,7 @@ def write_object(path: str, temp: str, name: bytes, pieces: list[memoryview], *,
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
     if native_io and fileio.NATIVE_DIGESTS:  # one native call: digest, write, sync, rename
         length = sum(len(p) for p in pieces)
-        head = header_template(name, length)
+        head = header_template(name, length, meta)
         err = fileio.write_file(
             temp, path, head, pieces, sync=sync, digest_offset=DIGEST_AT, digest_prefix=name
         )
@@ -392,7 +402,7 @@ def write_object(path: str, temp: str, name: bytes, pieces: list[memoryview], *,
         return len(head) + length
 
     def fill(fd: int) -> int:
-        header = pack_header(name, pieces)
+        header = pack_header(name, pieces, meta)
         _writev_all(fd, [memoryview(header), *pieces])
         if sync:
             os.fdatasync(fd)
@@ -419,6 +429,23 @@ def write_then_rename(temp: str, path: str, fill: Callable[[int], T]) -> T:
             os.unlink(temp)
         raise
     return out
+
+
+def read_meta(path: str, name: bytes) -> bytes | None:
+    """The metadata in the header of the object ``name`` stored at ``path``, verified, read
+    without its payload; None when the file is missing, is not that object, or carries none."""
+    try:
+        fd = os.open(path, _O_READ)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, header_size(len(name)), 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    header = Header.parse(head)
+    return None if header is None else header.meta(head, name)
 
 
 def read_name(path: str) -> bytes | None:
