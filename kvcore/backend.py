@@ -21,13 +21,13 @@ from kvcore.integrity import BlockDigests
 from kvcore.keys import ObjectName, identities, object_names
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import (
-    MAX_BLOCK_META_BYTES,
     BlockRequest,
     DeviceBuffers,
     FailureKind,
     HostBuffers,
     Outcome,
     Presence,
+    check_block_meta,
 )
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
 
@@ -161,7 +161,7 @@ class Backend:
         own_parts = self._parts if parts is None else tuple(parts)
         if part_bytes is not None and len(part_bytes) != len(own_parts):
             raise ValueError(f"part_bytes has {len(part_bytes)} sizes for parts {list(own_parts)}")
-        meta = None if block_meta is None else _checked_meta(block_meta, len(block_keys))
+        meta = None if block_meta is None else check_block_meta(block_meta, len(block_keys))
         return BlockRequest(
             task_id=task_id,
             block_keys=tuple(block_keys),
@@ -183,6 +183,19 @@ class Backend:
             part_nbytes=None if part_bytes is None else tuple(part_bytes),
             block_meta=meta,
         )
+
+    @property
+    def reports_whole_store(self) -> bool:
+        """Whether this backend's event stream describes the whole store: while it has a
+        subscriber, the backend itself reports every stored and removed object of a store it
+        declares shared, whoever changed it (kv_file). Then one process following the stream
+        sees what every engine sharing the store did; otherwise the stream carries this
+        opener's changes (and what the backend reports besides, its evictions).
+        False while nobody subscribes (the backend has not been asked to report).
+
+        .. versionadded:: 0.4
+        """
+        return self.capabilities.shared and {ev.STORED, ev.REMOVED} <= self._reported_by_backend
 
     @property
     def weight_version(self) -> str:
@@ -747,20 +760,6 @@ def _kind_of(result: object) -> FailureKind:
         return FailureKind(getattr(result, "kind", None) or FailureKind.BACKEND_ERROR)
     except ValueError:
         return FailureKind.BACKEND_ERROR
-
-
-def _checked_meta(block_meta: Sequence[bytes], num_blocks: int) -> tuple[bytes, ...]:
-    """``block_meta`` as the door accepts it: one ``bytes`` per block, none too long."""
-    if isinstance(block_meta, bytes | str) or len(block_meta) != num_blocks:
-        raise ValueError(f"block_meta must hold one bytes per block ({num_blocks} blocks)")
-    for i, meta in enumerate(block_meta):
-        if not isinstance(meta, bytes):
-            raise ValueError(f"block_meta[{i}] is {type(meta).__name__}, not bytes")
-        if len(meta) > MAX_BLOCK_META_BYTES:
-            raise ValueError(
-                f"block_meta[{i}] is {len(meta)} bytes; at most {MAX_BLOCK_META_BYTES} are stored"
-            )
-    return tuple(block_meta)
 
 
 def _is_count(value: object) -> bool:

@@ -402,11 +402,13 @@ class RankBlocks:
     A block counts as stored once every one of ``parts`` of it is (objects of one block may
     arrive in several events), and as gone when any part of it goes. Objects of other
     namespaces, ranks and world sizes, other parts (kvcore's digests among them) and names
-    kvcore did not build are not this rank's blocks and are skipped. A clear or a resync ends
-    every block (and forgets half-stored ones). At most ``max_partial`` half-stored blocks are
-    remembered, oldest forgotten first.
+    kvcore did not build are not this rank's blocks and are skipped; so are objects of
+    another ``weight_version`` when one is given (KV of other weights is never this engine's).
+    A clear or a resync ends every block (and forgets half-stored ones). At most
+    ``max_partial`` half-stored blocks are remembered, oldest forgotten first.
 
     .. versionadded:: 0.3
+    .. versionchanged:: 0.4 ``weight_version``.
     """
 
     def __init__(
@@ -417,8 +419,10 @@ class RankBlocks:
         world_size: int,
         *,
         max_partial: int = 200_000,
+        weight_version: str | None = None,
     ) -> None:
         self.namespace = namespace
+        self.weight_version = weight_version
         self.parts = frozenset(parts)
         self.rank, self.world_size = rank, world_size
         self._max_partial = max_partial
@@ -436,6 +440,10 @@ class RankBlocks:
                 or parsed.part not in self.parts
                 or parsed.namespace != self.namespace
                 or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
+                or (
+                    self.weight_version is not None
+                    and parsed.weight_version != self.weight_version
+                )
             ):
                 continue  # another rank's, a digest, another engine's
             key = parsed.block_key

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from kvcore.blockmeta import MAX_BLOCK_META_BYTES, check_block_meta
 from kvcore.schemas import CacheLayout
 
 __all__ = [
@@ -23,14 +24,10 @@ __all__ = [
     "HostBuffers",
     "Outcome",
     "Presence",
+    "check_block_meta",
     "leading_run",
     "merge_spans",
 ]
-
-
-#: the most bytes of metadata a block may carry (:attr:`BlockRequest.block_meta`): small enough
-#: for a backend to keep it beside an object's name (kv_file: in the header's page)
-MAX_BLOCK_META_BYTES = 2048
 
 
 class FailureKind(StrEnum):

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from typing_extensions import Self
 
+from kvcore.blockmeta import check_block_meta
 from kvcore.config import StrictModel, timeout_field
 
 __all__ = [
@@ -111,8 +112,21 @@ class ReadTask(_BlockTask):
 class WriteTask(_BlockTask):
     """Store the blocks held in ``device_block_ids`` under ``keys``.
 
+    ``block_meta``: what each block says of itself (see
+    :attr:`kvcore.BlockRequest.block_meta`), one ``bytes`` per key, kept by backends that
+    store it.
+
     .. versionchanged:: 0.2 a sibling of :class:`ReadTask`, no longer its subclass.
+    .. versionchanged:: 0.4 ``block_meta``.
     """
+
+    block_meta: list[bytes] | None = None
+
+    @model_validator(mode="after")
+    def _meta(self) -> Self:
+        if self.block_meta is not None:
+            check_block_meta(self.block_meta, len(self.keys))
+        return self
 
 
 class FlushTask(_TaskBase):

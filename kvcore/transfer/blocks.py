@@ -152,6 +152,7 @@ class BlockTasks:
             num_blocks=num_blocks,
             rank=getattr(task, "rank", None),  # a slice other than the context's
             world_size=getattr(task, "world_size", None),
+            block_meta=getattr(task, "block_meta", None),
         )
 
     def query(self, task: QueryTask, timeout_s: float) -> int:

@@ -112,6 +112,14 @@ class ConnectorSettings(_StoreSettings):
         default_factory=dict,
         description="overrides of kvcore's TransferConfig (write_workers, staging_buffers, ...)",
     )
+    events_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="with kv_events_config: the store's events (other processes' blocks, "
+        "evictions, clears) are published this often at most after they happen, whether or not "
+        "the engine steps (backends that report the whole store: kv_file)",
+    )
 
 
 def load_settings(extra: dict[str, Any] | None) -> ConnectorSettings:

@@ -25,6 +25,9 @@ class BlockRun:
     token_ids: list[int] | None = None
     #: the KV cache group (vLLM's index) these blocks are of
     group: int = 0
+    #: saves: each block's descriptor (:mod:`kvcore_vllm.descriptors`), stored with it where
+    #: the backend keeps block metadata
+    block_meta: list[bytes] | None = None
 
     @property
     def num_blocks(self) -> int:

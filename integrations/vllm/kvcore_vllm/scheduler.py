@@ -38,10 +38,12 @@ from typing import Any
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import Slice, backend_context, slice_plan
-from kvcore_vllm.events import SchedulerEvents, events_enabled
+from kvcore_vllm.descriptors import BlockDescriber, encode
+from kvcore_vllm.events import SchedulerEvents, StoreFollower, events_enabled
 from kvcore_vllm.keys import RequestKeys, hashes_shared, key_scope
 from kvcore_vllm.layout import CacheGroup, cache_groups, cache_layout
 from kvcore_vllm.metadata import BlockRun, StepMetadata
+from kvcore_vllm.publisher import EventPublisherRef
 from kvcore_vllm.stats import CounterSet
 
 __all__ = ["SchedulerSide"]
@@ -147,12 +149,26 @@ class SchedulerSide:
         self._final_saves: list[BlockRun] = []
         self._last_load: dict[str, BlockRun] = {}  # req -> its latest load, to judge failures
         self._lookups_paused_until = 0.0
+        self.describer = BlockDescriber(self.block_size, self.keys)
+        backend = self.handles[0].get()
+        #: whether saves carry each block's descriptor (the backend keeps block metadata), so
+        #: every engine sharing the store can announce them
+        self.describes_blocks = backend is not None and backend.capabilities.block_meta
         #: vLLM's KV events of the store (only when the engine publishes events)
-        self.events = (
-            SchedulerEvents(self.world_size, self.block_size, self.keys)
-            if events_enabled(vllm_config)
-            else None
-        )
+        self.events: SchedulerEvents | None = None
+        self.follower: StoreFollower | None = None
+        if events_enabled(vllm_config):
+            self.events = SchedulerEvents(self.world_size, self.describer)
+            if backend is not None:
+                publisher = EventPublisherRef.of_calling_scheduler()
+                self.follower = StoreFollower(
+                    self.events,
+                    backend,
+                    [(piece.rank, piece.world) for piece in primary.slices],
+                    primary.layout.parts,
+                    publisher.get,
+                    interval_s=settings.events_interval_s,
+                )
 
     def _worker_here(self, vllm_config: Any) -> bool:
         """Whether the engine's one worker runs in this process (vLLM's ``uni`` executor)."""
@@ -354,7 +370,7 @@ class SchedulerSide:
         # waiting for remote KV, an aborted one's too, until the worker answers it)
         self._loads.extend(self._group_runs(request, all_ids, start, start + n))
         if self.events is not None:
-            self.events.known(request, keys, start)
+            self.events.known(self.describer.describe(request, keys, start))
         # these blocks are in the store already: saving them again would only re-check them
         if tracked.saved_upto == 0 and start == 0:
             tracked.saved_upto = n
@@ -472,8 +488,13 @@ class SchedulerSide:
         keys = self.keys.keys(request, first, full)
         tracked.saved_upto = full
         tracked.has_saves = True
+        described = (
+            self.describer.describe(request, keys, first)
+            if self.events is not None or self.describes_blocks
+            else []
+        )
         if self.events is not None:
-            self.events.remember(request, keys, first)
+            self.events.remember(described)
         run = BlockRun(
             req_id=request.request_id,
             start_block=first,
@@ -481,6 +502,7 @@ class SchedulerSide:
             block_ids=block_ids[first:full],
             token_ids=self._tokens(request, full),
             group=self.groups[0].index,
+            block_meta=[encode(facts) for _, facts in described] if self.describes_blocks else None,
         )
         return [run, *self._group_runs(request, all_ids, first, full, saving=True)]
 
@@ -527,6 +549,8 @@ class SchedulerSide:
         return tracked.has_saves, None
 
     def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
         for handle in self.handles:
             handle.close()
 

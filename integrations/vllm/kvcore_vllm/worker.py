@@ -489,14 +489,16 @@ class WorkerSide:
         """
         mapping = self.io[run.group].mapping
         assert mapping is not None
-        model = ReadTask if what == "load" else WriteTask
-        return model.model_construct(
-            task_id=f"{run.req_id}/{what}/{run.start_block}/g{run.group}/r{piece.rank}",
-            keys=run.keys,
-            device_block_ids=mapping.to_kvcore(run.block_ids, piece.local),
-            start_block=run.start_block,
-            timeout_s=timeout_s,
-            rank=piece.rank,
-            world_size=piece.world,
-            token_ids=run.token_ids,
-        )
+        fields: dict[str, Any] = {
+            "task_id": f"{run.req_id}/{what}/{run.start_block}/g{run.group}/r{piece.rank}",
+            "keys": run.keys,
+            "device_block_ids": mapping.to_kvcore(run.block_ids, piece.local),
+            "start_block": run.start_block,
+            "timeout_s": timeout_s,
+            "rank": piece.rank,
+            "world_size": piece.world,
+            "token_ids": run.token_ids,
+        }
+        if what == "load":
+            return ReadTask.model_construct(**fields)
+        return WriteTask.model_construct(**fields, block_meta=run.block_meta)

@@ -273,3 +273,23 @@ def flip_last_byte_of_every_object(engine: Any, root: str) -> int:
             f.seek(-1, 2)
             f.write(bytes([byte[0] ^ 0x10]))
     return len(files)
+
+
+def touch(path: str) -> float:
+    """Create ``path`` (a signal to another engine's steps, or to the test); the wall clock."""
+    import time
+
+    Path(path).touch()
+    return time.time()
+
+
+def wait_for_file(path: str, timeout_s: float = 300.0) -> float:
+    """Wait (idle: the engine does not step) until ``path`` exists; the wall clock then."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.05)
+    return time.time()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -369,3 +370,174 @@ def test_an_engine_announces_what_it_finds_stored_and_removes_only_what_it_annou
             assert not unannounced, f"BlockRemoved for {len(unannounced)} unannounced blocks"
             removed.update(e.block_hashes)
     assert set(chain[:saved]) <= removed, "the clear removed A's blocks without an event"
+
+
+class RouterIndex:
+    """What a KV-aware router knows from events alone: which engines hold each block, by
+    medium, built from every engine's published events (as Dynamo's and llm-d's indexers)."""
+
+    def __init__(self) -> None:
+        self.holders: dict[tuple[object, str], set[str]] = {}
+        self.announced: dict[str, set] = {}
+        self.unannounced_removals: list[tuple[str, object]] = []
+
+    def apply(self, engine: str, event: object) -> None:
+        if isinstance(event, BlockStored):
+            for h in event.block_hashes:
+                self.holders.setdefault((h, event.medium), set()).add(engine)
+                if event.medium == MEDIUM_STORAGE:
+                    self.announced.setdefault(engine, set()).add(h)
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                self.holders.get((h, event.medium), set()).discard(engine)
+                if event.medium == MEDIUM_STORAGE and h not in self.announced.get(engine, ()):
+                    self.unannounced_removals.append((engine, h))
+        elif isinstance(event, AllBlocksCleared):
+            for engines in self.holders.values():
+                engines.discard(engine)
+
+    def credited(self, engine: str, chain: list, medium: str = MEDIUM_STORAGE) -> int:
+        """Leading blocks of ``chain`` the router credits ``engine`` with on ``medium``."""
+        n = 0
+        for h in chain:
+            if engine not in self.holders.get((h, medium), ()):
+                break
+            n += 1
+        return n
+
+
+def _index_until(subs: dict[str, Subscriber], until: float) -> RouterIndex:
+    index = RouterIndex()
+    merged = sorted(
+        ((ts, engine, e) for engine, sub in subs.items() for ts, e in list(sub.events)
+         if ts <= until),
+        key=lambda record: record[0],
+    )  # fmt: skip
+    for _, engine, e in merged:
+        index.apply(engine, e)
+    return index
+
+
+def test_every_engine_on_a_shared_store_is_credited_with_its_blocks_in_real_time(
+    model_dir: Path, prompts: Prompts, tmp_path: Path
+) -> None:
+    """Two engines over one kv_file root, each publishing to a router's subscriber. Engine A
+    serves prompt A; engine B, idle, is credited with every block A stored before B serves
+    the prompt (from the blocks' own descriptors: B never computed them). B then serves it
+    from the store. A third process clears the namespace: both engines, idle, remove every
+    block they announced within the configured delay, and never one they did not announce."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import kvcore
+
+    root = str(tmp_path / "store")
+    interval = 0.5
+    connector = {
+        "backend": "file",
+        "backend_config": {"root": root},
+        "namespace": "shared",
+        "events_interval_s": interval,
+    }
+    signal = {name: str(tmp_path / name) for name in ("a_stored", "b_served", "cleared")}
+    a = {"op": "generate", "name": "A", "prompts": [prompts.a], "max_tokens": 4}
+
+    def call(name: str, target: str, **args: object) -> dict:
+        return {"op": "call", "name": name, "target": f"engine_helpers:{target}", "args": args}
+
+    idle = 3 * interval + 1.0  # both engines stay idle this long after the clear
+    steps = {
+        "A": [
+            call("ready", "now"),
+            a,
+            {"op": "sleep", "seconds": 1.0},  # the workers' saves land
+            call("stored", "touch", path=signal["a_stored"]),
+            call("wait_clear", "wait_for_file", path=signal["cleared"]),
+            {"op": "sleep", "seconds": idle},
+        ],
+        "B": [
+            call("ready", "now"),
+            call("wait_a", "wait_for_file", path=signal["a_stored"]),
+            {"op": "sleep", "seconds": 2 * interval + 0.5},  # idle: the follower's rounds
+            call("before_serve", "now"),
+            a,
+            {"op": "sleep", "seconds": 1.0},
+            call("served", "touch", path=signal["b_served"]),
+            call("wait_clear", "wait_for_file", path=signal["cleared"]),
+            {"op": "sleep", "seconds": idle},
+        ],
+    }
+    endpoints = {name: f"tcp://127.0.0.1:{_free_port()}" for name in steps}
+    subs = {name: Subscriber(endpoint) for name, endpoint in endpoints.items()}
+
+    def engine(name: str):
+        spec = {
+            "model": str(model_dir),
+            "connector": connector,
+            "in_process": True,
+            "kv_events_endpoint": endpoints[name],
+            "steps": steps[name],
+        }
+        return run_engine(spec, tmp_path, f"shared-{name}")
+
+    def third_process_clears() -> float:
+        """The operator's clear, from this (the test's) process, once B has served."""
+        deadline = time.monotonic() + 900
+        while not Path(signal["b_served"]).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine B never served")
+            time.sleep(0.05)
+        context = kvcore.BackendContext(namespace="shared")
+        with kvcore.open_backend("file", {"root": root}, context=context) as backend:
+            at = time.time()
+            assert int(backend.clear()) > 0
+        Path(signal["cleared"]).touch()
+        return at
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            runs = {name: pool.submit(engine, name) for name in steps}
+            cleared_at = pool.submit(third_process_clears).result(timeout=1200)
+            run = {name: fut.result(timeout=1200) for name, fut in runs.items()}
+    finally:
+        for sub in subs.values():
+            sub.close()
+
+    saved = (600 - 1) // BLOCK_SIZE
+    # B served A's prompt from the store, with A's tokens
+    assert run["B"].step("A")["num_cached_tokens"] == [saved * BLOCK_SIZE]
+    assert run["B"].step("A")["tokens"] == run["A"].step("A")["tokens"]
+    a_events = [e for _, e in subs["A"].events]
+    chain = _router_chain(_per_block(a_events, MEDIUM_GPU), prompts.a, None, None)
+    assert len(chain) >= saved
+    # before B serves the prompt, the router credits B with every block A stored
+    before = run["B"].step("before_serve")["result"]
+    index = _index_until(subs, before)
+    assert index.credited("A", chain) == saved, "A's own saves were not announced"
+    assert index.credited("B", chain) == saved, (
+        f"B credited with {index.credited('B', chain)} of the {saved} blocks A stored"
+    )
+    b_before = {
+        h for ts, e in subs["B"].events
+        if ts <= before and isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE
+        for h in e.block_hashes
+    }  # fmt: skip
+    # B's announcements carry what A's do: parent and tokens, block by block
+    storage_b = {b["hash"]: b for b in _per_block([e for _, e in subs["B"].events], MEDIUM_STORAGE)}
+    for i, h in enumerate(chain[:saved]):
+        assert h in b_before
+        assert storage_b[h]["parent"] == (chain[i - 1] if i else None)
+        assert storage_b[h]["tokens"] == prompts.a[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+    # the clear: both engines, idle, drop every block they announced within the delay
+    for name in ("A", "B"):
+        removals = [
+            (ts, h) for ts, e in subs[name].events
+            if isinstance(e, BlockRemoved) and e.medium == MEDIUM_STORAGE and ts >= cleared_at
+            for h in e.block_hashes
+        ]  # fmt: skip
+        assert set(chain[:saved]) <= {h for _, h in removals}, f"{name}: blocks left silently"
+        late = max(ts for ts, _ in removals) - cleared_at
+        # the configured delay, plus the store's own follower (50 ms) and this loaded machine
+        assert late <= interval + 1.0, f"{name}: removals published {late:.2f} s after the clear"
+    final = _index_until(subs, float("inf"))
+    assert not final.unannounced_removals, final.unannounced_removals[:5]
+    assert final.credited("A", chain) == final.credited("B", chain) == 0
