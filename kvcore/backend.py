@@ -78,6 +78,7 @@ class Backend:
         self._admits = bool(hook.kvcore_admit.get_hookimpls())
         self._contains = hook.kvcore_contains if hook.kvcore_contains.get_hookimpls() else None
         self._describe = hook.kvcore_describe if hook.kvcore_describe.get_hookimpls() else None
+        self._names = hook.kvcore_names if hook.kvcore_names.get_hookimpls() else None
         self._serial = nullcontext() if capabilities.concurrent else threading.Lock()
         self._failures = OnceLogger(log)
         self._weight_version = context.weight_version
@@ -308,6 +309,33 @@ class Backend:
         found = sum(meta is not None for meta in result)
         self.metrics.observe("describe", seconds, calls=1, blocks=n, blocks_done=found)
         return list(result)
+
+    def names(self) -> list[str]:
+        """The objects the store holds now (``kvcore_names``: this namespace's at least), a
+        snapshot; empty for a backend that cannot list, or on a failure (counted and logged,
+        strict mode raises). Subscribe to :attr:`events` first to miss no change after it.
+
+        .. versionadded:: 0.4
+        """
+        if self._names is None:
+            return []
+        if self._closed:
+            raise RuntimeError(f"backend {self.name!r} is closed")
+        t0 = time.monotonic()
+        try:
+            with self._serial:
+                result = list(self._names())
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._log_failure("names", exc, None)
+            self.metrics.observe("names", time.monotonic() - t0, calls=1, errors=1)
+            return []
+        if not all(isinstance(name, str) for name in result):
+            self._invalid("names", result[:3], "str names", None, time.monotonic() - t0)
+            return []
+        self.metrics.observe("names", time.monotonic() - t0, calls=1, blocks_done=len(result))
+        return result
 
     def read(self, request: BlockRequest) -> Outcome:
         """Leading blocks fully read into the request's buffers (and matching their digests,
@@ -693,18 +721,22 @@ class Backend:
         return describe(exc), FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
 
     def _invalid(
-        self, op: str, result: object, expected: str, request: BlockRequest, seconds: float
+        self,
+        op: str,
+        result: object,
+        expected: str,
+        request: BlockRequest | None,
+        seconds: float,
     ) -> None:
         """A hook answered what the contract forbids: raised in strict mode, else logged once
         and counted (the caller answers with nothing found)."""
-        msg = (
-            f"backend {self.name!r} {op} returned {result!r} for {request.num_blocks} blocks; "
-            f"expected {expected}"
-        )
+        blocks = 0 if request is None else request.num_blocks
+        asked = "" if request is None else f" for {blocks} blocks"
+        msg = f"backend {self.name!r} {op} returned {result!r}{asked}; expected {expected}"
         if self.strict:
             raise BackendContractError(msg)
         self._log_failure(op, BackendContractError(msg), request)
-        self.metrics.observe(op, seconds, calls=1, invalid_results=1, blocks=request.num_blocks)
+        self.metrics.observe(op, seconds, calls=1, invalid_results=1, blocks=blocks)
 
     def _log_failure(self, op: str, exc: BaseException, request: BlockRequest | None) -> None:
         """Log the first failure of each (op, exception type) with context; later ones at debug."""

@@ -441,8 +441,7 @@ class RankBlocks:
                 or parsed.namespace != self.namespace
                 or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
                 or (
-                    self.weight_version is not None
-                    and parsed.weight_version != self.weight_version
+                    self.weight_version is not None and parsed.weight_version != self.weight_version
                 )
             ):
                 continue  # another rank's, a digest, another engine's

@@ -42,7 +42,7 @@ Semantics shared by the data hooks:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import pluggy
 
@@ -60,6 +60,7 @@ REQUIRED_HOOKS = ("kvcore_query", "kvcore_read", "kvcore_write")
 OPTIONAL_HOOKS = (
     "kvcore_contains",
     "kvcore_describe",
+    "kvcore_names",
     "kvcore_admit",
     "kvcore_evict_to",
     "kvcore_flush_token_index",
@@ -133,6 +134,25 @@ def kvcore_describe(request: BlockRequest) -> Sequence[bytes | None]:
         metadata; the backend may read it from any one of them.
 
     Optional (only with ``Capabilities(block_meta=True)``): without it every block is None.
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.4
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_names() -> Iterable[str]:
+    """List the objects the store holds now: at least every object of this backend's
+    namespace (names of other namespaces may be included: callers filter by identity).
+
+    For a process that attaches to a store others already filled and must learn what it
+    holds (an engine announcing the blocks it can load to a router) without a query per
+    guess. A snapshot: what is stored or removed while it is built may or may not be in it,
+    so a caller subscribes to the event stream first and lists second.
+
+    :return: the names, in any order.
+
+    Optional: without it kvcore knows of no listing (``Backend.names`` returns nothing).
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.4

@@ -35,6 +35,7 @@ from kvcore.testing.kit import (
     InputTests,
     LeadingRunTests,
     LifecycleTests,
+    ListingTests,
     MetadataTests,
     RemovalTests,
     RoundTripTests,
@@ -66,6 +67,7 @@ __all__ = [
 # pytest runs a class's inherited tests base by base from the last base listed to the first:
 # listed last-run first, the kit runs round trips first and the lifecycle hooks last.
 class BackendConformance(
+    ListingTests,
     MetadataTests,
     LifecycleTests,
     BufferTests,

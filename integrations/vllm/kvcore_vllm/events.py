@@ -63,6 +63,10 @@ log = logging.getLogger("vllm.kvcore_vllm.events")
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 #: blocks whose vLLM hashes the scheduler remembers, to name them when they leave the store
 DEFAULT_KNOWN_BLOCKS = 200_000
+#: blocks of other processes whose descriptors one round of the follower reads at most
+DESCRIBED_PER_ROUND = 20_000
+#: names of a store's listing grouped into blocks at a time when an engine attaches
+LISTING_BATCH = 8192
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -252,6 +256,11 @@ class SchedulerEvents:
         self._unnamed.pop(key, None)
         self._to_describe.pop(key, None)
 
+    def waiting(self) -> int:
+        """Blocks stored by others, complete, not yet described."""
+        with self._lock:
+            return len(self._to_describe)
+
     def to_describe(self, limit: int) -> list[str]:
         """Up to ``limit`` blocks every rank of which another process stored, to be named by
         their descriptors (:meth:`described`), oldest first."""
@@ -299,7 +308,9 @@ class SchedulerEvents:
         self._stored[key] = facts.block_hash
         self._stored.move_to_end(key)
         while len(self._stored) > self.max_known:
-            self._stored.popitem(last=False)
+            # a block this engine can no longer follow is withdrawn, never left credited
+            _, forgotten = self._stored.popitem(last=False)
+            self._out.append(BlockRemoved(block_hashes=[forgotten], medium=MEDIUM_STORAGE))
 
 
 @dataclass(slots=True)
@@ -332,6 +343,7 @@ class StoreFollower:
         *,
         interval_s: float,
         describe_batch: int = 4096,
+        describe_per_round: int = DESCRIBED_PER_ROUND,
     ) -> None:
         self.events = events
         self._backend = backend
@@ -339,7 +351,12 @@ class StoreFollower:
         self._publisher_of = publisher_of
         self.interval_s = interval_s
         self._batch = describe_batch
-        self._sub = backend.events.subscribe()
+        self._per_round = describe_per_round
+        #: what attaching found: blocks listed, and seconds to list and group them
+        self.attached_blocks = 0
+        self.attach_seconds = 0.0
+        self._attached = False
+        self._sub = backend.events.subscribe()  # first: no change after the listing is missed
         self._blocks = [
             ev.RankBlocks(
                 backend.context.namespace,
@@ -362,24 +379,47 @@ class StoreFollower:
         else:  # the workers' records say what this rank's backend sees: nothing to follow
             self._sub.close()
 
-    def round(self) -> None:
-        """One round: the store's changes, the descriptors of new blocks, the publication."""
+    def attach(self) -> None:
+        """What the store holds already (listed once, after subscribing): every complete
+        block becomes one to describe, announced over the next rounds."""
+        t0 = time.monotonic()
+        names = self._backend.names()
+        namespace = self._backend.context.namespace
+        for lo in range(0, len(names), LISTING_BATCH):
+            listed = ev.StoreEvent(0, ev.STORED, namespace, tuple(names[lo : lo + LISTING_BATCH]))
+            self._receive([listed])
+        self._attached = True
+        self.attached_blocks = self.events.waiting()
+        self.attach_seconds = time.monotonic() - t0
+
+    def _receive(self, store_events: Sequence[ev.StoreEvent]) -> None:
         records = [
             (change.kind, change.block_key, blocks.rank)
-            for event in self._sub.drain()
+            for event in store_events
             for blocks in self._blocks
             for change in blocks.changes(event)
         ]
         if records:
             self.events.receive_records(records)
-        while keys := self.events.to_describe(self._batch):
+
+    def round(self) -> None:
+        """One round: the store's changes, the descriptors of new blocks (at most
+        ``describe_per_round``: a large store is announced over several rounds, its changes
+        published between them), the publication."""
+        if not self._attached:
+            self.attach()
+        self._receive(self._sub.drain())
+        described = 0
+        while described < self._per_round and not self._stop.is_set():
+            keys = self.events.to_describe(min(self._batch, self._per_round - described))
+            if not keys:
+                break
             rank, world = self._slices[0]
             request = self._backend.request(
                 "kvcore-vllm/describe", keys, rank=rank, world_size=world
             )
             self.events.described(keys, self._backend.describe(request))
-            if len(keys) < self._batch or self._stop.is_set():
-                break
+            described += len(keys)
         publisher = self._publisher_of()
         # without vLLM's publisher (not found) the events leave with the engine's next step
         self.events.published_elsewhere = publisher is not None

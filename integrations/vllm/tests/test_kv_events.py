@@ -310,10 +310,11 @@ def test_storage_events_place_each_block_under_its_own_requests_prefix(
 def test_an_engine_announces_what_it_finds_stored_and_removes_only_what_it_announced(
     model_dir: Path, prompts: Prompts, tmp_path: Path
 ) -> None:
-    """Engine B restores prompt A from a store another engine filled: the lookup that finds
-    A's blocks announces them ``BlockStored`` (STORAGE), with the hashes, tokens and parents
-    B's own GPU events give them; a clear by another process then removes them, and B never
-    sends ``BlockRemoved`` for a block it did not announce first."""
+    """Engine B attaches to a store another engine filled: it announces A's blocks
+    ``BlockStored`` (STORAGE) from the store's listing and the blocks' descriptors before it
+    serves anything, with the hashes, tokens and parents B's own GPU events give them when it
+    then restores prompt A; a clear by another process then removes them, and B never sends
+    ``BlockRemoved`` for a block it did not announce first."""
     root = str(tmp_path / "store")
     connector = {"backend": "file", "backend_config": {"root": root}, "namespace": "shared"}
     a = {"op": "generate", "prompts": [prompts.a], "max_tokens": 4}
@@ -338,6 +339,8 @@ def test_an_engine_announces_what_it_finds_stored_and_removes_only_what_it_annou
                 "in_process": True,
                 "kv_events_endpoint": endpoint,
                 "steps": [
+                    {"op": "sleep", "seconds": 2.0},  # idle: attached, announcing
+                    {"op": "call", "name": "before_serve", "target": "engine_helpers:now"},
                     {**a, "name": "A"},
                     *settle_steps("after_a", tiny),
                     {"op": "call", "name": "clear", "target": "engine_helpers:clear_store"},
@@ -356,8 +359,14 @@ def test_an_engine_announces_what_it_finds_stored_and_removes_only_what_it_annou
     chain = _router_chain(_per_block(events, MEDIUM_GPU), prompts.a, None, None)
     assert len(chain) >= saved
     storage = {b["hash"]: b for b in _per_block(events, MEDIUM_STORAGE)}
+    before = run.step("before_serve")["result"]
+    attached = {
+        h for ts, e in sub.events
+        if ts <= before and isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE
+        for h in e.block_hashes
+    }  # fmt: skip
     for i, h in enumerate(chain[:saved]):  # every restored block, as B's GPU events name it
-        assert h in storage, f"block {i} found stored but never announced"
+        assert h in attached, f"block {i} stored before B started, not announced at attach"
         assert storage[h]["parent"] == (chain[i - 1] if i else None)
         assert storage[h]["tokens"] == prompts.a[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
     announced: set = set()
@@ -521,6 +530,11 @@ def test_every_engine_on_a_shared_store_is_credited_with_its_blocks_in_real_time
         if ts <= before and isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE
         for h in e.block_hashes
     }  # fmt: skip
+    a_at = max(ts for ts, e in subs["A"].events if isinstance(e, BlockStored)
+               and e.medium == MEDIUM_STORAGE and e.block_hashes[0] in chain)  # fmt: skip
+    b_at = max(ts for ts, e in subs["B"].events if isinstance(e, BlockStored)
+               and e.medium == MEDIUM_STORAGE and e.block_hashes[0] in chain)  # fmt: skip
+    print(f"B announced A's blocks {b_at - a_at:.3f} s after A did")
     # B's announcements carry what A's do: parent and tokens, block by block
     storage_b = {b["hash"]: b for b in _per_block([e for _, e in subs["B"].events], MEDIUM_STORAGE)}
     for i, h in enumerate(chain[:saved]):
@@ -536,6 +550,7 @@ def test_every_engine_on_a_shared_store_is_credited_with_its_blocks_in_real_time
         ]  # fmt: skip
         assert set(chain[:saved]) <= {h for _, h in removals}, f"{name}: blocks left silently"
         late = max(ts for ts, _ in removals) - cleared_at
+        print(f"{name}: the clear's removals published {late:.3f} s after it")
         # the configured delay, plus the store's own follower (50 ms) and this loaded machine
         assert late <= interval + 1.0, f"{name}: removals published {late:.2f} s after the clear"
     final = _index_until(subs, float("inf"))

@@ -8,6 +8,7 @@ Mooncake master that is paused (a save in flight holds its request's blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -832,3 +833,100 @@ def test_the_state_dtypes_of_a_model_with_cached_recurrent_state_are_in_its_scop
         config.cache_config.mamba_ssm_cache_dtype = dtype
     assert model_settings(f32)["mamba_ssm_cache_dtype"] == "float32"
     assert model_settings(f32) != model_settings(bf16)
+
+
+def _described_request(salt: str | None = None) -> Any:
+    """A real vLLM request (its own block hashes and extra keys) of two full blocks."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    return Request(
+        request_id=f"r-{salt}",
+        prompt_token_ids=list(range(1, 2 * BLOCK_SIZE + 4)),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256_cbor),
+    )
+
+
+def test_a_block_descriptor_round_trips_and_refuses_what_is_not_one() -> None:
+    from kvcore_vllm.descriptors import BlockDescriber, decode, encode
+
+    keys = RequestKeys(kvcore.KeyScope(model="m"), BLOCK_SIZE, BLOCK_SIZE)
+    describer = BlockDescriber(BLOCK_SIZE, keys)
+    request = _described_request("tenant-a")
+    described = describer.describe(request, keys.keys(request, 0, 2), 0)
+    for key, facts in described:
+        raw = encode(facts)
+        assert 0 < len(raw) <= kvcore.MAX_BLOCK_META_BYTES
+        assert decode(raw) == facts  # the salt's extra keys come back as vLLM's tuples
+        assert describer.matches(key, facts)
+    (key0, facts0), (key1, facts1) = described
+    assert facts1.parent_hash == facts0.block_hash and facts0.parent_hash is None
+    assert facts0.extra_keys == [("tenant-a",)]  # vLLM's event form: the bare salt
+    # a descriptor read under another key (a lying or misplaced object) is not that block's
+    assert not describer.matches(key1, facts0)
+    other = RequestKeys(kvcore.KeyScope(model="m", namespace="other"), BLOCK_SIZE, BLOCK_SIZE)
+    assert not BlockDescriber(BLOCK_SIZE, other).matches(key0, facts0)
+    for junk in (b"", b"\xc1", encode(facts0)[:-3], b"\x93\x01\x02\x03"):
+        assert decode(junk) is None
+    import msgspec
+
+    future = msgspec.msgpack.encode([2, 1, None, [1] * BLOCK_SIZE, BLOCK_SIZE, None, None, None])
+    assert decode(future) is None  # a format this reader does not know
+    big = dataclasses.replace(facts0, token_ids=list(range(10**6, 10**6 + 1000)))
+    assert encode(big) == b""  # too large to store: no descriptor, never a truncated one
+
+
+def test_blocks_another_engine_stored_are_announced_only_by_their_own_descriptor() -> None:
+    from kvcore_vllm.descriptors import BlockDescriber, encode
+    from kvcore_vllm.events import SchedulerEvents
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    keys = RequestKeys(kvcore.KeyScope(model="m"), BLOCK_SIZE, BLOCK_SIZE)
+    describer = BlockDescriber(BLOCK_SIZE, keys)
+    request = _described_request()
+    (k0, f0), (k1, _) = describer.describe(request, keys.keys(request, 0, 2), 0)
+    events = SchedulerEvents(2, describer)  # two ranks: a block is whole with both slices
+    events.receive_records([("stored", k0, 0), ("stored", k1, 0), ("stored", k0, 1)])
+    assert events.to_describe(10) == [k0]  # k1 lacks rank 1: not loadable yet
+    events.receive_records([("stored", k1, 1)])
+    assert events.to_describe(10) == [k0, k1]
+    # k1's object carries k0's descriptor: never announced under k1's key, counted
+    events.described([k0, k1], [encode(f0), encode(f0)])
+    out = events.take()
+    assert [type(e) for e in out] == [BlockStored] and out[0].block_hashes == [f0.block_hash]
+    assert events.unmapped == 1
+    # no descriptor at all (written before descriptors): counted, not guessed
+    events.receive_records([("removed", k1, 0), ("stored", k1, 0), ("stored", k1, 1)])
+    events.described(events.to_describe(10), [None])
+    assert events.unmapped == 2 and events.take() == []
+    # removals: only what was announced, once
+    events.receive_records([("removed", k1, 1), ("removed", k0, 1), ("removed", k0, 0)])
+    assert [(type(e), e.block_hashes) for e in events.take()] == [(BlockRemoved, [f0.block_hash])]
+    # while a follower publishes, the step takes nothing (one path, in order)
+    events.receive_records([("stored", k0, 0), ("stored", k0, 1)])
+    events.described([k0], [encode(f0)])
+    events.published_elsewhere = True
+    assert events.take() == []
+    assert [type(e) for e in events.take(publisher=True)] == [BlockStored]
+
+
+def test_an_engine_that_can_follow_no_more_blocks_withdraws_the_oldest() -> None:
+    from kvcore_vllm.descriptors import BlockDescriber
+    from kvcore_vllm.events import SchedulerEvents
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    keys = RequestKeys(kvcore.KeyScope(model="m"), BLOCK_SIZE, BLOCK_SIZE)
+    describer = BlockDescriber(BLOCK_SIZE, keys)
+    request = _described_request()
+    described = describer.describe(request, keys.keys(request, 0, 2), 0)
+    events = SchedulerEvents(1, describer, max_known_blocks=1)
+    events.known(described)
+    out = events.take()
+    assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
+    assert out[2].block_hashes == out[0].block_hashes  # the first, withdrawn

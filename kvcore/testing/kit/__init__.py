@@ -25,6 +25,7 @@ The mixins, in the order the kit runs them:
 - :class:`BufferTests`: registered regions and segmented host buffers
 - :class:`LifecycleTests`: token-index flush, stats, raw baseline, close
 - :class:`MetadataTests`: blocks that describe themselves (``kvcore_describe``)
+- :class:`ListingTests`: what a store holds, listed (``kvcore_names``)
 """
 
 from kvcore.testing.kit.buffers import BufferTests
@@ -36,7 +37,7 @@ from kvcore.testing.kit.evictions import EvictionTests
 from kvcore.testing.kit.fixtures import KitFixtures
 from kvcore.testing.kit.inputs import InputTests
 from kvcore.testing.kit.lifecycle import LifecycleTests
-from kvcore.testing.kit.metadata import MetadataTests
+from kvcore.testing.kit.metadata import ListingTests, MetadataTests
 from kvcore.testing.kit.removal import RemovalTests
 from kvcore.testing.kit.runs import LeadingRunTests
 from kvcore.testing.kit.sharing import SharingTests
@@ -52,6 +53,7 @@ __all__ = [
     "KitFixtures",
     "LeadingRunTests",
     "LifecycleTests",
+    "ListingTests",
     "MetadataTests",
     "RemovalTests",
     "RoundTripTests",

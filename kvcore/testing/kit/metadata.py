@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from kvcore.requests import MAX_BLOCK_META_BYTES
 from kvcore.schemas import Capabilities
 from kvcore.testing.harness import Harness
 from kvcore.testing.kit.fixtures import KitFixtures
 from kvcore.testing.kit.marks import exercises, requires
 
-__all__ = ["MetadataTests"]
+__all__ = ["ListingTests", "MetadataTests"]
 
 
 def _meta(i: int, size: int = 96) -> bytes:
@@ -54,3 +56,27 @@ class MetadataTests(KitFixtures):
         metas = [_meta(i + 7) for i in range(3)]
         assert writer.write(seq, block_meta=metas) == 3
         assert reader.backend.describe(reader.request(seq)) == metas
+
+
+class ListingTests(KitFixtures):
+    """``kvcore_names``: what a store holds, listed."""
+
+    @exercises("kvcore_names", "kvcore_write", "kvcore_remove")
+    def test_the_listing_holds_every_stored_object(
+        self, harness: Harness, capabilities: Capabilities
+    ) -> None:
+        """Every object written is listed, under the names its requests give it; a removed
+        block's objects are not."""
+        if not harness.backend.implements("kvcore_names"):
+            pytest.skip("the backend does not list its objects (kvcore_names)")
+        seq = harness.new_sequence(3)
+        assert harness.write(seq) == 3
+        names = set(harness.backend.names())
+        rows = harness.request(seq).object_names
+        missing = [name for row in rows for name in row if name not in names]
+        assert not missing, f"stored objects missing from the listing: {missing[:3]}"
+        if harness.backend.implements("kvcore_remove"):
+            assert harness.backend.remove(harness.request(seq, 2, 1)) == 1
+            left = set(harness.backend.names())
+            assert not set(rows[2]) & left, "a removed block's objects are still listed"
+            assert set(rows[0]) <= left

@@ -210,6 +210,13 @@ class FileBackend:
         return out
 
     @kvcore.hookimpl
+    def kvcore_names(self) -> list[str]:
+        """Every named object of the directory, as the index holds it (all namespaces)."""
+        self._catalog.sync()
+        with self._index.lock:
+            return list(self._index.by_name)
+
+    @kvcore.hookimpl
     def kvcore_admit(self, request: BlockRequest) -> int:
         """The store's admission policy (``admission``) on the blocks offered."""
         self._catalog.sync()
