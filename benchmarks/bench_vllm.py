@@ -75,27 +75,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import Report, emit  # noqa: E402
-
-VLLM_VENV = REPO / "integrations" / "vllm" / ".venv"
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
-
-
-def _python_with_vllm() -> None:
-    """Re-execute with the vLLM venv's Python when this one cannot import vLLM."""
-    import importlib.util
-
-    # found, not imported: importing vLLM starts threads, and the network namespace below
-    # must be entered before any thread exists
-    if not (importlib.util.find_spec("vllm") and importlib.util.find_spec("kvcore_vllm")):
-        # venvs' pythons are symlinks to one interpreter: compare the environments, not them
-        if VLLM_PYTHON.exists() and Path(sys.prefix).resolve() != VLLM_VENV.resolve():
-            os.execv(str(VLLM_PYTHON), [str(VLLM_PYTHON), __file__, *sys.argv[1:]])
-        sys.exit(
-            "bench_vllm needs vLLM and kvcore-vllm: run integrations/vllm/scripts/test.sh once "
-            f"to create {VLLM_PYTHON}"
-        )
-
+from benchutil import Report, emit, python_with_vllm  # noqa: E402
 
 #: vLLM's setting for the cores its CPU worker's OpenMP threads are bound to
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -145,7 +125,7 @@ def main() -> None:
     if "mooncake" in parts:
         parts.add("ttft")  # the Mooncake restores are checked against the recomputed tokens
 
-    _python_with_vllm()
+    python_with_vllm("bench_vllm")
     omp_cores = _same_cores_for_every_engine()  # before any engine starts: they inherit it
     from kv_mooncake.testing import isolate_loopback
 

@@ -44,21 +44,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_VENV = REPO / "integrations" / "vllm" / ".venv"
-VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 
 
-def _python_with_vllm() -> None:
-    import importlib.util
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchutil import python_with_vllm  # noqa: E402
 
-    if not (importlib.util.find_spec("vllm") and importlib.util.find_spec("kvcore_vllm")):
-        # venvs' pythons are symlinks to one interpreter: compare the environments, not them
-        if VLLM_PYTHON.exists() and Path(sys.prefix).resolve() != VLLM_VENV.resolve():
-            os.execv(str(VLLM_PYTHON), [str(VLLM_PYTHON), *sys.argv])
-        sys.exit("bench_vllm_tier needs vLLM: run integrations/vllm/scripts/test.sh once")
-
-
-_python_with_vllm()
+python_with_vllm("bench_vllm_tier")
 
 import torch  # noqa: E402
 from benchutil import Report, emit  # noqa: E402

@@ -13,11 +13,37 @@ import json
 import os
 import platform
 import statistics
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 #: a contender this much faster than a baseline named the limit means the baseline is wrong
 LIMIT_TOLERANCE = 1.05
+
+REPO = Path(__file__).resolve().parents[1]
+#: the vLLM adapter's venv (created by integrations/vllm/scripts/test.sh)
+VLLM_VENV = REPO / "integrations" / "vllm" / ".venv"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+
+
+def python_with_vllm(benchmark: str) -> None:
+    """Re-execute the running benchmark with the vLLM venv's Python when this one cannot
+    import vLLM and kvcore-vllm; exit naming what to run when there is no such venv.
+
+    Call it before anything starts a thread (found, not imported: importing vLLM starts
+    threads, and some benchmarks enter a network namespace first)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") and importlib.util.find_spec("kvcore_vllm"):
+        return
+    # venvs' pythons are symlinks to one interpreter: compare the environments, not them
+    if VLLM_PYTHON.exists() and Path(sys.prefix).resolve() != VLLM_VENV.resolve():
+        os.execv(str(VLLM_PYTHON), [str(VLLM_PYTHON), *sys.argv])
+    sys.exit(
+        f"{benchmark} needs vLLM and kvcore-vllm: run integrations/vllm/scripts/test.sh once "
+        f"to create {VLLM_PYTHON}"
+    )
 
 
 def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
