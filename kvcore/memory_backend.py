@@ -33,11 +33,14 @@ class MemoryBackend:
     host-resident cache blocks directly."""
 
     config_model = MemoryConfig
-    capabilities = Capabilities(addressing="key", io="host", scales=True, segmented_host=True)
+    capabilities = Capabilities(
+        addressing="key", io="host", scales=True, segmented_host=True, block_meta=True
+    )
 
     def __init__(self, config: MemoryConfig, context: BackendContext) -> None:
         self.config = config
         self._objects: dict[str, bytes] = {}
+        self._meta: dict[str, bytes] = {}  # object name -> its block's metadata, where given
         self._lock = threading.Lock()
 
     @hookimpl
@@ -84,7 +87,22 @@ class MemoryBackend:
                     if len(self._objects) >= self.config.max_objects:
                         return Outcome(i, f"store full ({self.config.max_objects} objects)")
                     self._objects[name] = data
+                    if request.block_meta is not None and request.block_meta[i]:
+                        self._meta[name] = request.block_meta[i]
         return request.num_blocks
+
+    @hookimpl
+    def kvcore_describe(self, request: BlockRequest) -> list[bytes | None]:
+        with self._lock:
+            return [
+                self._meta.get(names[0]) if names[0] in self._objects else None
+                for names in request.object_names
+            ]
+
+    @hookimpl
+    def kvcore_names(self) -> list[str]:
+        with self._lock:
+            return list(self._objects)
 
     @hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:
@@ -92,6 +110,8 @@ class MemoryBackend:
         with self._lock:
             for names in request.object_names:
                 found = [self._objects.pop(name, None) is not None for name in names]
+                for name in names:
+                    self._meta.pop(name, None)
                 removed += any(found)
         return removed
 
@@ -102,6 +122,7 @@ class MemoryBackend:
         with self._lock:
             removed = len(self._objects)
             self._objects.clear()
+            self._meta.clear()
         return removed
 
     @hookimpl

@@ -86,6 +86,16 @@ class Recorder(MemoryBackend):
         return MemoryBackend.kvcore_contains(self, request)
 
     @kvcore.hookimpl
+    def kvcore_describe(self, request):
+        record("kvcore_describe")
+        return MemoryBackend.kvcore_describe(self, request)
+
+    @kvcore.hookimpl
+    def kvcore_names(self):
+        record("kvcore_names")
+        return MemoryBackend.kvcore_names(self)
+
+    @kvcore.hookimpl
     def kvcore_read(self, request):
         record("kvcore_read")
         return MemoryBackend.kvcore_read(self, request)

@@ -87,6 +87,9 @@ class TieredBackend:
             segmented_host=all(c.segmented_host for c in caps),
             # every read is verified: by the tier, or by the digests its facade keeps beside
             checksums=True,
+            # a block's metadata, where the first tier (the one a write acknowledges) keeps it;
+            # the tiers below keep what their copies carry
+            block_meta=caps[0].block_meta,
         )
         self._counters = kvcore.Counters()
         self._peers = PeerChanges(self.tiers, self._counters, config.default_timeout_s)
@@ -223,6 +226,26 @@ class TieredBackend:
                 self._stack_events.pump()
             return done
         return Outcome(0, f"no tier stored the blocks by the deadline ({len(self.tiers)} tiers)")
+
+    @kvcore.hookimpl
+    def kvcore_describe(self, request: BlockRequest) -> list[bytes | None]:
+        """Each block's metadata from the first tier that has it (tiers that keep none, or
+        fail, answer None: the next one is asked for what is still unknown)."""
+        found: list[bytes | None] = [None] * request.num_blocks
+        for tier in self.tiers:
+            missing = [i for i, meta in enumerate(found) if meta is None]
+            if not missing or not tier.capabilities.block_meta:
+                continue
+            lo, hi = missing[0], missing[-1] + 1
+            for i, meta in enumerate(tier.describe(request.slice(lo, hi)), start=lo):
+                if found[i] is None:
+                    found[i] = meta
+        return found
+
+    @kvcore.hookimpl
+    def kvcore_names(self) -> list[str]:
+        """What any tier holds, each name once (tiers that cannot list contribute none)."""
+        return list(dict.fromkeys(name for tier in self.tiers for name in tier.names()))
 
     @kvcore.hookimpl
     def kvcore_admit(self, request: BlockRequest) -> int:
