@@ -39,11 +39,13 @@ class SharedMemory(MemoryBackend):
 
     capabilities = MemoryBackend.capabilities.model_copy(update={"shared": True})
     _store: dict = {}
+    _store_meta: dict = {}  # the blocks' metadata, shared as the objects are
     _store_lock = threading.Lock()
 
     def __init__(self, config, context):
         super().__init__(config, context)
         self._objects = SharedMemory._store
+        self._meta = SharedMemory._store_meta
         self._lock = SharedMemory._store_lock
         self._namespace_prefix = f"{context.namespace}/"
 
@@ -54,6 +56,7 @@ class SharedMemory(MemoryBackend):
             doomed = [n for n in self._objects if n.startswith(self._namespace_prefix)]
             for n in doomed:
                 del self._objects[n]
+                self._meta.pop(n, None)
         return len(doomed)
 
 
