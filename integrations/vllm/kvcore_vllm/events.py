@@ -53,6 +53,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 
+from kvcore import OnceLogger
 from kvcore import events as ev
 from kvcore_vllm.descriptors import BlockDescriber, BlockFacts, decode
 
@@ -322,15 +323,15 @@ class _Pending:
 
 
 class StoreFollower:
-    """The scheduler's own view of the store, published in real time (issue: routers see a
-    shared store as it is).
+    """The scheduler's own view of the store, published in real time.
 
     A thread owned by the connector: every ``interval_s`` it reads what the scheduler's
     backend reports of the store (kv_file reports every process's changes), names the blocks
-    other processes stored from their descriptors (:meth:`kvcore.Backend.describe`, at most
-    ``describe_batch`` per round), and publishes the events through vLLM's own publisher,
-    whether or not the engine steps: an idle engine still tells a router what it can load
-    and what left.
+    other processes stored from their descriptors (:meth:`kvcore.Backend.describe`, in calls
+    of ``describe_batch`` blocks, at most ``describe_per_round`` per round), and publishes the
+    events through vLLM's own publisher, whether or not the engine steps: an idle engine
+    still tells a router what it can load and what left. The first round lists the store
+    (:meth:`attach`): a new engine announces what it finds.
     """
 
     def __init__(
@@ -352,9 +353,6 @@ class StoreFollower:
         self.interval_s = interval_s
         self._batch = describe_batch
         self._per_round = describe_per_round
-        #: what attaching found: blocks listed, and seconds to list and group them
-        self.attached_blocks = 0
-        self.attach_seconds = 0.0
         self._attached = False
         self._sub = backend.events.subscribe()  # first: no change after the listing is missed
         self._blocks = [
@@ -370,6 +368,7 @@ class StoreFollower:
         ]
         self.follows_store = backend.reports_whole_store
         self._stop = threading.Event()
+        self._failures = OnceLogger(log)
         self._thread: threading.Thread | None = None
         if self.follows_store:
             self._thread = threading.Thread(
@@ -382,15 +381,18 @@ class StoreFollower:
     def attach(self) -> None:
         """What the store holds already (listed once, after subscribing): every complete
         block becomes one to describe, announced over the next rounds."""
-        t0 = time.monotonic()
         names = self._backend.names()
         namespace = self._backend.context.namespace
         for lo in range(0, len(names), LISTING_BATCH):
             listed = ev.StoreEvent(0, ev.STORED, namespace, tuple(names[lo : lo + LISTING_BATCH]))
             self._receive([listed])
         self._attached = True
-        self.attached_blocks = self.events.waiting()
-        self.attach_seconds = time.monotonic() - t0
+        log.info(
+            "KVCoreConnector: the store holds %d objects; %d blocks of this engine's scope "
+            "to announce",
+            len(names),
+            self.events.waiting(),
+        )
 
     def _receive(self, store_events: Sequence[ev.StoreEvent]) -> None:
         records = [
@@ -433,7 +435,9 @@ class StoreFollower:
             try:
                 self.round()
             except Exception as exc:  # keep following: a failed round is retried next time
-                log.warning("KVCoreConnector: store events round failed: %r", exc)
+                self._failures.warning(
+                    ("round", type(exc)), "KVCoreConnector: store events round failed: %r", exc
+                )
 
     def close(self) -> None:
         self._stop.set()
