@@ -238,23 +238,11 @@ class Backend:
         if self._contains is None:
             return self._contains_by_queries(request)
         asked = self._digests.with_digests(request) if self._digests is not None else request
-        if self._closed:
-            raise RuntimeError(f"backend {self.name!r} is closed")
-        t0 = time.monotonic()
-        try:
-            with self._serial:
-                result = self._contains(request=asked)
-        except Exception as exc:
-            if self.strict:
-                raise
-            return Presence((False,) * n, *self._raised("contains", exc, request, t0))
-        seconds = time.monotonic() - t0
-        if (
-            not isinstance(result, Sequence)
-            or isinstance(result, str | bytes)
-            or len(result) != n
-            or not all(isinstance(flag, bool) for flag in result)
-        ):
+        contains = self._contains
+        result, seconds, raised = self._ask("contains", lambda: contains(request=asked), request)
+        if raised is not None:
+            return Presence((False,) * n, *raised)
+        if not _per_block(result, n, lambda flag: isinstance(flag, bool)):
             self._invalid("contains", result, f"{n} bools", request, seconds)
             return Presence((False,) * n, "invalid result", FailureKind.INVALID_RESULT)
         found = tuple(result)
@@ -286,24 +274,11 @@ class Backend:
         n = request.num_blocks
         if self._describe is None or n == 0:
             return [None] * n
-        if self._closed:
-            raise RuntimeError(f"backend {self.name!r} is closed")
-        t0 = time.monotonic()
-        try:
-            with self._serial:
-                result = self._describe(request=request)
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._raised("describe", exc, request, t0)
+        hook = self._describe
+        result, seconds, raised = self._ask("describe", lambda: hook(request=request), request)
+        if raised is not None:
             return [None] * n
-        seconds = time.monotonic() - t0
-        if (
-            not isinstance(result, Sequence)
-            or isinstance(result, str | bytes)
-            or len(result) != n
-            or not all(meta is None or isinstance(meta, bytes) for meta in result)
-        ):
+        if not _per_block(result, n, lambda meta: meta is None or isinstance(meta, bytes)):
             self._invalid("describe", result, f"{n} bytes or None", request, seconds)
             return [None] * n
         found = sum(meta is not None for meta in result)
@@ -319,22 +294,14 @@ class Backend:
         """
         if self._names is None:
             return []
-        if self._closed:
-            raise RuntimeError(f"backend {self.name!r} is closed")
-        t0 = time.monotonic()
-        try:
-            with self._serial:
-                result = list(self._names())
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._log_failure("names", exc, None)
-            self.metrics.observe("names", time.monotonic() - t0, calls=1, errors=1)
+        listing = self._names
+        result, seconds, raised = self._ask("names", lambda: list(listing()), None)
+        if raised is not None:
             return []
         if not all(isinstance(name, str) for name in result):
-            self._invalid("names", result[:3], "str names", None, time.monotonic() - t0)
+            self._invalid("names", result[:3], "str names", None, seconds)
             return []
-        self.metrics.observe("names", time.monotonic() - t0, calls=1, blocks_done=len(result))
+        self.metrics.observe("names", seconds, calls=1, blocks_done=len(result))
         return result
 
     def read(self, request: BlockRequest) -> Outcome:
@@ -708,16 +675,35 @@ class Backend:
             self.metrics.add(op, errors=1)
             return None
 
+    def _ask(
+        self, op: str, call: Callable[[], Any], request: BlockRequest | None
+    ) -> tuple[Any, float, tuple[str, FailureKind] | None]:
+        """Call a hook that answers rather than counts (contains, describe, names) as every
+        hook is called: refused once closed, serialised where the backend is not concurrent,
+        an exception logged once and counted (strict mode raises it). Returns the answer, the
+        seconds it took, and the failure and kind when it raised (else None)."""
+        if self._closed:
+            raise RuntimeError(f"backend {self.name!r} is closed")
+        t0 = time.monotonic()
+        try:
+            with self._serial:
+                result = call()
+        except Exception as exc:
+            if self.strict:
+                raise
+            return None, 0.0, self._raised(op, exc, request, t0)
+        return result, time.monotonic() - t0, None
+
     def _raised(
-        self, op: str, exc: Exception, request: BlockRequest, t0: float
+        self, op: str, exc: Exception, request: BlockRequest | None, t0: float
     ) -> tuple[str, FailureKind]:
         """A hook call started at ``t0`` raised ``exc`` (not in strict mode): logged once,
         counted; its failure and kind (``deadline`` when it ended at or past the deadline)."""
         t1 = time.monotonic()
-        n = request.num_blocks
+        n = 0 if request is None else request.num_blocks
         self._log_failure(op, exc, request)
         self.metrics.observe(op, t1 - t0, calls=1, errors=1, blocks=n)
-        late = t1 >= request.deadline and n > 0
+        late = request is not None and t1 >= request.deadline and n > 0
         return describe(exc), FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
 
     def _invalid(
@@ -792,6 +778,16 @@ def _kind_of(result: object) -> FailureKind:
         return FailureKind(getattr(result, "kind", None) or FailureKind.BACKEND_ERROR)
     except ValueError:
         return FailureKind.BACKEND_ERROR
+
+
+def _per_block(result: object, n: int, valid: Callable[[Any], bool]) -> bool:
+    """Whether ``result`` is one valid answer per block of an ``n``-block request."""
+    return (
+        isinstance(result, Sequence)
+        and not isinstance(result, str | bytes)
+        and len(result) == n
+        and all(valid(item) for item in result)
+    )
 
 
 def _is_count(value: object) -> bool:

@@ -261,3 +261,40 @@ def test_a_failing_or_malformed_contains_is_a_counted_failure(answer, caplog):
         strict.contains(strict.request("c", ["a", "b"]))
     strict.close()
     backend.close()
+
+
+class _BadDescribe(MemoryBackend):
+    answer = "raise"
+
+    @hookimpl
+    def kvcore_describe(self, request):
+        if self.answer == "raise":
+            raise ConnectionError("store unreachable")
+        return ["text"] * request.num_blocks  # str, not bytes
+
+    @hookimpl
+    def kvcore_names(self):
+        if self.answer == "raise":
+            raise ConnectionError("store unreachable")
+        return [b"bytes", 3]  # not names
+
+
+@pytest.mark.parametrize("answer", ["raise", "strs"])
+def test_a_failing_or_malformed_describe_or_listing_answers_nothing_and_counts(answer):
+    """A block's metadata is None and a listing empty when the hook fails or breaks the
+    contract, counted like any other failure; strict mode raises."""
+    _BadDescribe.answer = answer
+    backend = kvcore.open_backend(_BadDescribe, context={"layout": LAYOUT}, verify_blocks="never")
+    assert backend.describe(backend.request("d", ["a", "b"])) == [None, None]
+    assert backend.names() == []
+    kind = "errors" if answer == "raise" else "invalid_results"
+    stats = backend.stats()
+    assert stats[f"{kind}.describe"] == 1 and stats[f"{kind}.names"] == 1
+    strict = kvcore.open_backend(
+        _BadDescribe, context={"layout": LAYOUT}, verify_blocks="never", strict=True
+    )
+    for call in (lambda: strict.describe(strict.request("d", ["a"])), strict.names):
+        with pytest.raises((ConnectionError, BackendContractError)):
+            call()
+    strict.close()
+    backend.close()

@@ -170,7 +170,6 @@ class SchedulerEvents:
     ) -> None:
         self.describer = describer
         self.world_size = world_size
-        self.block_size = describer.block_size
         self.max_known = max_known_blocks
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # asked to save, not all ranks
