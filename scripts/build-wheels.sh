@@ -57,7 +57,7 @@ shutil.copytree(".", sys.argv[1], ignore=skip, symlinks=True)
 PY
 
 packages=(. plugins/kv_file plugins/kv_mooncake plugins/kv_attentionstore plugins/kv_tiered
-          integrations/vllm integrations/sglang integrations/fastdeploy)
+          integrations/vllm integrations/sglang integrations/fastdeploy integrations/lmcache)
 for package in "${packages[@]}"; do
   # --no-isolation: the build tools of ./.venv (setuptools>=77, wheel), no download per package
   "$py" -m build --no-isolation --wheel --sdist --outdir "$raw" "$src/$package" \

@@ -14,7 +14,7 @@ echo "== rules: layers (import-linter)"
 # this checkout's sources, whatever the venv's editable installs point at; the adapters are not
 # installed in this venv at all (each has its own)
 plugins="plugins/kv_file:plugins/kv_mooncake:plugins/kv_attentionstore:plugins/kv_tiered"
-adapters="integrations/vllm:integrations/sglang:integrations/fastdeploy"
+adapters="integrations/vllm:integrations/sglang:integrations/fastdeploy:integrations/lmcache"
 PYTHONPATH="$plugins:$adapters" "$py/lint-imports" --no-cache
 
 echo "== rules: no private names across packages (ruff PLC2701)"

@@ -117,13 +117,14 @@ def test_the_core_wheel_is_manylinux_with_the_swap_ops_and_no_tests(dist: Path) 
             "kvcore_attentionstore",
             "kvcore_fastdeploy",
             "kvcore_file",
+            "kvcore_lmcache",
             "kvcore_mooncake",
             "kvcore_sglang",
             "kvcore_tiered",
             "kvcore_vllm",
         ]
     )
-    assert len(list(dist.glob("*.tar.gz"))) == 8
+    assert len(list(dist.glob("*.tar.gz"))) == 9
     for wheel in dist.glob("*.whl"):  # every package says it is typed
         package = wheel.name.split("-")[0].replace("kvcore_", "kv_")
         typed = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith("/py.typed")]

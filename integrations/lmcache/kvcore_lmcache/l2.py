@@ -1,0 +1,644 @@
+"""``KVCoreL2Adapter``: LMCache's L2 storage (multiprocess server) served by any kvcore backend.
+
+LMCache builds it from ``lmcache server --l2-adapter`` with its ``plugin`` type::
+
+    {"type": "plugin", "module_path": "kvcore_lmcache.l2", "class_name": "KVCoreL2Adapter",
+     "adapter_params": {"backend": "file", "backend_config": {"root": "/nvme/kvcore"}}}
+
+and calls it from its store and prefetch controller threads. Every call returns at once: the
+work runs on the adapter's own threads, and each task's end is signalled on the event fd of
+its kind. A backend failure, a closed backend or an object that fails verification is a miss
+(a cleared bit, a failed store task), counted in :meth:`KVCoreL2Adapter.report_status` and
+logged once per kind, never an exception into LMCache's controllers. Only construction raises
+(bad settings, an unknown backend: LMCache's server then fails to start, naming the key).
+
+What LMCache expects of a store, and what this adapter does (docs/lmcache.md has the rest):
+
+- **lookup and lock**: kvcore has no pin. A key found by a lookup is locked here until
+  LMCache unlocks it: LMCache's own deletes (its eviction) of a locked key wait for the
+  unlock. The backend may still evict it by itself (kv_file's capacity bound); the load is
+  then a miss (a cleared bit), which LMCache treats as a miss and recomputes.
+- **layout**: every object is stored with its layout (byte size, memory format, shapes,
+  dtypes) as block metadata, and a load whose buffer has another layout is a miss: LMCache's
+  key has no dtype, so fp16 and bf16 KV of one model are told apart here.
+- **usage after a restart**: the store is listed at start and what it holds is reported to
+  LMCache (its usage and eviction order start from the store, not from zero).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import (
+    EncodedObjectKey,
+    KeyEntry,
+    KeyListPage,
+    MemoryLayoutDesc,
+    ObjectKey,
+)
+from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2AdapterListener, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform import create_event_notifier
+
+import kvcore
+from kvcore.keys import ObjectName
+from kvcore.registry import load_backend_class
+from kvcore_lmcache.keys import block_key, describe_layout, key_fields, slice_of
+from kvcore_lmcache.settings import AdapterSettings
+
+__all__ = ["PART", "KVCoreL2Adapter", "KVCoreL2AdapterConfig"]
+
+log = logging.getLogger("kvcore_lmcache")
+
+#: The one part each LMCache object is stored as (LMCache's object is already a whole chunk).
+PART = "obj"
+#: Blocks described per backend call while the store's usage is seeded at start.
+SEED_BATCH = 10_000
+
+T = TypeVar("T")
+
+
+class KVCoreL2AdapterConfig(L2AdapterConfigBase):
+    """LMCache's config object for the adapter (found by its plugin loader by the
+    ``<class_name>Config`` convention): ``adapter_params`` validated as
+    :class:`kvcore_lmcache.settings.AdapterSettings`."""
+
+    def __init__(self, settings: AdapterSettings) -> None:
+        self.settings = settings
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVCoreL2AdapterConfig:
+        return cls(AdapterSettings.from_params(d, "lmcache l2 adapter_params for kvcore"))
+
+    @classmethod
+    def help(cls) -> str:
+        fields = AdapterSettings.model_fields
+        lines = [f"- {name}: {field.description}" for name, field in fields.items()]
+        return "kvcore L2 adapter (adapter_params):\n" + "\n".join(lines)
+
+
+class _Batch:
+    """The keys of one task with their kvcore identities, grouped into runs one backend call
+    can take (same object size and rank)."""
+
+    def __init__(self, keys: Sequence[ObjectKey], sizes: Sequence[int] | None) -> None:
+        self.keys = list(keys)
+        self.block_keys = [block_key(k) for k in keys]
+        runs: dict[tuple[int, int, int], list[int]] = {}
+        for i, key in enumerate(keys):
+            size = sizes[i] if sizes is not None else 0
+            runs.setdefault((size, *slice_of(key.kv_rank)), []).append(i)
+        #: ((object bytes, rank, world size), indices into keys)
+        self.runs = list(runs.items())
+
+
+class KVCoreL2Adapter(L2AdapterInterface):
+    """LMCache's ``L2AdapterInterface`` over the kvcore backend named in ``adapter_params``.
+
+    :param config: a :class:`KVCoreL2AdapterConfig`, or the raw ``adapter_params`` dict.
+    :param l1_memory_desc: LMCache's L1 arena (registered with backends that take buffer
+        registrations, for zero-copy transports).
+    """
+
+    config_class_name = "KVCoreL2AdapterConfig"
+
+    def __init__(
+        self,
+        config: KVCoreL2AdapterConfig | dict[str, Any] | None = None,
+        l1_memory_desc: L1MemoryDesc | None = None,
+    ) -> None:
+        if not isinstance(config, KVCoreL2AdapterConfig):
+            config = KVCoreL2AdapterConfig.from_dict(config or {})
+        settings = config.settings
+        super().__init__(max_capacity_bytes=settings.max_capacity_bytes)
+        self.settings = settings
+        load_backend_class(settings.backend)  # an unknown backend fails the start, by name
+        kvcore.check_backend_config(settings.backend, settings.backend_config)
+        self._l1 = l1_memory_desc
+        self._counters = kvcore.Counters()
+        self._failures = kvcore.OnceLogger(log)
+        self._handle = kvcore.BackendHandle(
+            settings.backend,
+            settings.backend_config,
+            context={"namespace": settings.namespace, "layout": None},
+            requires={"io": "host", "addressing": "key"},
+            retry_s=settings.reopen_interval_s,
+            on_open=self._on_open,
+        )
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._task_ids = itertools.count()
+        self._stored: dict[L2TaskId, L2StoreResult] = {}
+        self._looked_up: dict[L2TaskId, Bitmap] = {}
+        self._loaded: dict[L2TaskId, Bitmap] = {}
+        #: bytes of each key this adapter knows to be stored (its accounting)
+        self._sizes: dict[ObjectKey, int] = {}
+        #: lookup locks: key -> count, and the deletes waiting for a key's last unlock
+        self._locks: dict[ObjectKey, int] = {}
+        self._deferred_deletes: set[ObjectKey] = set()
+        self._seeded: list[tuple[list[ObjectKey], list[int]]] = []
+        self._followers: list[tuple[Any, threading.Thread]] = []
+        self._closed = False
+        self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvcore-lmcache")
+        self._handle.get()  # now if it can (a store that is not up: logged, tried again later)
+        self._seeder: threading.Thread | None = None
+        if settings.seed_usage:
+            self._seeder = threading.Thread(
+                target=self._seed_usage, name="kvcore-lmcache-seed", daemon=True
+            )
+            self._seeder.start()
+
+    # -- the backend -----------------------------------------------------------------------
+
+    def _on_open(self, backend: kvcore.Backend) -> None:
+        if self._l1 is not None and self._l1.size:
+            backend.register_buffer(self._l1.ptr, self._l1.size)
+        # what the store does by itself (evictions) or others do to it (a shared store), told
+        # to LMCache as its listeners' stored/deleted keys
+        subscription = backend.events.subscribe()
+        thread = threading.Thread(
+            target=self._follow, args=(subscription,), name="kvcore-lmcache-events", daemon=True
+        )
+        self._followers.append((subscription, thread))
+        thread.start()
+        if self.settings.verify_layout and not backend.capabilities.block_meta:
+            log.warning(
+                "kvcore L2 adapter: backend %r keeps no block metadata, so an object's layout "
+                "(dtype) is not checked at load; only its byte size is (docs/lmcache.md)",
+                self.settings.backend,
+            )
+
+    @property
+    def backend(self) -> kvcore.Backend | None:
+        """The kvcore backend if it is open now (never opens it): its stats, events, tools."""
+        return None if self._closed else self._handle.opened
+
+    def _backend(self) -> kvcore.Backend | None:
+        return None if self._closed else self._handle.get()
+
+    def _checks_layout(self, backend: kvcore.Backend) -> bool:
+        return self.settings.verify_layout and backend.capabilities.block_meta
+
+    def _request(
+        self,
+        backend: kvcore.Backend,
+        batch: _Batch,
+        run: tuple[tuple[int, int, int], list[int]],
+        objects: Sequence[MemoryObj] | None = None,
+        meta: Sequence[bytes] | None = None,
+    ) -> kvcore.BlockRequest:
+        (size, rank, world), indices = run
+        host = None
+        if objects is not None:
+            host = kvcore.HostBuffers(
+                ptrs=tuple((objects[i].data_ptr,) for i in indices), nbytes=(size,)
+            )
+        return backend.request(
+            f"lmcache-{next(self._task_ids)}",
+            [batch.block_keys[i] for i in indices],
+            timeout_s=self.settings.timeout_s,
+            host=host,
+            parts=(PART,),
+            part_bytes=(size,) if objects is not None else None,
+            rank=rank,
+            world_size=world,
+            block_meta=meta,
+        )
+
+    # -- event fds -------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    # -- tasks -----------------------------------------------------------------------------
+
+    def _guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
+        """``fn()``, or ``default`` when it raises (logged once per kind, counted)."""
+        try:
+            return fn()
+        except Exception as exc:
+            self._counters.add(f"{op}_errors")
+            self._failures.warning(
+                (op, type(exc).__name__),
+                "kvcore L2 adapter: %s failed (%s: %s); answered as a miss",
+                op,
+                type(exc).__name__,
+                exc,
+            )
+            log.debug("%s failed", op, exc_info=True)
+            return default
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        if len(keys) != len(objects):
+            raise ValueError(f"store task: {len(keys)} keys for {len(objects)} objects")
+        with self._lock:
+            task_id = next(self._task_ids)
+
+        def work() -> None:
+            result = self._guard(
+                "store", L2StoreResult(False, 0), lambda: self._store(keys, objects)
+            )
+            with self._lock:
+                self._stored[task_id] = result
+            self._store_efd.notify()
+
+        self._pool.submit(work)
+        return task_id
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._stored = self._stored, {}
+        return done
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        with self._lock:
+            task_id = next(self._task_ids)
+
+        def work() -> None:
+            found = self._guard("lookup", Bitmap(len(keys)), lambda: self._lookup(keys))
+            with self._lock:
+                self._looked_up[task_id] = found
+            self._lookup_efd.notify()
+
+        self._pool.submit(work)
+        return task_id
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._looked_up.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        released = []
+        with self._lock:
+            for key in keys:
+                count = self._locks.get(key, 0)
+                if count <= 1:
+                    self._locks.pop(key, None)
+                    if key in self._deferred_deletes:
+                        self._deferred_deletes.discard(key)
+                        released.append(key)
+                else:
+                    self._locks[key] = count - 1
+        if released:
+            self._pool.submit(lambda: self._guard("delete", None, lambda: self._remove(released)))
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        if len(keys) != len(objects):
+            raise ValueError(f"load task: {len(keys)} keys for {len(objects)} objects")
+        with self._lock:
+            task_id = next(self._task_ids)
+
+        def work() -> None:
+            loaded = self._guard("load", Bitmap(len(keys)), lambda: self._load(keys, objects))
+            with self._lock:
+                self._loaded[task_id] = loaded
+            self._load_efd.notify()
+
+        self._pool.submit(work)
+        return task_id
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._loaded.pop(task_id, None)
+
+    # -- the work, on the adapter's threads ------------------------------------------------
+
+    def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
+        backend = self._backend()
+        if backend is None:
+            self._counters.add("store_unavailable", len(keys))
+            return L2StoreResult(False, 0)
+        sizes = [obj.get_size() for obj in objects]
+        batch = _Batch(keys, sizes)
+        meta = [_layout(obj) for obj in objects] if self._checks_layout(backend) else None
+        stored: list[int] = []
+        for run in batch.runs:
+            indices = run[1]
+            run_meta = None if meta is None else [meta[i] for i in indices]
+            request = self._request(backend, batch, run, objects, run_meta)
+            done = _each(request, backend.write)
+            stored.extend(i for i, ok in zip(indices, done, strict=True) if ok)
+        stored.sort()
+        written = sum(sizes[i] for i in stored)
+        self._counters.add("store_blocks", len(keys))
+        self._counters.add("store_blocks_done", len(stored))
+        self._account_stored([keys[i] for i in stored], [sizes[i] for i in stored])
+        return L2StoreResult(len(stored) == len(keys), written)
+
+    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+        found = Bitmap(len(keys))
+        backend = self._backend()
+        if backend is None or not keys:
+            self._counters.add("lookup_unavailable", len(keys))
+            return found
+        batch = _Batch(keys, None)
+        hits = []
+        for run in batch.runs:
+            presence = backend.contains(self._request(backend, batch, run))
+            hits.extend(i for i, ok in zip(run[1], presence.found, strict=True) if ok)
+        with self._lock:
+            for i in hits:
+                found.set(i)
+                self._locks[keys[i]] = self._locks.get(keys[i], 0) + 1
+        self._counters.add("lookup_blocks", len(keys))
+        self._counters.add("lookup_blocks_found", len(hits))
+        return found
+
+    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
+        loaded = Bitmap(len(keys))
+        backend = self._backend()
+        if backend is None or not keys:
+            self._counters.add("load_unavailable", len(keys))
+            return loaded
+        batch = _Batch(keys, [obj.get_size() for obj in objects])
+        checks = self._checks_layout(backend)
+        hits: list[int] = []
+        for run in batch.runs:
+            request = self._request(backend, batch, run, objects)
+            done = _each(request, backend.read)
+            if checks and any(done):
+                described = backend.describe(request)
+                for j, i in enumerate(run[1]):
+                    if done[j] and described[j] != _layout(objects[i]):
+                        done[j] = False
+                        self._counters.add("load_layout_mismatches")
+            hits.extend(i for i, ok in zip(run[1], done, strict=True) if ok)
+        for i in hits:
+            loaded.set(i)
+        self._counters.add("load_blocks", len(keys))
+        self._counters.add("load_blocks_done", len(hits))
+        if hits:
+            self._notify_keys_accessed([keys[i] for i in sorted(hits)])
+        return loaded
+
+    def _remove(self, keys: list[ObjectKey]) -> None:
+        backend = self._backend()
+        if backend is None or not keys:
+            return
+        batch = _Batch(keys, None)
+        for run in batch.runs:
+            backend.remove(self._request(backend, batch, run))
+        with self._lock:
+            gone = [(k, self._sizes.pop(k)) for k in keys if k in self._sizes]
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+
+    def _follow(self, subscription: Any) -> None:
+        """Tell LMCache what the store's event stream reports beyond this adapter's own
+        calls: objects the backend evicted or removed (its capacity bound, another server's
+        delete) and objects another server stored in a shared store."""
+        while not subscription.closed:
+            event = subscription.get(timeout=1.0)
+            if event is None:
+                continue
+            self._guard("events", None, lambda event=event: self._apply(event))
+
+    def _apply(self, event: Any) -> None:
+        if event.kind == "cleared" or event.kind == "resync":
+            return  # the next start's listing tells the whole store again
+        keys: list[ObjectKey] = []
+        sizes: list[int] = []
+        for ident, size in zip(event.objects, event.sizes or [0] * len(event.objects), strict=True):
+            if ident is None or ident.namespace != self.settings.namespace or ident.part != PART:
+                continue
+            key = _object_key(ident.block_key)
+            if key is not None:
+                keys.append(key)
+                sizes.append(size)
+        if not keys:
+            return
+        if event.kind in ("removed", "evicted"):
+            with self._lock:
+                gone = [(k, self._sizes.pop(k)) for k in keys if k in self._sizes]
+            if gone:
+                self._counters.add(f"{event.kind}_by_store", len(gone))
+                self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+        elif event.kind == "stored" and event.origin == "peer":
+            self._account_stored(keys, sizes)
+
+    def _account_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        """Report newly stored keys to LMCache (a key stored again is not counted twice)."""
+        new_keys, new_sizes = [], []
+        with self._lock:
+            for key, size in zip(keys, sizes, strict=True):
+                if key not in self._sizes:
+                    new_keys.append(key)
+                    new_sizes.append(size)
+                self._sizes[key] = size
+        if new_keys:
+            self._notify_keys_stored(new_keys, new_sizes)
+
+    # -- eviction, listing, usage ----------------------------------------------------------
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Remove ``keys`` (LMCache's eviction); a key locked by a lookup is removed at its
+        last unlock."""
+        now = []
+        with self._lock:
+            for key in keys:
+                if self._locks.get(key):
+                    self._deferred_deletes.add(key)
+                else:
+                    now.append(key)
+        self._guard("delete", None, lambda: self._remove(now))
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
+        """The store's keys (every server's, for a shared store), sorted by their kvcore key;
+        ``cursor`` is the last key of the previous page."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        listed = sorted(self._listed_keys(), key=lambda pair: pair[0])
+        if model_name is not None:
+            listed = [(bk, k) for bk, k in listed if k.model_name == model_name]
+        if cursor is not None:
+            if key_fields(cursor) is None:
+                raise ValueError(f"cursor {cursor!r} is not a key this adapter listed")
+            listed = [(bk, k) for bk, k in listed if bk > cursor]
+        page = listed[:page_size]
+        sizes = self._sizes_of([k for _, k in page])
+        entries = tuple(
+            KeyEntry(key=_encoded(k), size_bytes=size)
+            for (_, k), size in zip(page, sizes, strict=True)
+        )
+        more = len(listed) > page_size
+        return KeyListPage(entries=entries, next_page_token=page[-1][0] if more else None)
+
+    def _listed_keys(self) -> list[tuple[str, ObjectKey]]:
+        backend = self._backend()
+        if backend is None:
+            return []
+        out = []
+        namespace = self.settings.namespace
+        for name in backend.names():
+            ident = ObjectName.parse(name)
+            if ident is None or ident.namespace != namespace or ident.part != PART:
+                continue
+            key = _object_key(ident.block_key)
+            if key is not None:
+                out.append((ident.block_key, key))
+        return out
+
+    def _sizes_of(self, keys: list[ObjectKey]) -> list[int]:
+        """Each key's bytes: as accounted, else from its stored layout (0 if unknown)."""
+        with self._lock:
+            sizes = [self._sizes.get(k, -1) for k in keys]
+        unknown = [i for i, s in enumerate(sizes) if s < 0]
+        backend = self._backend()
+        if unknown and backend is not None:
+            batch = _Batch([keys[i] for i in unknown], None)
+            for run in batch.runs:
+                described = backend.describe(self._request(backend, batch, run))
+                for j, meta in zip(run[1], described, strict=True):
+                    sizes[unknown[j]] = _layout_size(meta)
+        return [max(s, 0) for s in sizes]
+
+    def _seed_usage(self) -> None:
+        """Report what the store holds at start, as stored keys (LMCache's usage and eviction
+        order then start from the store). Listeners registered later get it replayed."""
+
+        def seed() -> None:
+            listed = [k for _, k in self._listed_keys()]
+            for lo in range(0, len(listed), SEED_BATCH):
+                keys = listed[lo : lo + SEED_BATCH]
+                sizes = self._sizes_of(keys)
+                with self._lock:
+                    fresh = [
+                        (k, s) for k, s in zip(keys, sizes, strict=True) if k not in self._sizes
+                    ]
+                    for k, s in fresh:
+                        self._sizes[k] = s
+                    if fresh:
+                        self._seeded.append(([k for k, _ in fresh], [s for _, s in fresh]))
+                if fresh:
+                    self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+            self._counters.add("seeded_keys", len(listed))
+            if listed:
+                log.info("kvcore L2 adapter: the store holds %d objects at start", len(listed))
+
+        self._guard("seed", None, seed)
+
+    def register_listener(self, listener: L2AdapterListener) -> None:
+        """Add ``listener``, telling it what the store held at start (already reported to
+        the listeners before it)."""
+        with self._lock:
+            super().register_listener(listener)
+            seeded = list(self._seeded)
+        for keys, sizes in seeded:
+            listener.on_l2_keys_stored(keys, sizes)
+
+    def wait_seeded(self, timeout: float | None = None) -> bool:
+        """Wait for the start-up listing to be reported (tests, tools); True once it is."""
+        if self._seeder is None:
+            return True
+        self._seeder.join(timeout)
+        return not self._seeder.is_alive()
+
+    # -- status and close ------------------------------------------------------------------
+
+    def report_status(self) -> dict[str, Any]:
+        backend = self._handle.opened
+        status: dict[str, Any] = {
+            "is_healthy": backend is not None and not self._closed,
+            "type": "KVCoreL2Adapter",
+            "backend": self.settings.backend,
+            "namespace": self.settings.namespace,
+            "open_failures": self._handle.open_failures,
+            **self._counters.snapshot(),
+        }
+        if backend is not None and not self._closed:
+            status.update({f"kvcore_{k}": v for k, v in backend.stats().items()})
+        return status
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._pool.shutdown(wait=True)  # tasks in flight, deferred deletes, end first
+        self._closed = True
+        for subscription, thread in self._followers:
+            subscription.close()
+            thread.join(5)
+        backend = self._handle.opened
+        if backend is not None and self._l1 is not None and self._l1.size:
+            backend.unregister_buffer(self._l1.ptr)
+        self._handle.close()
+        self._store_efd.close()
+        self._lookup_efd.close()
+        self._load_efd.close()
+
+
+def _each(
+    request: kvcore.BlockRequest, call: Callable[[kvcore.BlockRequest], kvcore.Outcome]
+) -> list[bool]:
+    """Which blocks ``call`` (a leading-run read or write) did, each on its own: after a
+    short count the block it stopped at is skipped and the call goes on from the next one,
+    until the request's deadline has passed."""
+    n = request.num_blocks
+    done: list[bool] = []
+    while len(done) < n:
+        lo = len(done)
+        host = None if request.host is None else request.host.slice(lo, n)
+        got = call(request.slice(lo, n, host=host))
+        done.extend([True] * int(got))
+        if len(done) < n:
+            done.append(False)
+            if got.kind == kvcore.FailureKind.DEADLINE:
+                done.extend([False] * (n - len(done)))
+    return done
+
+
+def _layout(obj: MemoryObj) -> bytes:
+    meta = obj.metadata
+    # objects of one group carry shapes/dtypes; single-tensor objects only shape/dtype
+    shapes = meta.shapes if meta.shapes is not None else [meta.shape]
+    dtypes = meta.dtypes if meta.dtypes is not None else [meta.dtype]
+    return describe_layout(obj.get_size(), meta.fmt, shapes, dtypes)
+
+
+def _layout_size(meta: bytes | None) -> int:
+    if meta is None:
+        return -1
+    fields = meta.split(b" ")
+    try:
+        return int(fields[1]) if fields[0] == b"lmcache1" else -1
+    except (IndexError, ValueError):
+        return -1
+
+
+def _object_key(text: str) -> ObjectKey | None:
+    fields = key_fields(text)
+    if fields is None:
+        return None
+    try:
+        return ObjectKey(
+            chunk_hash=fields.chunk_hash,
+            model_name=fields.model_name,
+            kv_rank=fields.kv_rank,
+            object_group_id=fields.object_group_id,
+            cache_salt=fields.cache_salt,
+        )
+    except ValueError:  # fields LMCache's ObjectKey refuses: not an object it stored
+        return None
+
+
+def _encoded(key: ObjectKey) -> EncodedObjectKey:
+    return key.to_encoded_object_key()

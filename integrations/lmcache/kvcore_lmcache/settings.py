@@ -1,0 +1,90 @@
+"""What the adapter reads from LMCache's ``adapter_params`` (MP mode) or ``extra_config``
+(the in-process plugin), validated strictly: a typo such as ``backend_confg`` is an error
+naming the key, never a silently ignored setting.
+
+Importing this module imports neither LMCache nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvcore.schemas import interval_field, timeout_field
+
+__all__ = ["AdapterSettings", "settings_error"]
+
+
+class AdapterSettings(BaseModel):
+    """The kvcore side of an LMCache storage adapter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(
+        default="file",
+        min_length=1,
+        description="kvcore backend name (an entry point of kvcore.backends: file, mooncake, "
+        "tiered, memory, ...)",
+    )
+    backend_config: dict[str, Any] | str | None = Field(
+        default=None,
+        description="the backend's own config: an object, or a JSON string or file path",
+    )
+    namespace: str = Field(
+        default="lmcache",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        description="leading part of every object's name: servers that should share objects "
+        "use the same one (LMCache's key fields follow it)",
+    )
+    io_threads: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="threads running the adapter's store, lookup and load tasks (LMCache's "
+        "calls never block on I/O)",
+    )
+    timeout_s: float | None = timeout_field(
+        None, "deadline of each backend call (default: the backend's default_timeout_s)"
+    )
+    max_capacity_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="capacity LMCache's eviction policies see (0: unbounded, LMCache does not "
+        "evict; the backend's own capacity still applies)",
+    )
+    verify_layout: bool = Field(
+        default=True,
+        description="store each object's layout (size, format, shapes, dtypes) with it and "
+        "check it against the load buffer: same-size KV of another dtype is never loaded "
+        "(backends that keep no block metadata: see docs/lmcache.md)",
+    )
+    seed_usage: bool = Field(
+        default=True,
+        description="at start, list the store and report what it holds to LMCache (usage, "
+        "eviction order): a restarted server does not start from zero",
+    )
+    reopen_interval_s: float = interval_field(
+        30.0,
+        "a backend that cannot be opened (a Mooncake master not up yet) does not stop LMCache: "
+        "every call is a miss until it opens, tried again after this long (0: never)",
+    )
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None, where: str) -> AdapterSettings:
+        """Validated settings; :raises ValueError: naming ``where`` and each bad key."""
+        try:
+            return cls.model_validate(params or {})
+        except ValidationError as exc:
+            raise ValueError(settings_error(exc, where)) from None
+
+
+def settings_error(exc: ValidationError, where: str) -> str:
+    """One line per bad key: ``where: key: what is wrong``."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "(settings)"
+        lines.append(f"{where}: {key}: {err['msg']}")
+    return "; ".join(lines)
