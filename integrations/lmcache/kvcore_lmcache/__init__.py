@@ -7,8 +7,10 @@ Multiprocess mode (``lmcache server``)::
                    "adapter_params": {"backend": "file",
                                       "backend_config": {"root": "/nvme/kvcore"}}}'
 
-``kvcore_lmcache.l2`` imports LMCache (and torch); this package and
-``kvcore_lmcache.settings`` do not.
+In-process LMCache: ``kvcore_lmcache.plugin.KVCoreStoragePlugin`` as a storage plugin.
+
+``kvcore_lmcache.l2`` and ``kvcore_lmcache.plugin`` import LMCache (and torch); this package,
+``settings``, ``keys``, ``layouts`` and ``store`` do not.
 """
 
 from __future__ import annotations

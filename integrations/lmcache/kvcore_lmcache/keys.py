@@ -18,7 +18,7 @@ Importing this module imports neither LMCache nor torch: keys are duck-typed.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 from urllib.parse import quote, unquote
 
 __all__ = ["KeyFields", "LMCacheKey", "block_key", "key_fields", "slice_of"]
@@ -87,13 +87,3 @@ def slice_of(kv_rank: int) -> tuple[int, int]:
     if world >= 1 and rank < world:
         return rank, world
     return 0, 1
-
-
-def describe_layout(size: int, fmt: Any, shapes: Any, dtypes: Any) -> bytes:
-    """The layout an object is stored with (its block metadata): byte size, LMCache memory
-    format, shapes and dtypes, as compact text. Two objects whose bytes mean different things
-    (fp16 and bf16 of the same shape) differ here."""
-    fmt_name = getattr(fmt, "name", str(fmt))
-    shape_text = ";".join("x".join(str(int(d)) for d in shape) for shape in shapes)
-    dtype_text = ";".join(str(d).removeprefix("torch.") for d in dtypes)
-    return f"lmcache1 {size} {fmt_name} {shape_text} {dtype_text}".encode()

@@ -50,9 +50,10 @@ from lmcache.v1.platform import create_event_notifier
 
 import kvcore
 from kvcore.keys import ObjectName
-from kvcore.registry import load_backend_class
-from kvcore_lmcache.keys import block_key, describe_layout, key_fields, slice_of
+from kvcore_lmcache.keys import block_key, key_fields, slice_of
+from kvcore_lmcache.layouts import layout_of, parse_layout
 from kvcore_lmcache.settings import AdapterSettings
+from kvcore_lmcache.store import Store, each_block
 
 __all__ = ["PART", "KVCoreL2Adapter", "KVCoreL2AdapterConfig"]
 
@@ -120,19 +121,10 @@ class KVCoreL2Adapter(L2AdapterInterface):
         settings = config.settings
         super().__init__(max_capacity_bytes=settings.max_capacity_bytes)
         self.settings = settings
-        load_backend_class(settings.backend)  # an unknown backend fails the start, by name
-        kvcore.check_backend_config(settings.backend, settings.backend_config)
         self._l1 = l1_memory_desc
-        self._counters = kvcore.Counters()
-        self._failures = kvcore.OnceLogger(log)
-        self._handle = kvcore.BackendHandle(
-            settings.backend,
-            settings.backend_config,
-            context={"namespace": settings.namespace, "layout": None},
-            requires={"io": "host", "addressing": "key"},
-            retry_s=settings.reopen_interval_s,
-            on_open=self._on_open,
-        )
+        self._followers: list[tuple[Any, threading.Thread]] = []
+        self._kv = Store(settings, on_open=self._on_open)
+        self._counters = self._kv.counters
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -147,10 +139,8 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self._locks: dict[ObjectKey, int] = {}
         self._deferred_deletes: set[ObjectKey] = set()
         self._seeded: list[tuple[list[ObjectKey], list[int]]] = []
-        self._followers: list[tuple[Any, threading.Thread]] = []
-        self._closed = False
         self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvcore-lmcache")
-        self._handle.get()  # now if it can (a store that is not up: logged, tried again later)
+        self._kv.backend()  # now if it can (a store that is not up: logged, tried again)
         self._seeder: threading.Thread | None = None
         if settings.seed_usage:
             self._seeder = threading.Thread(
@@ -181,13 +171,13 @@ class KVCoreL2Adapter(L2AdapterInterface):
     @property
     def backend(self) -> kvcore.Backend | None:
         """The kvcore backend if it is open now (never opens it): its stats, events, tools."""
-        return None if self._closed else self._handle.opened
+        return self._kv.opened
 
     def _backend(self) -> kvcore.Backend | None:
-        return None if self._closed else self._handle.get()
+        return self._kv.backend()
 
     def _checks_layout(self, backend: kvcore.Backend) -> bool:
-        return self.settings.verify_layout and backend.capabilities.block_meta
+        return self._kv.checks_layout(backend)
 
     def _request(
         self,
@@ -229,20 +219,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
     # -- tasks -----------------------------------------------------------------------------
 
     def _guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
-        """``fn()``, or ``default`` when it raises (logged once per kind, counted)."""
-        try:
-            return fn()
-        except Exception as exc:
-            self._counters.add(f"{op}_errors")
-            self._failures.warning(
-                (op, type(exc).__name__),
-                "kvcore L2 adapter: %s failed (%s: %s); answered as a miss",
-                op,
-                type(exc).__name__,
-                exc,
-            )
-            log.debug("%s failed", op, exc_info=True)
-            return default
+        return self._kv.guard(op, default, fn)
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
@@ -328,13 +305,13 @@ class KVCoreL2Adapter(L2AdapterInterface):
             return L2StoreResult(False, 0)
         sizes = [obj.get_size() for obj in objects]
         batch = _Batch(keys, sizes)
-        meta = [_layout(obj) for obj in objects] if self._checks_layout(backend) else None
+        meta = [layout_of(obj) for obj in objects] if self._checks_layout(backend) else None
         stored: list[int] = []
         for run in batch.runs:
             indices = run[1]
             run_meta = None if meta is None else [meta[i] for i in indices]
             request = self._request(backend, batch, run, objects, run_meta)
-            done = _each(request, backend.write)
+            done = each_block(request, backend.write)
             stored.extend(i for i, ok in zip(indices, done, strict=True) if ok)
         stored.sort()
         written = sum(sizes[i] for i in stored)
@@ -373,11 +350,11 @@ class KVCoreL2Adapter(L2AdapterInterface):
         hits: list[int] = []
         for run in batch.runs:
             request = self._request(backend, batch, run, objects)
-            done = _each(request, backend.read)
+            done = each_block(request, backend.read)
             if checks and any(done):
                 described = backend.describe(request)
                 for j, i in enumerate(run[1]):
-                    if done[j] and described[j] != _layout(objects[i]):
+                    if done[j] and described[j] != layout_of(objects[i]):
                         done[j] = False
                         self._counters.add("load_layout_mismatches")
             hits.extend(i for i, ok in zip(run[1], done, strict=True) if ok)
@@ -509,7 +486,8 @@ class KVCoreL2Adapter(L2AdapterInterface):
             for run in batch.runs:
                 described = backend.describe(self._request(backend, batch, run))
                 for j, meta in zip(run[1], described, strict=True):
-                    sizes[unknown[j]] = _layout_size(meta)
+                    layout = parse_layout(meta)
+                    sizes[unknown[j]] = -1 if layout is None else layout.size
         return [max(s, 0) for s in sizes]
 
     def _seed_usage(self) -> None:
@@ -556,72 +534,22 @@ class KVCoreL2Adapter(L2AdapterInterface):
     # -- status and close ------------------------------------------------------------------
 
     def report_status(self) -> dict[str, Any]:
-        backend = self._handle.opened
-        status: dict[str, Any] = {
-            "is_healthy": backend is not None and not self._closed,
-            "type": "KVCoreL2Adapter",
-            "backend": self.settings.backend,
-            "namespace": self.settings.namespace,
-            "open_failures": self._handle.open_failures,
-            **self._counters.snapshot(),
-        }
-        if backend is not None and not self._closed:
-            status.update({f"kvcore_{k}": v for k, v in backend.stats().items()})
-        return status
+        return {"type": "KVCoreL2Adapter", **self._kv.status()}
 
     def close(self) -> None:
-        if self._closed:
+        if self._kv.closed:
             return
         self._pool.shutdown(wait=True)  # tasks in flight, deferred deletes, end first
-        self._closed = True
+        backend = self._kv.opened
         for subscription, thread in self._followers:
             subscription.close()
             thread.join(5)
-        backend = self._handle.opened
         if backend is not None and self._l1 is not None and self._l1.size:
             backend.unregister_buffer(self._l1.ptr)
-        self._handle.close()
+        self._kv.close()
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()
-
-
-def _each(
-    request: kvcore.BlockRequest, call: Callable[[kvcore.BlockRequest], kvcore.Outcome]
-) -> list[bool]:
-    """Which blocks ``call`` (a leading-run read or write) did, each on its own: after a
-    short count the block it stopped at is skipped and the call goes on from the next one,
-    until the request's deadline has passed."""
-    n = request.num_blocks
-    done: list[bool] = []
-    while len(done) < n:
-        lo = len(done)
-        host = None if request.host is None else request.host.slice(lo, n)
-        got = call(request.slice(lo, n, host=host))
-        done.extend([True] * int(got))
-        if len(done) < n:
-            done.append(False)
-            if got.kind == kvcore.FailureKind.DEADLINE:
-                done.extend([False] * (n - len(done)))
-    return done
-
-
-def _layout(obj: MemoryObj) -> bytes:
-    meta = obj.metadata
-    # objects of one group carry shapes/dtypes; single-tensor objects only shape/dtype
-    shapes = meta.shapes if meta.shapes is not None else [meta.shape]
-    dtypes = meta.dtypes if meta.dtypes is not None else [meta.dtype]
-    return describe_layout(obj.get_size(), meta.fmt, shapes, dtypes)
-
-
-def _layout_size(meta: bytes | None) -> int:
-    if meta is None:
-        return -1
-    fields = meta.split(b" ")
-    try:
-        return int(fields[1]) if fields[0] == b"lmcache1" else -1
-    except (IndexError, ValueError):
-        return -1
 
 
 def _object_key(text: str) -> ObjectKey | None:

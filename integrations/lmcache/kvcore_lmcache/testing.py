@@ -1,4 +1,4 @@
-"""LMCache's own tests of its L2 extension point, run against the kvcore adapter.
+"""LMCache's own tests of its extension points, run against kvcore's adapter and plugin.
 
 A pytest plugin (``pytest -p kvcore_lmcache.testing``) for LMCache's test files as they ship
 in its sdist: LMCache tests its L2 contract on ``MockL2Adapter`` (an in-memory store); this
@@ -15,6 +15,10 @@ fresh directory. Nothing in the test files is changed.
   listing);
 - the storage-manager suite skips itself when LMCache's device reports no runtime; it runs on
   CPU, so the plugin reports the CPU runtime available;
+- LMCache's storage-plugin tests load their ``MockStoragePlugin`` by the test module's own path:
+  the kvcore in-process plugin takes that name there (recording LMCache's calls in
+  ``call_history`` as the mock does; its ``storage`` a view of the store by chunk hash, for the
+  engine's own keys, written and read through);
 - :data:`LEFT_OUT` lists the upstream tests that test the mock itself, not the contract, each
   with why; they are deselected, and the list is printed in the run's header.
 
@@ -35,6 +39,12 @@ __all__ = ["LEFT_OUT", "stand_in_config"]  # and StandInAdapter, built on first 
 
 #: Upstream tests not run against the kvcore adapter, by node id suffix, and why.
 LEFT_OUT: dict[str, str] = {
+    "test_storage_plugin.py::TestCreateDynamicBackends::test_dynamic_backend_get_blocking_"
+    "called_via_storage_manager": (
+        "asserts the object returned is the very Python object put in (`result is "
+        "test_memory_obj`): a store returns the bytes in a buffer of its own (the same bytes "
+        "are checked by tests/test_storage_plugin.py)"
+    ),
     "test_mock_l2_adapter.py::TestBandwidthSimulation::test_store_completion_is_delayed_by_"
     "bandwidth": "tests the mock's simulated bandwidth (a sleep), not the L2 contract",
     "test_l2_adapter_factory.py::TestFactoryRegistry::test_mock_factory_is_registered": (
@@ -44,6 +54,7 @@ LEFT_OUT: dict[str, str] = {
 }
 
 _dirs: list[str] = []
+_PLUGIN: dict[str, type] = {}
 
 
 def _backend_config() -> tuple[str, dict[str, Any]]:
@@ -103,6 +114,78 @@ def _stand_in_class() -> type:
     return StandInAdapter
 
 
+def _stand_in_plugin_class() -> type:
+    from lmcache.utils import CacheEngineKey
+
+    from kvcore_lmcache.plugin import KVCoreStoragePlugin
+    from kvcore_lmcache.settings import AdapterSettings
+
+    class ChunkView:
+        """``plugin.storage``: the store's chunks of the engine's own keys by chunk hash (what
+        LMCache's tests read and write on the mock's dict), written and read through."""
+
+        def __init__(self, plugin: Any) -> None:
+            self.plugin = plugin
+
+        def key(self, chunk_hash: Any) -> Any:
+            meta = self.plugin.metadata
+            return CacheEngineKey(
+                model_name=meta.model_name,
+                world_size=meta.world_size,
+                worker_id=meta.worker_id,
+                chunk_hash=chunk_hash,
+                dtype=meta.kv_dtype,
+            )
+
+        def __setitem__(self, chunk_hash: Any, obj: Any) -> None:
+            futures = self.plugin.batched_submit_put_task([self.key(chunk_hash)], [obj]) or []
+            for future in futures:
+                future.result(timeout=30)
+            assert self.plugin.contains(self.key(chunk_hash)), "the put did not store it"
+
+        def __contains__(self, chunk_hash: Any) -> bool:
+            return bool(self.plugin.contains(self.key(chunk_hash)))
+
+        def get(self, chunk_hash: Any) -> Any:
+            return self.plugin.get_blocking(self.key(chunk_hash))
+
+    class MockStoragePlugin(KVCoreStoragePlugin):
+        """The kvcore plugin under the name LMCache's tests load, over a fresh kv_file store,
+        recording the calls LMCache makes (``call_history``) as the mock does."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.call_history: list[str] = []
+            super().__init__(*args, **kwargs)
+            self.storage = ChunkView(self)
+
+        def _settings(self, extra: Any) -> AdapterSettings:
+            backend, backend_config = _backend_config()
+            return AdapterSettings(backend=backend, backend_config=backend_config)
+
+        def contains(self, key: Any, pin: bool = False) -> bool:
+            self.call_history.append(f"contains:{key.chunk_hash}")
+            return super().contains(key, pin)
+
+        def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
+            self.call_history.extend(f"contains:{k.chunk_hash}" for k in keys)
+            return super().batched_contains(keys, pin)
+
+        def get_blocking(self, key: Any) -> Any:
+            self.call_history.append(f"get_blocking:{key.chunk_hash}")
+            return super().get_blocking(key)
+
+        def remove(self, key: Any, force: bool = True) -> bool:
+            self.call_history.append(f"remove:{key.chunk_hash}")
+            return super().remove(key, force)
+
+        def close(self) -> None:
+            self.call_history.append("close")
+            super().close()
+
+    MockStoragePlugin.__module__ = __name__
+    return MockStoragePlugin
+
+
 def __getattr__(name: str) -> Any:
     # LMCache's plugin loader does getattr(module, class_name); built lazily so importing
     # this module (as a pytest plugin) imports LMCache only when a test needs it
@@ -137,6 +220,16 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # LMCache's storage-plugin tests load their mock by the test module's path and class name:
+    # the kvcore plugin takes that name in the test module itself
+    if os.environ.get("KVCORE_LMCACHE_UPSTREAM_BACKEND") != "lmcache-mock":
+        for item in items:
+            module = getattr(item, "module", None)
+            if module is None or not module.__name__.endswith("test_storage_plugin"):
+                continue
+            if getattr(module, "MockStoragePlugin", None) is not _PLUGIN.get("cls"):
+                _PLUGIN["cls"] = _PLUGIN.get("cls") or _stand_in_plugin_class()
+                module.MockStoragePlugin = _PLUGIN["cls"]
     kept, dropped = [], []
     for item in items:
         (dropped if any(item.nodeid.endswith(t) for t in LEFT_OUT) else kept).append(item)

@@ -80,5 +80,6 @@ echo "== kvcore-lmcache: LMCache's own L2 tests, on the kvcore adapter"
 (cd "$upstream" && "$venv/bin/python" -m pytest -p no:cacheprovider -q -p kvcore_lmcache.testing \
   tests/v1/distributed/test_mock_l2_adapter.py \
   tests/v1/distributed/test_l2_adapter_factory.py \
-  tests/v1/distributed/test_distributed_storage_manager.py) || code=$?
+  tests/v1/distributed/test_distributed_storage_manager.py \
+  tests/v1/storage_backend/test_storage_plugin.py) || code=$?
 exit "$code"

@@ -1,0 +1,114 @@
+"""The kvcore store behind both LMCache adapters (the MP L2 adapter and the in-process storage
+plugin): opening the backend, answering failures as misses, and reading or writing each block
+on its own.
+
+Importing this module imports neither LMCache nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import kvcore
+from kvcore.registry import load_backend_class
+from kvcore_lmcache.settings import AdapterSettings
+
+__all__ = ["Store", "each_block"]
+
+log = logging.getLogger("kvcore_lmcache")
+
+T = TypeVar("T")
+
+
+class Store:
+    """One kvcore backend by name, opened as LMCache needs it: settings errors raise at once
+    (LMCache's start fails naming them); a backend that cannot open is a miss on every call
+    until it opens (``reopen_interval_s``); any failure below is logged once per kind and
+    counted, and answered with a default (:meth:`guard`)."""
+
+    def __init__(
+        self, settings: AdapterSettings, on_open: Callable[[kvcore.Backend], object] | None = None
+    ) -> None:
+        self.settings = settings
+        load_backend_class(settings.backend)  # an unknown backend fails the start, by name
+        kvcore.check_backend_config(settings.backend, settings.backend_config)
+        self.counters = kvcore.Counters()
+        self._failures = kvcore.OnceLogger(log)
+        self.closed = False
+        self.handle = kvcore.BackendHandle(
+            settings.backend,
+            settings.backend_config,
+            context={"namespace": settings.namespace, "layout": None},
+            requires={"io": "host", "addressing": "key"},
+            retry_s=settings.reopen_interval_s,
+            on_open=on_open,
+        )
+
+    def backend(self) -> kvcore.Backend | None:
+        """The backend, opening it if due; None while it cannot be opened or once closed."""
+        return None if self.closed else self.handle.get()
+
+    @property
+    def opened(self) -> kvcore.Backend | None:
+        """The backend if it is open now (never opens it)."""
+        return None if self.closed else self.handle.opened
+
+    def checks_layout(self, backend: kvcore.Backend) -> bool:
+        """Whether objects are stored with their layout and checked against it."""
+        return self.settings.verify_layout and backend.capabilities.block_meta
+
+    def guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
+        """``fn()``, or ``default`` when it raises (logged once per kind, counted)."""
+        try:
+            return fn()
+        except Exception as exc:
+            self.counters.add(f"{op}_errors")
+            self._failures.warning(
+                (op, type(exc).__name__),
+                "kvcore LMCache adapter: %s failed (%s: %s); answered as a miss",
+                op,
+                type(exc).__name__,
+                exc,
+            )
+            log.debug("%s failed", op, exc_info=True)
+            return default
+
+    def status(self) -> dict[str, Any]:
+        """The adapter's counters and the backend's (``kvcore_*``), and whether it is open."""
+        backend = self.opened
+        out: dict[str, Any] = {
+            "is_healthy": backend is not None,
+            "backend": self.settings.backend,
+            "namespace": self.settings.namespace,
+            "open_failures": self.handle.open_failures,
+            **self.counters.snapshot(),
+        }
+        if backend is not None:
+            out.update({f"kvcore_{k}": v for k, v in backend.stats().items()})
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        self.handle.close()
+
+
+def each_block(
+    request: kvcore.BlockRequest, call: Callable[[kvcore.BlockRequest], kvcore.Outcome]
+) -> list[bool]:
+    """Which blocks ``call`` (a leading-run read or write) did, each on its own: after a
+    short count the block it stopped at is skipped and the call goes on from the next one,
+    until the request's deadline has passed."""
+    n = request.num_blocks
+    done: list[bool] = []
+    while len(done) < n:
+        lo = len(done)
+        host = None if request.host is None else request.host.slice(lo, n)
+        got = call(request.slice(lo, n, host=host))
+        done.extend([True] * int(got))
+        if len(done) < n:
+            done.append(False)
+            if got.kind == kvcore.FailureKind.DEADLINE:
+                done.extend([False] * (n - len(done)))
+    return done
