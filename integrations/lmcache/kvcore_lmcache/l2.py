@@ -32,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
@@ -327,7 +328,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
             self._counters.add("lookup_unavailable", len(keys))
             return found
         batch = _Batch(keys, None)
-        hits = []
+        hits: list[int] = []
         for run in batch.runs:
             presence = backend.contains(self._request(backend, batch, run))
             hits.extend(i for i, ok in zip(run[1], presence.found, strict=True) if ok)
@@ -386,7 +387,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
             event = subscription.get(timeout=1.0)
             if event is None:
                 continue
-            self._guard("events", None, lambda event=event: self._apply(event))
+            self._guard("events", None, partial(self._apply, event))
 
     def _apply(self, event: Any) -> None:
         if event.kind == "cleared" or event.kind == "resync":

@@ -24,6 +24,7 @@ import json
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 from urllib.parse import quote
 
@@ -194,8 +195,9 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             obj.ref_count_up()
 
         def work() -> None:
+            stored: list[CacheEngineKey] = []
             try:
-                stored = self._kv.guard("put", [], lambda: self._put(todo))
+                stored = self._kv.guard("put", [], partial(self._put, todo))
             finally:
                 with self._lock:
                     self._in_flight.difference_update(k for k, _ in todo)
@@ -204,7 +206,7 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             if on_complete_callback is not None:
                 callback = on_complete_callback
                 for key in stored:  # the caller's failure is logged once, never the put's
-                    self._kv.guard("put_callback", None, lambda key=key: callback(key))
+                    self._kv.guard("put_callback", None, partial(callback, key))
 
         return [self._pool.submit(work)]
 

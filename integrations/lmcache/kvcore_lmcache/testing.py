@@ -205,12 +205,12 @@ def pytest_configure(config: pytest.Config) -> None:
     from lmcache.v1.distributed.l2_adapters import mock_l2_adapter
 
     if os.environ.get("KVCORE_LMCACHE_UPSTREAM_BACKEND") != "lmcache-mock":
-        mock_l2_adapter.MockL2AdapterConfig = stand_in_config  # type: ignore[misc,assignment]
-        mock_l2_adapter.MockL2Adapter = __getattr__("StandInAdapter")  # type: ignore[misc]
+        mock_l2_adapter.MockL2AdapterConfig = stand_in_config
+        mock_l2_adapter.MockL2Adapter = __getattr__("StandInAdapter")
     device = lmcache.torch_dev
     if not device.is_available():
         # LMCache's CPU stand-in device: the suites that skip on it run on CPU
-        type(device).is_available = lambda self: True  # type: ignore[method-assign]
+        type(device).is_available = lambda self: True
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -230,7 +230,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if getattr(module, "MockStoragePlugin", None) is not _PLUGIN.get("cls"):
                 _PLUGIN["cls"] = _PLUGIN.get("cls") or _stand_in_plugin_class()
                 module.MockStoragePlugin = _PLUGIN["cls"]
-    kept, dropped = [], []
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
     for item in items:
         (dropped if any(item.nodeid.endswith(t) for t in LEFT_OUT) else kept).append(item)
     if dropped:

@@ -46,7 +46,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   pip --upgrade "pip>=23" wheel "setuptools>=77"
   torch_pin="$(grep '^torch==' requirements-test.txt)"
   pip "$torch_pin" --extra-index-url https://download.pytorch.org/whl/cpu
-  pip -c requirements-test.txt "lmcache==$LMCACHE_VERSION" pytest
+  pip -c requirements-test.txt "lmcache==$LMCACHE_VERSION" pytest mypy==2.4.1
   PYTHONWARNINGS=ignore pip -c requirements-test.txt \
     -e "$repo" -e "$repo/plugins/kv_file" -e "$repo/plugins/kv_tiered" -e "$here"
   # LMCache's own tests, from its sdist (its wheel does not ship them)
@@ -70,6 +70,9 @@ fi
 [ "$setup_only" = 1 ] && exit 0
 
 code=0
+echo "== kvcore-lmcache: mypy (strict, against LMCache's installed code)"
+"$venv/bin/python" -m mypy || code=$?
+
 echo "== kvcore-lmcache: pytest (LMCache $LMCACHE_VERSION's real classes and server)"
 "$venv/bin/python" -m pytest -p no:cacheprovider -q --durations=5 tests "$@" || code=$?
 
