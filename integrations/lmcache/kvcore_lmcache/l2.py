@@ -141,7 +141,11 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self._deferred_deletes: set[ObjectKey] = set()
         self._seeded: list[tuple[list[ObjectKey], list[int]]] = []
         self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvcore-lmcache")
-        self._kv.backend()  # now if it can (a store that is not up: logged, tried again)
+        backend = self._kv.backend()  # now if it can (a store that is not up: tried again)
+        why = None if backend is None else self._kv.layout_unknowable(backend)
+        if why is not None:
+            self.close()
+            raise ValueError(f"lmcache l2 adapter_params for kvcore: verify_layout: {why}")
         self._seeder: threading.Thread | None = None
         if settings.seed_usage:
             self._seeder = threading.Thread(
@@ -162,12 +166,9 @@ class KVCoreL2Adapter(L2AdapterInterface):
         )
         self._followers.append((subscription, thread))
         thread.start()
-        if self.settings.verify_layout and not backend.capabilities.block_meta:
-            log.warning(
-                "kvcore L2 adapter: backend %r keeps no block metadata, so an object's layout "
-                "(dtype) is not checked at load; only its byte size is (docs/lmcache.md)",
-                self.settings.backend,
-            )
+        why = self._kv.layout_unknowable(backend)
+        if why is not None:  # an open after the start (the store was down then): loads refused
+            log.error("kvcore L2 adapter: %s; every load is a miss", why)
 
     @property
     def backend(self) -> kvcore.Backend | None:
@@ -345,6 +346,9 @@ class KVCoreL2Adapter(L2AdapterInterface):
         backend = self._backend()
         if backend is None or not keys:
             self._counters.add("load_unavailable", len(keys))
+            return loaded
+        if self._kv.layout_unknowable(backend) is not None:
+            self._counters.add("load_without_layout", len(keys))
             return loaded
         batch = _Batch(keys, [obj.get_size() for obj in objects])
         checks = self._checks_layout(backend)

@@ -115,7 +115,14 @@ class KVCoreStoragePlugin(StoragePluginInterface):
         self._pool = ThreadPoolExecutor(
             self.settings.io_threads, thread_name_prefix="kvcore-lmcache-plugin"
         )
-        self._kv.backend()  # now if it can (a store that is not up: logged, tried again)
+        backend = self._kv.backend()  # now if it can (a store that is not up: tried again)
+        if backend is not None and not backend.capabilities.block_meta:
+            self.close()
+            raise ValueError(
+                f"lmcache storage plugin for kvcore: backend {self.settings.backend!r} keeps no "
+                "block metadata, and a get allocates its buffer from the chunk's stored layout; "
+                "use a backend that keeps it (file, or a tiered stack whose first tier does)"
+            )
 
     def _settings(self, extra_config: dict[str, Any] | None) -> AdapterSettings:
         """This plugin's settings (:func:`plugin_settings`); a subclass may supply its own."""

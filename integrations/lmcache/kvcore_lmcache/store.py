@@ -59,6 +59,19 @@ class Store:
         """Whether objects are stored with their layout and checked against it."""
         return self.settings.verify_layout and backend.capabilities.block_meta
 
+    def layout_unknowable(self, backend: kvcore.Backend) -> str | None:
+        """Why ``backend`` cannot serve loads under these settings (None: it can): layouts are
+        to be checked (``verify_layout``) and the backend keeps no block metadata to check
+        them against. Loads are then refused, never guessed."""
+        if self.settings.verify_layout and not backend.capabilities.block_meta:
+            return (
+                f"backend {self.settings.backend!r} keeps no block metadata, so a stored "
+                "object's layout (dtype, shape) cannot be checked at load; set verify_layout: "
+                "false where every server of this namespace runs one KV dtype per model name, "
+                "or stack it under a tier that keeps metadata (docs/lmcache.md)"
+            )
+        return None
+
     def guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
         """``fn()``, or ``default`` when it raises (logged once per kind, counted)."""
         try:

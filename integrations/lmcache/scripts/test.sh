@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Test kvcore-lmcache against LMCache's real code, on CPU: this package's tests (a real
-# `lmcache server` among them) and LMCache's own tests of its L2 extension point with the
-# kvcore adapter in place of LMCache's mock (kvcore_lmcache.testing).
+# Test kvcore-lmcache against LMCache's real code, on CPU: mypy, this package's tests (a real
+# `lmcache server` and a real `mooncake_master` on 127.0.0.1 among them) and LMCache's own
+# tests of its extension points with kvcore in place of LMCache's mocks
+# (kvcore_lmcache.testing).
 #
 # Creates integrations/lmcache/.venv once (CPU torch first, then lmcache and what it pins, then
-# kvcore, kv_file and this package editable) and reuses it while requirements-test.txt and the
-# packages' metadata are unchanged. LMCache's tests ship in its sdist only: the pinned sdist is
+# kvcore, kv_file, kv_tiered, kv_mooncake and this package editable) and reuses it while
+# requirements-test.txt and the packages' metadata are unchanged. LMCache's tests ship in its sdist only: the pinned sdist is
 # fetched from PyPI (checked against its sha256) and its tests/ kept in the venv. Extra
 # arguments go to pytest (this package's tests). `--setup-only` as the first argument installs
 # and stops.
@@ -27,13 +28,17 @@ venv="$here/.venv"
 stamp="$venv/.kvcore-lmcache-installed"
 upstream="$venv/upstream/lmcache-$LMCACHE_VERSION"
 want="$(cat requirements-test.txt pyproject.toml "$repo/pyproject.toml" "$repo/setup.py" \
-  "$repo/plugins/kv_file/pyproject.toml" "$repo/plugins/kv_tiered/pyproject.toml" | sha256sum | cut -d' ' -f1)-$LMCACHE_VERSION"
+  "$repo/plugins/kv_file/pyproject.toml" "$repo/plugins/kv_tiered/pyproject.toml" \
+  "$repo/plugins/kv_mooncake/pyproject.toml" | sha256sum | cut -d' ' -f1)-$LMCACHE_VERSION"
 
 if [ ! -x "$venv/bin/python" ]; then
   "$PY" -m venv "$venv"
 fi
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "== kvcore-lmcache: installing the test venv ($venv)"
+  # Mooncake's wheel needs libibverbs at import time (installed when we may: as root, via apt)
+  bash "$repo/plugins/kv_mooncake/scripts/ensure_system_deps.sh" ||
+    echo "warning: could not install Mooncake's system libraries; its tests will fail" >&2
   log="$venv/install.log"
   : >"$log"
   pip() {
@@ -48,7 +53,8 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   pip "$torch_pin" --extra-index-url https://download.pytorch.org/whl/cpu
   pip -c requirements-test.txt "lmcache==$LMCACHE_VERSION" pytest mypy==2.4.1
   PYTHONWARNINGS=ignore pip -c requirements-test.txt \
-    -e "$repo" -e "$repo/plugins/kv_file" -e "$repo/plugins/kv_tiered" -e "$here"
+    -e "$repo" -e "$repo/plugins/kv_file" -e "$repo/plugins/kv_tiered" \
+    -e "$repo/plugins/kv_mooncake" -e "$here"
   # LMCache's own tests, from its sdist (its wheel does not ship them)
   rm -rf "$venv/upstream"
   mkdir -p "$venv/upstream"

@@ -1,19 +1,36 @@
-"""Helpers shared by kvcore-lmcache's tests: LMCache's own memory objects and keys, and a way
-to run one adapter task to its end through its event fd (as LMCache's controllers do)."""
+"""Helpers shared by kvcore-lmcache's tests: LMCache's own memory objects and keys, a way to
+run one adapter task to its end through its event fd (as LMCache's controllers do), and a real
+``mooncake_master`` on 127.0.0.1 (kv_mooncake's fixtures) for tier stacks over Mooncake."""
 
 from __future__ import annotations
 
+import os
 import select
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from kvcore_lmcache.l2 import KVCoreL2Adapter
-from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
-from lmcache.v1.platform import consume_fd
+from kv_mooncake.testing import isolate_loopback
+
+# Mooncake's client listens on the wildcard address: where we may, run in a loopback-only
+# network namespace (before any thread starts), as kv_mooncake's own tests do.
+_NETNS = isolate_loopback() if os.environ.get("KV_MOONCAKE_NETNS", "auto") != "0" else "disabled"
+
+import torch  # noqa: E402
+from kvcore_lmcache.l2 import KVCoreL2Adapter  # noqa: E402
+from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+from lmcache.v1.memory_management import (  # noqa: E402
+    MemoryFormat,
+    MemoryObjMetadata,
+    TensorMemoryObj,
+)
+from lmcache.v1.platform import consume_fd  # noqa: E402
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    where = "private" if _NETNS is None else f"shared ({_NETNS})"
+    return f"kvcore-lmcache: network namespace {where}"
 
 
 def memory_obj(

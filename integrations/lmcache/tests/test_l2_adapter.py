@@ -311,3 +311,68 @@ def test_a_server_sharing_the_store_learns_what_another_stored(open_adapter):
     assert watcher.get_usage().bytes_by_cache_salt["s"] == 3 * 2048
     other.delete(keys[:1])
     assert _wait(lambda: recorder.deleted == keys[:1])
+
+
+def _tiered(tmp_path: Path, name: str, mooncake_config: dict, **params: object) -> dict:
+    return {
+        "backend": "tiered",
+        "backend_config": {
+            "tiers": [
+                {"backend": "file", "root": str(tmp_path / name)},
+                {"backend": "mooncake", "config": mooncake_config},
+            ]
+        },
+        **params,
+    }
+
+
+def test_local_disk_over_mooncake_shares_chunks_between_servers(tmp_path, mooncake_config):
+    """The docs' stack (each server's own disk in front of a Mooncake cluster they share): a
+    chunk one server stored reaches another through Mooncake. Mooncake keeps no layout, so a
+    chunk found only there cannot be checked: with ``verify_layout`` (the default) it is a miss,
+    never a guess; a server that turns it off (one KV dtype per model name) is served it, and
+    a buffer of another size is still refused."""
+    namespace = f"lmcache-{tmp_path.name}"  # the session's Mooncake is shared by every test
+    writer = KVCoreL2Adapter(_tiered(tmp_path, "a", mooncake_config, namespace=namespace))
+    k, obj = key(11), random_obj(11)
+    try:
+        assert store(writer, [k], [obj]).is_successful()
+        assert load(writer, [k], [memory_obj(n=1024)]) == [0]  # its own disk keeps the layout
+    finally:
+        writer.close()
+
+    strict = KVCoreL2Adapter(_tiered(tmp_path, "b", mooncake_config, namespace=namespace))
+    try:
+        assert lookup(strict, [k]) == [0]  # Mooncake holds it
+        dst = memory_obj(n=1024)
+        assert load(strict, [k], [dst]) == []  # but no tier can say its layout
+        assert strict.report_status()["load_layout_mismatches"] == 1
+    finally:
+        strict.close()
+
+    trusting = KVCoreL2Adapter(
+        _tiered(tmp_path, "c", mooncake_config, namespace=namespace, verify_layout=False)
+    )
+    try:
+        dst = memory_obj(n=1024)
+        assert load(trusting, [k], [dst]) == [0]
+        assert torch.equal(dst.tensor, obj.tensor)
+        assert load(trusting, [k], [memory_obj(n=512)]) == []
+    finally:
+        trusting.close()
+
+
+def test_a_backend_that_keeps_no_layout_is_refused_unless_told_to_trust(mooncake_config):
+    with pytest.raises(ValueError, match="verify_layout"):
+        KVCoreL2Adapter({"backend": "mooncake", "backend_config": mooncake_config})
+    trusting = KVCoreL2Adapter(
+        {"backend": "mooncake", "backend_config": mooncake_config, "verify_layout": False}
+    )
+    try:
+        k, obj = key(21, cache_salt="mooncake-only"), random_obj(21)
+        assert store(trusting, [k], [obj]).is_successful()
+        dst = memory_obj(n=1024)
+        assert load(trusting, [k], [dst]) == [0]
+        assert torch.equal(dst.tensor, obj.tensor)
+    finally:
+        trusting.close()
