@@ -7,7 +7,7 @@
 # Creates integrations/lmcache/.venv once (CPU torch first, then lmcache and what it pins, then
 # kvcore, kv_file, kv_tiered, kv_mooncake and this package editable) and reuses it while
 # requirements-test.txt and the packages' metadata are unchanged. LMCache's tests ship in its sdist only: the pinned sdist is
-# fetched from PyPI (checked against its sha256) and its tests/ kept in the venv. Extra
+# fetched from PyPI (checked against its sha256) and the suites run here kept in the venv. Extra
 # arguments go to pytest (this package's tests). `--setup-only` as the first argument installs
 # and stops.
 set -euo pipefail
@@ -68,7 +68,14 @@ if got != want:
     sys.exit(f"kvcore-lmcache: {url}: sha256 {got}, expected {want}")
 open(path, "wb").write(data)
 PYEOF
-  tar -xzf "$sdist" -C "$venv/upstream" "lmcache-$LMCACHE_VERSION/tests"
+  # only the suites run below and what they import (not the rest of LMCache's tests)
+  top="lmcache-$LMCACHE_VERSION/tests"
+  tar -xzf "$sdist" -C "$venv/upstream" "$top/__init__.py" "$top/conftest.py" \
+    "$top/v1/__init__.py" "$top/v1/utils.py" "$top/v1/distributed/__init__.py" \
+    "$top/v1/distributed/conftest.py" "$top/v1/distributed/utils.py" \
+    "$top/v1/distributed/test_mock_l2_adapter.py" "$top/v1/distributed/test_l2_adapter_factory.py" \
+    "$top/v1/distributed/test_distributed_storage_manager.py" \
+    "$top/v1/storage_backend/__init__.py" "$top/v1/storage_backend/test_storage_plugin.py"
   rm -f "$sdist"
   echo "$want" >"$stamp"
 fi
