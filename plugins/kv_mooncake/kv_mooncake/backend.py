@@ -14,6 +14,16 @@
 - Remove: ``batch_remove`` of the request's keys; clear: ``remove_by_regex`` of the namespace's
   key prefix (the client cannot list keys). Both skip Mooncake's read leases unless
   ``force_remove`` is off (see the README).
+- Block metadata (what a block says of itself: an engine's block hash, parent, tokens): a
+  small companion object beside each object written with it, verified and named
+  (:mod:`kv_mooncake.block_meta`), written before the object, removed with it; ``describe``
+  checks the object is there and reads its companion.
+- Listing and following the store (with ``master_metrics_port``): the master's key listing
+  names what the store holds (:mod:`kv_mooncake.listing`), and while the backend's events are
+  followed, other clients' stores and removals and the master's evictions are found by
+  listing it every ``watch_interval_s`` (:mod:`kv_mooncake.watch`): the stream then describes
+  the whole store. Without the port, the stream reports what this client did and the
+  evictions its own lookups find (:mod:`kv_mooncake.observed`).
 - A negative code other than "not found" is a failure: the hook's answer is then
   ``Outcome(n, failure=...)``, and the engine sees a backend error rather than a miss.
 
@@ -39,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvcore
+from kv_mooncake import block_meta
 from kv_mooncake.codes import (
     ALREADY_EXISTS,
     HAS_LEASE,
@@ -52,9 +63,11 @@ from kv_mooncake.codes import (
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.inflight import PieceBudget, queued_transfers_limit
+from kv_mooncake.listing import StoreListing
 from kv_mooncake.observed import ObservedDrops
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
+from kv_mooncake.watch import StoreWatch
 from kvcore import BlockRequest, FailureKind, Outcome, leading_run
 from kvcore.requests import merge_spans
 from kvcore.threads import start_thread, thread_pool
@@ -76,6 +89,9 @@ _INLINE_FACTOR = 1.5
 #: put too (measured: 2049 keys fine, 2100 all but 5 failed and broke the client; 256 keys of
 #: 8 segments fine, 257 lost one key, 300 lost them all).
 MAX_BATCH_PIECES = 1024
+#: metadata companions per client call (each at most ~2.3 KB: a lookup client's 16 MiB copy
+#: buffer holds a call's worth many times over)
+_COMPANIONS_PER_CALL = 512
 
 
 class MooncakeBackend:
@@ -85,7 +101,7 @@ class MooncakeBackend:
     # not persistent; segmented host buffers (a host-resident engine cache) go through the
     # multi-buffer calls, straight into and out of the cache's blocks
     capabilities = kvcore.Capabilities(
-        addressing="key", io="host", shared=True, segmented_host=True
+        addressing="key", io="host", shared=True, segmented_host=True, block_meta=True
     )
 
     def __init__(self, config: MooncakeConfig, context: kvcore.BackendContext) -> None:
@@ -113,6 +129,25 @@ class MooncakeBackend:
         self._probes = thread_pool(PROBE_WORKERS, "kv-mooncake-probe")
         #: what this client stored, to report an eviction when it finds one gone
         self._drops = ObservedDrops(frozenset((0, NOT_FOUND)))  # batch_is_exist: 0 absent
+        listing_url = config.master_url("/get_all_keys")
+        self._listing = (
+            None
+            if listing_url is None
+            else StoreListing(
+                listing_url,
+                context.namespace,
+                config.key_scheme == "namespaced",
+                config.connect_timeout_s,
+                self._read_companions,
+                self._key,
+            )
+        )
+        #: the whole store's changes, when it can be listed
+        self._watch = (
+            None
+            if self._listing is None
+            else StoreWatch(self._listing, config.watch_interval_s, self._counters, self._warnings)
+        )
         self._stuck = 0  # abandoned checks still running: when all workers are, skip the master
         self._stuck_lock = threading.Lock()
 
@@ -184,11 +219,16 @@ class MooncakeBackend:
         self._counters.add("objects_skipped", len(keys) - len(todo))
         code = None
         if todo:
+            if request.block_meta is not None:
+                self._write_companions(request, names, keys, todo)
             ok, code = self._transfer("write", [keys[i] for i in todo], objects.pick(todo), request)
             for i, good in zip(todo, ok, strict=True):
                 stored[i] = good
         done = leading_run(stored, parts)
         self._drops.stored(names[: done * parts])
+        if self._watch is not None:
+            landed = [i for i, good in enumerate(stored) if good]
+            self._watch.stored([names[i] for i in landed], [objects.sizes[i] for i in landed])
         return _answer(done, code, objects.call("batch_put_from"))
 
     @kvcore.hookimpl
@@ -205,7 +245,13 @@ class MooncakeBackend:
         )
         if not isinstance(codes, list):
             return codes
-        self._drops.forgotten(_names(request))
+        names = _names(request)
+        self._drops.forgotten(names)
+        self._remove_companions(keys)
+        if self._watch is not None:
+            self._watch.removed(
+                [n for n, c in zip(names, codes, strict=True) if c in (0, NOT_FOUND)]
+            )
         removed = sum(
             any(c == 0 for c in codes[i * parts : (i + 1) * parts])
             for i in range(request.num_blocks)
@@ -231,6 +277,8 @@ class MooncakeBackend:
             namespace_pattern(self.context.namespace), self.config.force_remove
         )
         self._drops.forgotten()
+        if self._watch is not None:
+            self._watch.cleared()
         if removed < 0:
             self._counters.add(f"clear_{reason(removed)}")
             return Outcome(0, failure("remove_by_regex", removed))
@@ -239,11 +287,50 @@ class MooncakeBackend:
 
     @kvcore.hookimpl
     def kvcore_watch(self, report: Any) -> set[str] | None:
-        """Report evictions as this client can see them (see :mod:`kv_mooncake.observed`):
-        Mooncake tells clients nothing, so an object this client stored is reported evicted
-        when a lookup of its own finds it gone."""
+        """With a listable store, every change of the namespace, whoever made it (see
+        :mod:`kv_mooncake.watch`). Otherwise evictions as this client can see them (see
+        :mod:`kv_mooncake.observed`): an object this client stored is reported evicted when a
+        lookup of its own finds it gone."""
+        if self._watch is not None:
+            return self._watch.watch(report)
         self._drops.watch(report)
         return None  # kvcore publishes stores, removals and clears; evictions come from here
+
+    @kvcore.hookimpl
+    def kvcore_describe(self, request: BlockRequest) -> list[bytes | None]:
+        """Each block's metadata from its first object's companion, for blocks whose first
+        object is stored; a companion that does not verify, or names another object, is
+        none (counted: ``block_meta_unverified``)."""
+        if request.num_blocks == 0:
+            return []
+        names = [row[0] for row in request.object_names]
+        keys = [self._key(name) for name in names]
+        codes = self._store.batch_is_exist(keys)
+        if any(c < 0 and c != NOT_FOUND for c in codes):
+            raise ConnectionError(failure("batch_is_exist", min(codes)))
+        present = [i for i, c in enumerate(codes) if c == 1]
+        out: list[bytes | None] = [None] * len(names)
+        for lo in range(0, len(present), _COMPANIONS_PER_CALL):
+            chunk = present[lo : lo + _COMPANIONS_PER_CALL]
+            blobs = self._store.get_batch([block_meta.meta_key(keys[i]) for i in chunk])
+            for i, blob in zip(chunk, blobs, strict=True):
+                if not blob:
+                    continue  # written without metadata
+                decoded = block_meta.decode(blob)
+                if decoded is None or decoded[0] != names[i]:
+                    self._counters.add("block_meta_unverified")
+                    continue
+                out[i] = decoded[1]
+        return out
+
+    @kvcore.hookimpl
+    def kvcore_names(self) -> list[str]:
+        """The master's key listing (:mod:`kv_mooncake.listing`)."""
+        if self._listing is None:
+            raise RuntimeError(
+                "listing a Mooncake store needs the master's HTTP port: set master_metrics_port"
+            )
+        return list(self._listing.names().values())
 
     @kvcore.hookimpl
     def kvcore_register_buffer(self, ptr: int, nbytes: int) -> None:
@@ -300,6 +387,8 @@ class MooncakeBackend:
 
     @kvcore.hookimpl
     def kvcore_close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         store, self._store = self._store, None
         if store is None:
             return
@@ -323,6 +412,49 @@ class MooncakeBackend:
             return [store_key_as_is(n) for names in request.object_names for n in names]
         namespace = self.context.namespace
         return [store_key(name, namespace) for names in request.object_names for name in names]
+
+    def _key(self, name: str) -> str:
+        """The Mooncake key of object ``name``."""
+        if self.config.key_scheme == "as_is":
+            return store_key_as_is(name)
+        return store_key(name, self.context.namespace)
+
+    def _write_companions(
+        self, request: BlockRequest, names: list[str], keys: list[str], todo: list[int]
+    ) -> None:
+        """Store the metadata companions of the objects about to be written (before them: a
+        peer that finds an object finds its metadata). A companion that does not land leaves
+        its block without metadata (counted), never unwritten."""
+        assert request.block_meta is not None
+        parts = len(request.parts)
+        chosen = [i for i in todo if request.block_meta[i // parts]]
+        for lo in range(0, len(chosen), _COMPANIONS_PER_CALL):
+            chunk = chosen[lo : lo + _COMPANIONS_PER_CALL]
+            code = self._store.upsert_batch(
+                [block_meta.meta_key(keys[i]) for i in chunk],
+                [block_meta.encode(names[i], request.block_meta[i // parts]) for i in chunk],
+                self._replicate,
+            )
+            if code != 0:
+                self._counters.add("block_meta_not_stored", len(chunk))
+                self._warnings.warning(
+                    ("block_meta", code),
+                    "mooncake: storing block metadata failed with code %d (%s); those blocks "
+                    "are stored without it (further failures logged at debug level)",
+                    code,
+                    reason(code),
+                )
+
+    def _read_companions(self, keys: list[str]) -> list[bytes]:
+        # through self, not the client's bound method: a closed backend must hold no client
+        return list(self._store.get_batch(keys))
+
+    def _remove_companions(self, keys: list[str]) -> None:
+        """Remove the objects' metadata companions (absent ones are no error)."""
+        codes = self._store.batch_remove([block_meta.meta_key(k) for k in keys], True)
+        bad = [c for c in codes if c not in (0, NOT_FOUND)]
+        if bad:
+            self._counters.add("block_meta_not_removed", len(bad))
 
     def _objects(self, request: BlockRequest) -> tuple[int, list[str], _Objects]:
         """Parts per block, each object's key, and where each object's bytes are, flat in

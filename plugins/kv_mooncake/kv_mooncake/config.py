@@ -78,7 +78,9 @@ class MooncakeConfig(BackendConfig):
         default=9003,
         ge=1,
         le=65535,
-        description="port of the master's HTTP /health endpoint (None: skip that check)",
+        description="port of the master's HTTP service (--metrics_port): the start-up "
+        "/health check, and the key listing that lets the backend list the store and follow "
+        "other clients' changes (None: neither)",
     )
     connect_timeout_s: float = timeout_field(
         2.0, "how long the start-up reachability checks may take"
@@ -109,6 +111,12 @@ class MooncakeConfig(BackendConfig):
         "effect; a client in the middle of reading a removed object may then get bytes of an "
         "object stored in its place. false: objects read or looked up in the last lease "
         "period (~10 s) stay, and remove reports them as a failure",
+    )
+    watch_interval_s: float = interval_field(
+        0.5,
+        "while the backend's events are followed, how often it lists the store to find what "
+        "other clients stored and what left it (needs master_metrics_port); a large store is "
+        "listed less often, so that listing takes at most a fifth of the time",
     )
     close_timeout_s: float = interval_field(
         5.0,
@@ -160,11 +168,15 @@ class MooncakeConfig(BackendConfig):
         return int(self.master_server_address.rpartition(":")[2])
 
     def health_url(self) -> str | None:
+        return self.master_url("/health")
+
+    def master_url(self, path: str) -> str | None:
+        """The URL of ``path`` on the master's HTTP service (None: no port configured)."""
         if self.master_metrics_port is None:
             return None
         host = self.master_host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.master_metrics_port}/health"
+        return f"http://{host}:{self.master_metrics_port}{path}"
 
     def device_entry(self, device_id: int) -> str:
         """This rank's entry of ``rdma_devices`` (a list is indexed by the local device id)."""

@@ -16,12 +16,13 @@ import urllib.request
 from typing import Any
 
 from kv_mooncake.codes import reason
-from kv_mooncake.config import MooncakeConfig
+from kv_mooncake.config import MIN_LOCAL_BUFFER, MooncakeConfig
 
 __all__ = [
     "MasterUnreachableError",
     "MooncakeSetupError",
     "check_master",
+    "http_get",
     "open_store",
     "prepare_environment",
 ]
@@ -60,8 +61,9 @@ def prepare_environment(config: MooncakeConfig, device_id: int = 0) -> float:
         return config.rpc_timeout_ms / 1000
 
 
-def _http_get(url: str, timeout: float) -> bytes:
-    # No proxies: an http_proxy variable must not route a loopback health check elsewhere.
+def http_get(url: str, timeout: float) -> bytes:
+    """GET ``url`` from the master's HTTP service (its health, its key listing)."""
+    # No proxies: an http_proxy variable must not route a loopback request elsewhere.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url, timeout=timeout) as response:
         return response.read()
@@ -75,7 +77,7 @@ def check_master(config: MooncakeConfig) -> None:
     health_problem = None
     if url is not None:
         try:
-            body = json.loads(_http_get(url, timeout) or b"{}")
+            body = json.loads(http_get(url, timeout) or b"{}")
         except (OSError, ValueError) as exc:
             health_problem = f"{url} did not answer ({_why(exc)})"
         else:
@@ -118,9 +120,10 @@ def import_store_class() -> Any:
 def open_store(config: MooncakeConfig, device_id: int, lookups_only: bool = False) -> Any:
     """A set-up ``MooncakeDistributedStore`` for this rank, or a clear exception.
 
-    ``lookups_only``: a client that only asks which keys exist (an engine's scheduler)
-    contributes no memory segment to the store and keeps no copy buffer; Mooncake answers its
-    ``batch_is_exist`` from the master alone.
+    ``lookups_only``: a client that asks which keys exist and what blocks say of themselves
+    (an engine's scheduler) contributes no memory segment to the store; Mooncake answers its
+    ``batch_is_exist`` from the master alone, and its small copy buffer (the least Mooncake
+    takes, or none when ``local_buffer_size`` is 0) receives block metadata.
     """
     store_class = import_store_class()
     check_master(config)
@@ -129,7 +132,9 @@ def open_store(config: MooncakeConfig, device_id: int, lookups_only: bool = Fals
         config.local_hostname,
         config.metadata_server,
         0 if lookups_only else config.global_segment_size,
-        0 if lookups_only else config.local_buffer_size,
+        min(config.local_buffer_size, MIN_LOCAL_BUFFER)
+        if lookups_only
+        else config.local_buffer_size,
         config.protocol,
         config.devices_for(device_id),
         config.master_server_address,

@@ -1,9 +1,15 @@
-"""Events of a Mooncake store: kvcore publishes this client's writes and removals; the backend
-reports an eviction as a client can see it: an object it stored, found gone by its own
-lookup (Mooncake tells clients nothing when the master evicts or another client removes)."""
+"""Events of a Mooncake store.
+
+With the master's HTTP port (the default), the backend lists the store and its stream
+describes the whole store: this client's changes as it makes them, other clients' stores and
+removals within ``watch_interval_s``. Without it, kvcore publishes this client's writes and
+removals, and the backend reports an eviction as a client can see it: an object it stored,
+found gone by its own lookup (Mooncake tells clients nothing when the master evicts or another
+client removes)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kv_mooncake.testing import MooncakeCluster
@@ -23,8 +29,9 @@ def test_drops_this_client_stored_are_reported_when_it_finds_them_gone(
     cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
     layout = small_layout()
     ctx = {"layout": layout, "namespace": "events"}
-    mine = kvcore.open_backend("mooncake", cluster.config(), context=ctx)
-    other = kvcore.open_backend("mooncake", cluster.config(), context=ctx)
+    unlisted = cluster.config(master_metrics_port=None)  # the store cannot be listed
+    mine = kvcore.open_backend("mooncake", unlisted, context=ctx)
+    other = kvcore.open_backend("mooncake", unlisted, context=ctx)
     h, o = Harness(mine, layout), Harness(other, layout)
     try:
         before = h.new_sequence(2)
@@ -60,3 +67,101 @@ def test_drops_this_client_stored_are_reported_when_it_finds_them_gone(
         other.close()
         h.release()
         o.release()
+
+
+def _drain_until(sub, done: Callable[[list], bool], timeout_s: float = 5.0) -> list:
+    got: list = []
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        got.extend(sub.drain())
+        if done(got):
+            return got
+        time.sleep(0.05)
+    return got
+
+
+def test_a_listed_store_reports_every_clients_changes_in_real_time(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """The master's listing makes the stream describe the whole store: another client's stores
+    and removals (and clear) arrive within the interval with no lookup by this client; this
+    client's own changes arrive as it makes them, once, as local."""
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    layout = small_layout()
+    ctx = {"layout": layout, "namespace": "listed"}
+    config = cluster.config(watch_interval_s=0.2)
+    mine = kvcore.open_backend("mooncake", config, context=ctx)
+    other = kvcore.open_backend("mooncake", config, context=ctx)
+    h, o = Harness(mine, layout), Harness(other, layout)
+    try:
+        before = h.new_sequence(2)
+        assert o.write(before) == 2
+        assert not mine.reports_whole_store  # nobody follows it yet
+        with mine.events.subscribe() as sub:
+            assert mine.reports_whole_store
+            # stored before the subscription: listed, not reported
+            assert set(_names(h, before)) <= set(mine.names())
+            seq = h.new_sequence(4)
+            start = time.monotonic()
+            assert o.write(seq) == 4
+            peer = set(_names(h, seq))
+            events = _drain_until(sub, lambda got: peer <= {n for e in got for n in e.names})
+            took = time.monotonic() - start
+            assert {(e.kind, e.origin) for e in events} == {("stored", "peer")}, events
+            assert peer <= {n for e in events for n in e.names}, "another client's store unseen"
+            assert took < 0.2 + 1.0, f"another client's store reported after {took:.2f} s"
+            # another client's removal, with no lookup here
+            assert other.remove(o.request(seq, 1, 2)) == 2
+            gone = set(_names(h, seq, 1, 2))
+            events = _drain_until(sub, lambda got: gone <= {n for e in got for n in e.names})
+            assert [(e.kind, e.origin) for e in events] == [("removed", "peer")]
+            assert set(events[0].names) == gone
+            # this client's own store and removal: reported at once, once, as local
+            own = h.new_sequence(1)
+            assert h.write(own) == 1
+            events = sub.drain()
+            assert [(e.kind, e.origin) for e in events] == [("stored", "local")]
+            assert set(events[0].names) == set(_names(h, own))
+            assert mine.remove(h.request(own)) == 1
+            assert [(e.kind, e.origin) for e in sub.drain()] == [("removed", "local")]
+            time.sleep(0.6)  # rounds of the listing: nothing is reported twice
+            assert sub.drain() == []
+            # another client's clear: every object of the namespace reported gone
+            index = StoreIndex()
+            assert other.clear() > 0
+            left = set(_names(h, before) + _names(h, seq, 0, 1) + _names(h, seq, 3, 1))
+            events = _drain_until(sub, lambda got: left <= {n for e in got for n in e.names})
+            assert {(e.kind, e.origin) for e in events} == {("removed", "peer")}
+            assert left <= {n for e in events for n in e.names}
+            index.apply_all(events)
+            assert mine.names() == []
+    finally:
+        mine.close()
+        other.close()
+        h.release()
+        o.release()
+
+
+def test_the_listing_names_digest_keys_by_their_metadata(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """A namespace whose keys are digests of the names (not plain) is listed by the names its
+    objects' metadata gives; an object written without metadata cannot be named, and is left
+    out rather than guessed."""
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    layout = small_layout()
+    ctx = {"layout": layout, "namespace": "a namespace, not plain"}
+    backend = kvcore.open_backend("mooncake", cluster.config(), context=ctx)
+    h = Harness(backend, layout)
+    try:
+        described = h.new_sequence(2)
+        assert h.write(described, block_meta=[b"m0", b"m1"]) == 2
+        bare = h.new_sequence(1)
+        assert h.write(bare) == 1
+        listed = set(backend.names())
+        assert set(_names(h, described)) <= listed
+        assert not set(_names(h, bare)) & listed
+        assert backend.describe(h.request(described)) == [b"m0", b"m1"]
+    finally:
+        backend.close()
+        h.release()

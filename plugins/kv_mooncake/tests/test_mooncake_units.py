@@ -288,3 +288,23 @@ def test_opening_and_closing_leaks_nothing(mooncake_config) -> None:
     (rss4, threads4), (rss16, threads16) = json.loads(line[-1][7:])
     assert rss16 - rss4 < 16, f"RSS grew {rss16 - rss4:.0f} MB over 12 cycles"
     assert threads16 <= threads4, f"threads {threads4} -> {threads16}"
+
+
+def test_block_metadata_companions_verify_and_name_their_object() -> None:
+    from kv_mooncake import block_meta
+
+    name = object_name("cd" * 32, "kv", namespace="ns", rank=0, world_size=1)
+    blob = block_meta.encode(name, b"\x00meta\xff" * 300)
+    assert block_meta.decode(blob) == (name, b"\x00meta\xff" * 300)
+    assert block_meta.decode(block_meta.encode("n\udcff", b"")) == ("n\udcff", b"")
+    for i in (0, 5, len(blob) // 2, len(blob) - 1):  # a flipped bit anywhere: no metadata
+        bad = bytearray(blob)
+        bad[i] ^= 0x10
+        assert block_meta.decode(bytes(bad)) is None
+    assert block_meta.decode(blob[:-1]) is None
+    assert block_meta.decode(blob + b"\x00") is None
+    assert block_meta.decode(b"") is None
+    key = store_key(name, "ns")
+    assert block_meta.is_meta_key(block_meta.meta_key(key))
+    assert not block_meta.is_meta_key(key)
+    assert not block_meta.is_meta_key(store_key("x" * 500, "ns"))  # a digest key ends in hex
