@@ -13,11 +13,16 @@ endpoint of its own (``events_endpoint`` in the storage extra config):
   process's, where the kvcore backend reports them: kv_file does, see its README);
 - ``AllBlocksCleared`` when the namespace was cleared or the stream fell behind.
 
-The storage tier sees page keys and bytes, not token ids or parents, so its ``BlockStored``
-events carry the page hash alone (``token_ids`` empty, ``parent_block_hash`` None): a router
-joins them with the GPU and host events that carry the tokens. Pages whose key is not a hash
-SGLang would publish (namespaced pages of a LoRA or a cache salt) are published under that
-key's hash all the same; SGLang's events namespace those, so a router will not match them.
+A stored page's ``BlockStored`` carries its token ids and its parent page's hash when the page
+says them of itself (:mod:`kvcore_sglang.page_facts`: written with it as kvcore block metadata,
+read back with :meth:`kvcore.Backend.describe`, so pages another process stored in a shared
+store carry them too): a router index that hashes token ids itself (Dynamo's, llm-d's) places
+it. A page without them (written before, by a backend that keeps no metadata, or whose tokens
+SGLang's stack did not show) is published with its hash alone (``token_ids`` empty,
+``parent_block_hash`` None), for a router that joins it with the GPU and host events. Pages
+whose key is not a hash SGLang would publish (namespaced pages of a LoRA or a cache salt) are
+published under that key's hash all the same; SGLang's events namespace those, so a router
+will not match them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 
 from kvcore import events as ev
 from kvcore.threads import start_thread
+from kvcore_sglang import page_facts
+from kvcore_sglang.page_facts import PageFacts
 
 __all__ = ["StorageEventPublisher"]
 
@@ -59,6 +66,8 @@ class StorageEventPublisher:
 
         self.medium = StorageMedium(medium).value
         self.page_size = page_size
+        self._backend = backend
+        self._part_order = tuple(parts)
         self.parts = frozenset(parts)
         self.rank, self.world_size = rank, world_size
         self.namespace = backend.context.namespace
@@ -88,19 +97,37 @@ class StorageEventPublisher:
 
         out: list[Any] = []
         for event in self._sub.drain():
-            stored: list[int] = []
+            stored: list[str] = []
             removed: list[int] = []
             for change in self._blocks.changes(event):
                 if change.kind == ev.CLEARED:
                     out.append(AllBlocksCleared())
                 elif change.kind == ev.STORED:
-                    stored.append(_page_hash(hash_str_to_int64, change.block_key))
+                    stored.append(change.block_key)
                 else:
                     removed.append(_page_hash(hash_str_to_int64, change.block_key))
-            if stored:
+            bare: list[int] = []
+            for key, facts in _parents_first(stored, self._facts(stored)):
+                if facts is None:
+                    bare.append(_page_hash(hash_str_to_int64, key))
+                    continue
+                parent = (
+                    None if facts.parent is None else _page_hash(hash_str_to_int64, facts.parent)
+                )
                 out.append(
                     BlockStored(
-                        block_hashes=stored,
+                        block_hashes=[_page_hash(hash_str_to_int64, key)],
+                        parent_block_hash=parent,
+                        token_ids=list(facts.tokens),
+                        block_size=self.page_size,
+                        lora_id=None,
+                        medium=self.medium,
+                    )
+                )
+            if bare:
+                out.append(
+                    BlockStored(
+                        block_hashes=bare,
                         parent_block_hash=None,
                         token_ids=[],
                         block_size=self.page_size,
@@ -115,12 +142,52 @@ class StorageEventPublisher:
             self.published += len(out)
         return len(out)
 
+    def _facts(self, keys: list[str]) -> list[PageFacts | None]:
+        """What each page says of itself (None: nothing, or the store could not say)."""
+        if not keys or not self._backend.capabilities.block_meta:
+            return [None] * len(keys)
+        request = self._backend.request(
+            "sglang-describe",
+            keys,
+            parts=self._part_order,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        described = self._backend.describe(request)
+        facts = [page_facts.decode(blob) for blob in described]
+        if len(facts) != len(keys):  # a store that could not answer: counted by kvcore
+            return [None] * len(keys)
+        return facts
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self.flush()
         self._sub.close()
         self._publisher.shutdown()
+
+
+def _parents_first(
+    keys: list[str], facts: list[PageFacts | None]
+) -> list[tuple[str, PageFacts | None]]:
+    """The pages in an order where a page whose parent is among them comes after it (a store
+    listed by another process reports its pages in no particular order; an index places a
+    page by its parent, so the parent must come first)."""
+    of = dict(zip(keys, facts, strict=True))
+    out: list[tuple[str, PageFacts | None]] = []
+    done: set[str] = set()
+    for key in keys:
+        chain = []
+        while key not in done:
+            done.add(key)
+            chain.append(key)
+            facts = of[key]
+            parent = None if facts is None else facts.parent
+            if parent is None or parent not in of:
+                break
+            key = parent
+        out.extend((k, of[k]) for k in reversed(chain))
+    return out
 
 
 def _page_hash(convert: Any, key: str) -> int:

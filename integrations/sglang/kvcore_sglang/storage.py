@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import kvcore
 from kvcore.registry import load_backend_class
-from kvcore_sglang import legacy
+from kvcore_sglang import legacy, page_facts
 from kvcore_sglang.pages import PageFormat, describe_pool, kv_cache_layout
 from kvcore_sglang.settings import StorageIdentity, StorageSettings
 from kvcore_sglang.side_pools import Route, SidePools, pool_hits, present_pages
@@ -178,8 +178,13 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Store the host pool's pages at ``host_indices``; True for the leading run stored."""
-        return self._guard("set", [False] * len(keys), self._write_kv_pages, keys, host_indices)
+        """Store the host pool's pages at ``host_indices``; True for the leading run stored.
+        Each page carries its token ids and parent when SGLang's backup operation shows them
+        (see :mod:`kvcore_sglang.page_facts`)."""
+        facts = self._page_facts(keys)
+        return self._guard(
+            "set", [False] * len(keys), self._write_kv_pages, keys, host_indices, facts
+        )
 
     # -- the legacy API (flat pages, or raw addresses) --------------------------------------
 
@@ -364,10 +369,35 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         tier, fmt = self._kv_route()
         return self._io.read_pages(tier, fmt, self.mem_pool_host, keys, host_indices)
 
-    def _write_kv_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _write_kv_pages(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        facts: list[bytes] | None = None,
+    ) -> list[bool]:
         tier, fmt = self._kv_route()
         writer = self.identity.is_writer
-        return self._io.write_pages(tier, fmt, self.mem_pool_host, keys, host_indices, writer)
+        return self._io.write_pages(
+            tier, fmt, self.mem_pool_host, keys, host_indices, writer, block_meta=facts
+        )
+
+    def _page_facts(self, keys: list[str]) -> list[bytes] | None:
+        """The pages' facts as block metadata, for a KV tier that keeps it (b"" for a page
+        whose tokens could not be checked); None when there is nothing to keep."""
+        tier, fmt = self._kv, self._kv_format
+        if tier is None or fmt is None or not keys:
+            return None
+        try:
+            if not tier.backend.capabilities.block_meta:
+                return None
+        except StoreUnavailable:
+            return None
+        found = page_facts.backup_facts(keys, fmt.page_size)
+        if not any(found):
+            self._counters.add("pages_without_tokens", len(keys))
+            return None
+        self._counters.add("pages_without_tokens", found.count(None))
+        return [b"" if f is None else page_facts.encode(f) for f in found]
 
     def _read_tensors(
         self, keys: list[str], targets: Sequence[torch.Tensor] | None

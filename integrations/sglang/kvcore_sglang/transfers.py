@@ -56,11 +56,14 @@ class PageTransfers:
         *,
         rank: int | None = None,
         world_size: int | None = None,
+        block_meta: Sequence[bytes] | None = None,
     ) -> kvcore.BlockRequest:
         backend = tier.backend
         task = f"sglang-{op}-{next(self._tasks)}"
         if tier.layout is not None and fmt.parts == MHA_PARTS:
-            return backend.request(task, keys, timeout_s=self.settings.timeout_s, host=host)
+            return backend.request(
+                task, keys, timeout_s=self.settings.timeout_s, host=host, block_meta=block_meta
+            )
         # MLA's single latent part and the side pools' parts are not a CacheLayout's parts:
         # the request names them, with their sizes (checked at kvcore's door) and identity
         return backend.request(
@@ -72,6 +75,7 @@ class PageTransfers:
             part_bytes=fmt.part_nbytes,
             rank=tier.rank if rank is None else rank,
             world_size=tier.world_size if world_size is None else world_size,
+            block_meta=block_meta,
         )
 
     def outcome(self, op: str, outcome: kvcore.Outcome) -> int:
@@ -136,9 +140,11 @@ class PageTransfers:
         writer: bool,
         rank: int | None = None,
         world_size: int | None = None,
+        block_meta: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Store ``pool``'s pages at ``host_indices`` (the admitted leading run of them) when
-        this rank is the ``writer``; else report what is already stored."""
+        this rank is the ``writer``; else report what is already stored. ``block_meta``: what
+        each page says of itself (see :mod:`kvcore_sglang.page_facts`)."""
         if not keys:
             return []
         if not writer:
@@ -151,7 +157,9 @@ class PageTransfers:
         t0 = time.monotonic()
         offered = len(keys)
         # built once: asked of the admission policy, then sliced to what it admits and written
-        request = self.request("set", tier, fmt, keys, rank=rank, world_size=world_size)
+        request = self.request(
+            "set", tier, fmt, keys, rank=rank, world_size=world_size, block_meta=block_meta
+        )
         if len(host_indices) % offered == 0:  # else page_buffers below says what is wrong
             admitted = self.admitted(tier, request)
             if admitted == 0:

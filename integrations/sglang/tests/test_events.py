@@ -106,3 +106,107 @@ def test_stored_evicted_and_cleared_pages_reach_a_router(make_storage, collector
     collector.wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in collector.events))
     assert any(isinstance(e, AllBlocksCleared) for e in collector.events)
     assert held <= set(named(BlockRemoved)), "pages cleared from the store, no BlockRemoved"
+
+
+class TokenRouter:
+    """A router index that places pages by hashing their token ids itself, as Dynamo's and
+    llm-d's indexers do: a page's own id is a hash of its parent's own id and its tokens; the
+    published hashes only link a page to its parent. A page published without tokens, or
+    whose parent it never placed, cannot be placed."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._own: dict[int, bytes] = {}  # published hash -> own id
+        self.placed: set[bytes] = set()
+        self.unplaceable = 0
+
+    @staticmethod
+    def own_id(parent: bytes, tokens: list[int]) -> bytes:
+        import hashlib
+
+        return hashlib.blake2b(parent + repr(tokens).encode(), digest_size=16).digest()
+
+    def apply(self, event: BlockStored) -> None:
+        if not event.token_ids:
+            self.unplaceable += len(event.block_hashes)
+            return
+        parent = (
+            b"root" if event.parent_block_hash is None else self._own.get(event.parent_block_hash)
+        )
+        for i, published in enumerate(event.block_hashes):
+            tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
+            if parent is None or len(tokens) != event.block_size:
+                self.unplaceable += 1
+                return
+            parent = self.own_id(parent, list(tokens))
+            self._own[published] = parent
+            self.placed.add(parent)
+
+    def hit_pages(self, prompt: list[int]) -> int:
+        """Leading full pages of ``prompt`` placed in the store."""
+        own, n = b"root", 0
+        for start in range(0, len(prompt) - self.page_size + 1, self.page_size):
+            own = self.own_id(own, prompt[start : start + self.page_size])
+            if own not in self.placed:
+                break
+            n += 1
+        return n
+
+
+@pytest.mark.parametrize("backend_spec", ["file", "mooncake"], indirect=True)
+def test_a_router_that_hashes_tokens_places_pages_another_process_stored(
+    make_storage, collector, backend_spec
+):
+    """Storage A backs pages up through SGLang's own backup path (``_page_backup``, two
+    operations of one sequence, the second with the first's keys as ``prefix_keys``); storage
+    B, on the same store (a kv_file root; a Mooncake cluster), publishes them with their token ids and parents, read from
+    the pages themselves, and a router that hashes tokens itself places every page. Pages
+    whose tokens do not hash to their key, and a cache-salt's pages, are published without
+    tokens: never placed, never credited to the plain prompt."""
+    from kvcore_sglang.testing import controller_for
+    from sglang.srt.managers.cache_controller import StorageOperation
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    pool = mha_host_pool("page_first", pages=64)
+    fill_random(pool, 11)
+    writer = make_storage(pool)
+    make_storage(pool, extra={"events_endpoint": collector.endpoint})  # B: publishes
+    ctrl = controller_for(writer, pool, zero_copy=True)
+    ps = pool.page_size
+    prompt = [(31 * i + 7) % 50_000 for i in range(20 * ps)]
+    keys = get_storage_hash_str(prompt, None, page_size=ps)
+    first = StorageOperation(page_indices(pool, 0, 12), prompt[: 12 * ps], hash_value=keys[:12])
+    ctrl._page_backup(first)
+    rest = StorageOperation(
+        page_indices(pool, 12, 8), prompt[12 * ps :], hash_value=keys[12:], prefix_keys=keys[:12]
+    )
+    ctrl._page_backup(rest)
+    assert first.completed_tokens + rest.completed_tokens == len(prompt)
+    # a tenant's pages (same tokens, salted chain), and pages whose tokens lie about their keys
+    salted = RadixKey(prompt[: 4 * ps], cache_salt="tenant-b")
+    salted_keys = get_storage_hash_str(salted, None, page_size=ps)
+    ctrl._page_backup(StorageOperation(page_indices(pool, 20, 4), salted, hash_value=salted_keys))
+    other = [t + 1 for t in prompt[: 3 * ps]]
+    lying = get_storage_hash_str(other, None, page_size=ps)
+    ctrl._page_backup(
+        StorageOperation(page_indices(pool, 24, 3), prompt[: 3 * ps], hash_value=lying)
+    )
+
+    def stored() -> list[BlockStored]:
+        return [e for e in collector.events if isinstance(e, BlockStored)]
+
+    collector.wait_for(lambda: sum(len(e.block_hashes) for e in stored()) >= 27)
+    router = TokenRouter(ps)
+    for event in stored():
+        router.apply(event)
+    assert router.hit_pages(prompt) == 20, "the router could not place the pages B announced"
+    by_hash = {e.block_hashes[0]: e for e in stored() if e.token_ids}
+    for i, key in enumerate(keys):  # SGLang's names, parents and tokens, page by page
+        event = by_hash[hash_str_to_int64(key)]
+        assert event.token_ids == prompt[i * ps : (i + 1) * ps]
+        assert event.parent_block_hash == (hash_str_to_int64(keys[i - 1]) if i else None)
+    bare = {h for e in stored() if not e.token_ids for h in e.block_hashes}
+    assert {hash_str_to_int64(k) for k in salted_keys + lying} <= bare
+    assert router.unplaceable == 7
+    assert router.hit_pages(other) == 0
