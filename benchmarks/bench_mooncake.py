@@ -8,7 +8,9 @@ with the same client: once through the backend (``Backend.request`` + ``write``/
 which adds the existence check, key mapping and leading-run accounting) and once with raw
 ``batch_put_from`` / ``batch_get_into`` on fresh keys, then times ``--query-iters`` existence
 queries of those keys each way (``Backend.query`` against raw ``batch_is_exist``, interleaved).
-Which side goes first flips each repetition. Figures are the median and range (min, max) over
+Which side goes first flips each repetition. A third contender writes through the backend
+with block metadata (``--meta-bytes`` per block, the size of a vLLM block descriptor): what
+the metadata companions cost a write (``write_with_meta_vs_write``). Figures are the median and range (min, max) over
 ``--reps``; each ratio is computed per repetition from the two sides measured in it (paired),
 then summarised the same way. The raw client doing the same I/O is named as the limit: kvcore
 beating it by more than 5 % is flagged. ``--json`` prints one JSON object
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--query-iters", type=int, default=200, help="queries per repetition")
     ap.add_argument("--segment-mib", type=int, default=1024)
+    ap.add_argument("--meta-bytes", type=int, default=138, help="block metadata per block")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -79,8 +82,8 @@ def main() -> None:
     n = args.blocks
     sizes = tuple(layout.part_bytes(p) for p in layout.parts)
     total = n * sum(sizes)
-    if 3 * total > args.segment_mib << 20:
-        ap.error(f"--segment-mib must hold 3 calls' worth ({3 * total >> 20} MiB)")
+    if 4 * total > args.segment_mib << 20:
+        ap.error(f"--segment-mib must hold 4 calls' worth ({4 * total >> 20} MiB)")
 
     with MooncakeCluster(storage_bytes=0) as cluster:
         config = cluster.config(global_segment_size=args.segment_mib << 20)
@@ -122,21 +125,27 @@ def run(
     dst_ptrs, _ = dst_host.flat()
 
     times: dict[str, list[float]] = {
-        k: [] for k in ("kv_w", "raw_w", "kv_r", "raw_r", "kv_q", "raw_q")
+        k: [] for k in ("kv_w", "raw_w", "kv_r", "raw_r", "kv_q", "raw_q", "meta_w", "meta_r")
     }
+    metas = [bytes([i % 251]) * args.meta_bytes for i in range(n)]
     warmup = 2
     for rep in range(warmup + args.reps):
         tokens = np.random.default_rng().integers(0, 150_000, n * layout.block_size).tolist()
         scope = KeyScope(namespace=f"bench-{uuid.uuid4().hex}")
         keys = block_hashes(tokens, layout.block_size, scope)
         raw_keys = [f"bench-raw/{uuid.uuid4().hex}/{i}" for i in range(n * len(sizes))]
+        meta_keys = block_hashes(
+            tokens, layout.block_size, KeyScope(namespace=scope.namespace + "m")
+        )
 
         kv_w = partial(kv_write, backend, keys, src_host)
         kv_r = partial(kv_read, backend, keys, dst_host)
         raw_write = partial(store.batch_put_from, raw_keys, src_ptrs, flat_sizes)
         raw_read = partial(store.batch_get_into, raw_keys, dst_ptrs, flat_sizes)
+        meta_w = partial(kv_write, backend, meta_keys, src_host, metas)
+        meta_r = partial(kv_read, backend, meta_keys, dst_host)
 
-        order = [("kv", kv_w, kv_r), ("raw", raw_write, raw_read)]
+        order = [("kv", kv_w, kv_r), ("raw", raw_write, raw_read), ("meta", meta_w, meta_r)]
         if rep % 2:
             order.reverse()
         for name, write, read in order:
@@ -157,8 +166,13 @@ def run(
             )
             times["kv_q"].append(kv_q)
             times["raw_q"].append(raw_q)
-        names = [store_key(m) for names in backend.request("x", keys).object_names for m in names]
-        store.batch_remove(names + raw_keys, True)
+        names = [
+            store_key(m)
+            for ks in (keys, meta_keys)
+            for names in backend.request("x", ks).object_names
+            for m in names
+        ]
+        store.batch_remove(names + raw_keys + [f"{m}#meta" for m in names], True)
 
     report = Report()
     gbps = {k: [total / t / 1e9 for t in times[k]] for k in ("kv_w", "raw_w", "kv_r", "raw_r")}
@@ -174,12 +188,18 @@ def run(
     report.ratio("write_vs_raw", times["raw_w"], times["kv_w"], goal=">= 0.9", limit=True)
     report.ratio("read_vs_raw", times["raw_r"], times["kv_r"], goal=">= 0.9", limit=True)
     report.ratio("query_vs_raw", times["raw_q"], times["kv_q"], limit=True)
+    report.ratio("write_with_meta_vs_write", times["kv_w"], times["meta_w"])
     return report
 
 
-def kv_write(backend: kvcore.Backend, keys: list[str], host: kvcore.HostBuffers) -> int:
+def kv_write(
+    backend: kvcore.Backend,
+    keys: list[str],
+    host: kvcore.HostBuffers,
+    block_meta: list[bytes] | None = None,
+) -> int:
     """One engine-side call: build the request (names, deadline), then write."""
-    return backend.write(backend.request("bench-w", keys, host=host))
+    return backend.write(backend.request("bench-w", keys, host=host, block_meta=block_meta))
 
 
 def kv_read(backend: kvcore.Backend, keys: list[str], host: kvcore.HostBuffers) -> int:
@@ -187,7 +207,7 @@ def kv_read(backend: kvcore.Backend, keys: list[str], host: kvcore.HostBuffers) 
 
 
 def check(name: str, op: str, done: object, n: int, sizes: list[int]) -> None:
-    if name == "kv":
+    if name in ("kv", "meta"):
         ok = done == n
     elif op == "write":
         ok = all(r == 0 for r in done)  # type: ignore[union-attr]

@@ -10,8 +10,13 @@ endpoint of its own (``events_endpoint`` in the storage extra config):
   as SGLang names the page in its own events (``hash_str_to_int64`` of the page's key, the
   hash SGLang's HiCache passes to the storage tier), ``block_size`` = the page size;
 - ``BlockRemoved`` for a page any part of which left the store (an eviction, a removal, another
-  process's, where the kvcore backend reports them: kv_file does, see its README);
-- ``AllBlocksCleared`` when the namespace was cleared or the stream fell behind.
+  process's, where the kvcore backend reports them: kv_file does, see its README), only for a
+  page it published as stored;
+- ``AllBlocksCleared`` when the namespace was cleared or the stream fell behind;
+- on attaching, what the store already holds (listed once after subscribing, so nothing in
+  between is missed: ``kvcore.Backend.names``, for backends that list), ``_ATTACH_BATCH``
+  objects per publication: a storage attached to a shared store another process filled
+  announces its pages before serving.
 
 A stored page's ``BlockStored`` carries its token ids and its parent page's hash when the page
 says them of itself (:mod:`kvcore_sglang.page_facts`: written with it as kvcore block metadata,
@@ -30,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +52,11 @@ log = logging.getLogger("kvcore_sglang")
 _MAX_PARTIAL = 100_000
 #: how often the follower publishes what the store reported
 _INTERVAL_S = 0.05
+#: pages remembered as announced (removals are published only for those; past it the oldest
+#: is withdrawn with a removal)
+_MAX_ANNOUNCED = 200_000
+#: listed objects announced per publication when attaching to a filled store
+_ATTACH_BATCH = 8192
 
 
 class StorageEventPublisher:
@@ -78,34 +89,67 @@ class StorageEventPublisher:
             self.namespace, parts, rank, world_size, max_partial=_MAX_PARTIAL
         )
         self.published = 0
+        self._listed: list[ev.StoreEvent] = []  # the store's listing, to announce
+        self._announced: OrderedDict[str, None] = OrderedDict()  # pages published as stored
         self._stop = threading.Event()
         self._thread = start_thread(self._follow, "kvcore-sglang-events")
 
     def _follow(self) -> None:
+        self._attach()
         while not self._stop.wait(_INTERVAL_S):
             self.flush()
 
+    def _attach(self) -> None:
+        """Queue what the store holds already (listed after subscribing)."""
+        names = self._backend.names()
+        self._listed = [
+            ev.StoreEvent(0, ev.STORED, self.namespace, tuple(names[lo : lo + _ATTACH_BATCH]))
+            for lo in range(0, len(names), _ATTACH_BATCH)
+        ]
+
     def flush(self) -> int:
-        """Publish what the store reported since the last flush; returns how many events."""
+        """Publish what the store reported since the last flush (the listing of an attach
+        first, each batch of it published apart, then the stream's changes since, which may
+        remove what the listing held); returns how many events."""
+        listed, self._listed = self._listed, []
+        count = sum(self._publish(self._translate([event])) for event in listed)
+        return count + self._publish(self._translate(self._sub.drain()))
+
+    def _publish(self, out: list[Any]) -> int:
+        from sglang.srt.disaggregation.kv_events import KVEventBatch
+
+        if out:
+            self._publisher.publish(KVEventBatch(ts=time.time(), events=out))
+            self.published += len(out)
+        return len(out)
+
+    def _translate(self, events: Sequence[ev.StoreEvent]) -> list[Any]:
+        """The store's events as SGLang's KV events."""
         from sglang.srt.disaggregation.kv_events import (
             AllBlocksCleared,
             BlockRemoved,
             BlockStored,
-            KVEventBatch,
         )
         from sglang.srt.mem_cache.utils import hash_str_to_int64
 
         out: list[Any] = []
-        for event in self._sub.drain():
+        for event in events:
             stored: list[str] = []
             removed: list[int] = []
+            announced = self._announced
             for change in self._blocks.changes(event):
                 if change.kind == ev.CLEARED:
+                    announced.clear()
                     out.append(AllBlocksCleared())
                 elif change.kind == ev.STORED:
-                    stored.append(change.block_key)
-                else:
+                    if change.block_key not in announced:
+                        stored.append(change.block_key)
+                        announced[change.block_key] = None
+                elif change.block_key in announced:  # never a removal of a page not announced
+                    del announced[change.block_key]
                     removed.append(_page_hash(hash_str_to_int64, change.block_key))
+            while len(announced) > _MAX_ANNOUNCED:  # withdrawn: no longer followed
+                removed.append(_page_hash(hash_str_to_int64, announced.popitem(last=False)[0]))
             bare: list[int] = []
             for key, facts in _parents_first(stored, self._facts(stored)):
                 if facts is None:
@@ -137,10 +181,7 @@ class StorageEventPublisher:
                 )
             if removed:
                 out.append(BlockRemoved(block_hashes=removed, medium=self.medium))
-        if out:
-            self._publisher.publish(KVEventBatch(ts=time.time(), events=out))
-            self.published += len(out)
-        return len(out)
+        return out
 
     def _facts(self, keys: list[str]) -> list[PageFacts | None]:
         """What each page says of itself (None: nothing, or the store could not say)."""

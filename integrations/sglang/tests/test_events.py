@@ -162,7 +162,8 @@ def test_a_router_that_hashes_tokens_places_pages_another_process_stored(
     B, on the same store (a kv_file root; a Mooncake cluster), publishes them with their token ids and parents, read from
     the pages themselves, and a router that hashes tokens itself places every page. Pages
     whose tokens do not hash to their key, and a cache-salt's pages, are published without
-    tokens: never placed, never credited to the plain prompt."""
+    tokens: never placed, never credited to the plain prompt. A third storage attaching later
+    announces the pages it finds stored, tokens included."""
     from kvcore_sglang.testing import controller_for
     from sglang.srt.managers.cache_controller import StorageOperation
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -210,3 +211,14 @@ def test_a_router_that_hashes_tokens_places_pages_another_process_stored(
     assert {hash_str_to_int64(k) for k in salted_keys + lying} <= bare
     assert router.unplaceable == 7
     assert router.hit_pages(other) == 0
+    # a storage attaching to the filled store announces what it finds, tokens and parents
+    late = Collector()
+    try:
+        make_storage(pool, extra={"events_endpoint": late.endpoint})
+        late.wait_for(lambda: sum(len(e.block_hashes) for e in late.events) >= 27)
+        attached = TokenRouter(ps)
+        for event in late.events:
+            attached.apply(event)
+        assert attached.hit_pages(prompt) == 20, "an attaching storage did not announce the store"
+    finally:
+        late.close()

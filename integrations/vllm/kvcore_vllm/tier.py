@@ -29,15 +29,21 @@ moves whole chunks between the primary tier's memory and its store. Selected in
 - Failures are misses: a backend error, a corrupt object or a deadline fails the job (or its
   tail); nothing raises into vLLM's scheduler.
 - Events (``enable_kv_events``): what the backend's event stream says the store gained and
-  lost, evictions and other processes' changes included where the backend reports them.
+  lost, evictions and other processes' changes included where the backend reports them; and,
+  on attaching, what the store already holds (listed once after subscribing, announced over
+  the next steps, ``LISTED_PER_STEP`` objects a step), so an engine attached to a store others
+  filled announces its chunks. vLLM pulls the events at its steps and translates them itself
+  (its offloading events tracker, scheduler-thread state), so they leave when the engine
+  steps: an idle engine publishes nothing until its next step.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
@@ -69,6 +75,10 @@ __all__ = ["KVCoreTier"]
 log = logging.getLogger("vllm.kvcore_vllm.tier")
 #: The object part of a chunk.
 PART = "chunk"
+#: listed objects of the store announced per step after attaching (a step stays short)
+LISTED_PER_STEP = 4096
+#: chunks the tier remembers having announced (to send removals only for those)
+ANNOUNCED_CHUNKS = 200_000
 #: Prometheus names of the tier's counters (labelled by tier type), and what they count.
 _COUNTERS = {
     "lookup_chunks": "chunks looked up in the kvcore tier",
@@ -134,11 +144,14 @@ class KVCoreTier(SecondaryTierManager):
             )
         self.keys = ChunkKeys(chunk_scope(offloading_spec, cfg, self._chunk_bytes, engine_config))
         context: dict[str, Any] = {"namespace": cfg.namespace}
+        self._namespace = cfg.namespace
         if cfg.weight_version:
             context["weight_version"] = cfg.weight_version
         self._store_override: kvcore.Backend | None = None
         self._events: list[OffloadingEvent] | None = None
         self._subscription: ev.Subscription | None = None
+        self._unlisted: dict[str, None] = {}  # the store's listing, still to announce
+        self._announced: OrderedDict[OffloadKey, None] = OrderedDict()  # told vLLM, in order
         if cfg.enable_kv_events:
             events_config = getattr(offloading_spec, "kv_events_config", None)
             if events_config is not None and events_config.enable_kv_cache_events:
@@ -188,6 +201,7 @@ class KVCoreTier(SecondaryTierManager):
         backend.register_buffer(self._base, self._region_bytes)
         if self._events is not None:
             self._subscription = backend.events.subscribe()
+            self._unlisted = dict.fromkeys(backend.names())  # after subscribing: none missed
 
     @property
     def backend(self) -> kvcore.Backend | None:
@@ -270,8 +284,21 @@ class KVCoreTier(SecondaryTierManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._subscription is None or self._events is None:
             return ()
+        if self._unlisted:
+            batch = list(itertools.islice(self._unlisted, LISTED_PER_STEP))
+            for name in batch:
+                del self._unlisted[name]
+            self._translate(ev.StoreEvent(0, ev.STORED, self._namespace, tuple(batch)))
         for event in self._subscription.drain():
+            if event.kind in (ev.CLEARED, ev.RESYNC):
+                self._unlisted.clear()
+            elif event.kind != ev.STORED:
+                for name in event.names:  # gone before it was announced: never announce it
+                    self._unlisted.pop(name, None)
             self._translate(event)
+            if event.kind == ev.RESYNC and (backend := self.backend) is not None:
+                # the stream lost changes: what is stored now is announced again
+                self._unlisted = dict.fromkeys(backend.names())
         events, self._events = self._events, []
         return events
 
@@ -441,12 +468,12 @@ class KVCoreTier(SecondaryTierManager):
         """One kvcore event as vLLM's tier-owned offloading events."""
         assert self._events is not None
         if event.kind in (ev.CLEARED, ev.RESYNC):
-            # vLLM's events name blocks; "everything of this tier" has no event of its own
-            log.warning(
-                "kvcore tier: the store reported %r; routers keep what they knew of it until "
-                "the blocks are stored or removed again",
-                event.kind,
-            )
+            # vLLM's events name chunks; "everything of this tier" has none of its own: every
+            # chunk announced is removed (after a resync, the store is listed again)
+            gone = list(self._announced)
+            self._announced.clear()
+            if gone:
+                self._append_event(gone, True)
             return
         removed = event.kind != ev.STORED
         keys: list[OffloadKey] = []
@@ -461,8 +488,34 @@ class KVCoreTier(SecondaryTierManager):
                 keys.append(key)
         if unmapped:
             self._count(events_unmapped=unmapped)
+        keys = self._announce(keys, removed)
         if not keys:
             return
+        self._append_event(keys, removed)
+
+    def _announce(self, keys: list[OffloadKey], removed: bool) -> list[OffloadKey]:
+        """What of ``keys`` to tell vLLM: stores once, removals only of chunks announced
+        (a router never hears of a chunk leaving that it was not told of). Past
+        ``ANNOUNCED_CHUNKS`` the oldest announced chunk is withdrawn (a removal), so vLLM never
+        keeps one the tier no longer follows."""
+        announced = self._announced
+        if removed:
+            gone = [k for k in keys if k in announced]
+            for k in gone:
+                del announced[k]
+            return gone
+        new = [k for k in keys if k not in announced]
+        for k in new:
+            announced[k] = None
+        withdrawn = []
+        while len(announced) > ANNOUNCED_CHUNKS:
+            withdrawn.append(announced.popitem(last=False)[0])
+        if withdrawn:
+            self._append_event(withdrawn, True)
+        return new
+
+    def _append_event(self, keys: list[OffloadKey], removed: bool) -> None:
+        assert self._events is not None
         last = self._events[-1] if self._events else None
         if last is not None and last.removed == removed:
             last.keys.extend(keys)  # one event per run of stores (or removals), as vLLM's tiers

@@ -464,3 +464,45 @@ def test_backend_settings_of_the_helpers_are_what_operators_write(tmp_path) -> N
     )
     assert tier.settings.namespace == "prod" and tier.backend.name == "file"
     tier.shutdown()
+
+
+def test_a_tier_attaching_to_a_filled_store_announces_its_chunks(tmp_path) -> None:
+    """Chunks another opener stored before this tier opened are announced from the store's
+    listing over the next steps (``LISTED_PER_STEP`` objects a step); one removed meanwhile is
+    either never announced or announced and then removed, never left credited."""
+    from kvcore_vllm import tier as tier_module
+
+    spec = offloading_spec(enable_kv_cache_events=True)
+    config = {"root": str(tmp_path), "rescan_interval_s": 0}
+    writer, _ = make_tier("file", "", spec=spec, backend_config=config)
+    try:
+        for i in range(6):
+            writer.submit_store(make_job(i, [key(200 + i)], [i]))
+            assert [r.success for r in drain(writer)] == [True]
+        late, _ = make_tier("file", "", spec=spec, enable_kv_events=True, backend_config=config)
+        try:
+            old = tier_module.LISTED_PER_STEP
+            tier_module.LISTED_PER_STEP = 2  # several steps
+            try:
+                assert writer.backend.remove(
+                    writer.backend.request("gone", [writer.keys.key(key(205))],
+                                           parts=(tier_module.PART,))
+                ) == 1  # fmt: skip
+                time.sleep(0.3)  # the removal reaches the stream before the steps
+                announced: list = []
+                for _ in range(6):
+                    announced.extend(late.take_events())
+            finally:
+                tier_module.LISTED_PER_STEP = old
+            held: set = set()
+            for event in announced:  # a removal only of a chunk announced before it
+                if event.removed:
+                    assert set(event.keys) <= held, "removed a chunk never announced"
+                    held -= set(event.keys)
+                else:
+                    held |= set(event.keys)
+            assert held == set(map(key, range(200, 205)))
+        finally:
+            late.shutdown()
+    finally:
+        writer.shutdown()
