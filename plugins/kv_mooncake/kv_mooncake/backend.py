@@ -15,7 +15,8 @@
   key prefix (the client cannot list keys). Both skip Mooncake's read leases unless
   ``force_remove`` is off (see the README).
 - Block metadata (what a block says of itself: an engine's block hash, parent, tokens): a
-  small companion object beside each object written with it, verified and named
+  small companion object beside the block's first object (and every object whose key is a
+  digest of its name), verified and named
   (:mod:`kv_mooncake.block_meta`), written before the object, removed with it; ``describe``
   checks the object is there and reads its companion.
 - Listing and following the store (with ``master_metrics_port``): the master's key listing
@@ -423,11 +424,16 @@ class MooncakeBackend:
         self, request: BlockRequest, names: list[str], keys: list[str], todo: list[int]
     ) -> None:
         """Store the metadata companions of the objects about to be written (before them: a
-        peer that finds an object finds its metadata). A companion that does not land leaves
-        its block without metadata (counted), never unwritten."""
+        peer that finds an object finds its metadata): one per block, its first object's
+        (what ``describe`` reads), and one for every object whose key is a digest of its name
+        (the listing names it by its companion). A companion that does not land leaves its
+        block without metadata (counted), never unwritten."""
         assert request.block_meta is not None
         parts = len(request.parts)
-        chosen = [i for i in todo if request.block_meta[i // parts]]
+        chosen = [
+            i for i in todo
+            if request.block_meta[i // parts] and (i % parts == 0 or "#" in keys[i])
+        ]  # fmt: skip
         for lo in range(0, len(chosen), _COMPANIONS_PER_CALL):
             chunk = chosen[lo : lo + _COMPANIONS_PER_CALL]
             code = self._store.upsert_batch(

@@ -1,7 +1,8 @@
 """What a block says of itself (kvcore's block metadata), kept in a Mooncake store.
 
-Mooncake objects are bare bytes, so each object written with metadata gets a small companion
-object, its key plus :data:`META_SUFFIX`, holding::
+Mooncake objects are bare bytes, so a block written with metadata gets a small companion object
+beside its first object (and beside every object whose key is a digest of its name: the listing
+names those by their companions), the object's key plus :data:`META_SUFFIX`, holding::
 
     magic "KVM1" | name length (u16) | metadata length (u32) | name | metadata | xxh3-64
 
