@@ -24,7 +24,9 @@ bounded (in objects): when it is full, its queue is replaced by one ``resync`` e
 subscriber nothing is built: publishing is one attribute read.
 
 :class:`StoreIndex` is the reference consumer: the objects a store holds, built from events
-alone, as a router would.
+alone, as a router would. :class:`RankBlocks` groups a stream's objects into one rank's blocks,
+and :class:`Announced` keeps what a publisher of block events told its consumers (each block
+announced once, removals only of announced blocks), for every engine adapter.
 
 .. versionadded:: 0.3
 """
@@ -36,9 +38,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvcore.keys import BlockId, ObjectName
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 __all__ = [
     "CLEARED",
@@ -49,6 +54,7 @@ __all__ = [
     "REMOVED",
     "RESYNC",
     "STORED",
+    "Announced",
     "BlockChange",
     "EventStream",
     "RankBlocks",
@@ -457,4 +463,58 @@ class RankBlocks:
             else:
                 self._partial.pop(key, None)
                 out.append(BlockChange(REMOVED, key))
+        return out
+
+
+class Announced(Generic[K, V]):
+    """What an event publisher told its consumers is stored: the one place that decides what
+    it may tell of next.
+
+    A router that hears of a block leaving that it was never told of is confused at best (a
+    stricter index rejects the stream), and one told of a block twice double-counts it. So a
+    publisher announces a block once (:meth:`announce` of a key not ``in`` it), tells of a
+    removal only for a block it announced (:meth:`remove` answers what it was named, or None),
+    and on a clear every block it announced is gone (:meth:`clear`). It remembers at most
+    ``limit`` blocks: past that the oldest is withdrawn, and the publisher tells of its removal
+    (a router never keeps crediting a block the publisher no longer follows).
+
+    ``value`` is what the publisher named the block in its events (an engine's hash); never
+    None. Not thread-safe: the publisher holds its own lock.
+
+    .. versionadded:: 0.4
+    """
+
+    __slots__ = ("_items", "limit")
+
+    def __init__(self, limit: int = 200_000) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        self.limit = limit
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def announce(self, key: K, value: V) -> list[V]:
+        """Record ``key`` as announced, named ``value``; returns what was withdrawn to keep
+        the bound (oldest first): the publisher tells of their removal."""
+        self._items[key] = value
+        self._items.move_to_end(key)
+        withdrawn = []
+        while len(self._items) > self.limit:
+            withdrawn.append(self._items.popitem(last=False)[1])
+        return withdrawn
+
+    def remove(self, key: K) -> V | None:
+        """What ``key`` was announced as, forgotten now; None when it was not announced (then
+        nothing is told)."""
+        return self._items.pop(key, None)
+
+    def clear(self) -> list[V]:
+        """Everything announced, forgotten now (oldest first)."""
+        out = list(self._items.values())
+        self._items.clear()
         return out

@@ -307,3 +307,19 @@ def test_rank_blocks_groups_one_ranks_objects_into_blocks() -> None:
     blocks.changes(event(ev.STORED, names(["c", "d"], ("k",))))
     assert blocks.changes(event(ev.STORED, names(["d"], ("v",)))) == [ev.BlockChange("stored", "d")]
     assert blocks.changes(event(ev.STORED, names(["c"], ("v",)))) == []  # c's k was forgotten
+
+
+def test_announced_blocks_are_told_once_removed_only_when_told_and_bounded() -> None:
+    from kvcore.events import Announced
+
+    told: Announced[str, int] = Announced(limit=3)
+    assert told.announce("a", 1) == [] and "a" in told
+    assert told.remove("never") is None  # never announced: no removal to tell
+    assert told.announce("b", 2) == [] and told.announce("c", 3) == []
+    assert told.announce("a", 1) == []  # again: now the newest
+    assert told.announce("d", 4) == [2]  # past the bound: the oldest ("b") is withdrawn
+    assert "b" not in told and len(told) == 3
+    assert told.remove("c") == 3 and told.remove("c") is None  # told once
+    assert told.clear() == [1, 4] and len(told) == 0
+    with pytest.raises(ValueError, match="limit"):
+        Announced(limit=0)

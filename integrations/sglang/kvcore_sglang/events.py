@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,7 +89,7 @@ class StorageEventPublisher:
         )
         self.published = 0
         self._listed: list[ev.StoreEvent] = []  # the store's listing, to announce
-        self._announced: OrderedDict[str, None] = OrderedDict()  # pages published as stored
+        self._announced: ev.Announced[str, str] = ev.Announced(_MAX_ANNOUNCED)  # pages told
         self._stop = threading.Event()
         self._thread = start_thread(self._follow, "kvcore-sglang-events")
 
@@ -138,18 +137,17 @@ class StorageEventPublisher:
             removed: list[int] = []
             announced = self._announced
             for change in self._blocks.changes(event):
+                key = change.block_key
                 if change.kind == ev.CLEARED:
                     announced.clear()
                     out.append(AllBlocksCleared())
                 elif change.kind == ev.STORED:
-                    if change.block_key not in announced:
-                        stored.append(change.block_key)
-                        announced[change.block_key] = None
-                elif change.block_key in announced:  # never a removal of a page not announced
-                    del announced[change.block_key]
-                    removed.append(_page_hash(hash_str_to_int64, change.block_key))
-            while len(announced) > _MAX_ANNOUNCED:  # withdrawn: no longer followed
-                removed.append(_page_hash(hash_str_to_int64, announced.popitem(last=False)[0]))
+                    if key not in announced:
+                        stored.append(key)
+                        withdrawn = announced.announce(key, key)  # past the bound: told gone
+                        removed.extend(_page_hash(hash_str_to_int64, k) for k in withdrawn)
+                elif announced.remove(key) is not None:  # never a removal of a page not told
+                    removed.append(_page_hash(hash_str_to_int64, key))
             bare: list[int] = []
             for key, facts in _parents_first(stored, self._facts(stored)):
                 if facts is None:

@@ -173,7 +173,7 @@ class SchedulerEvents:
         self.max_known = max_known_blocks
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # asked to save, not all ranks
-        self._stored: OrderedDict[str, Any] = OrderedDict()  # key -> vLLM hash, announced
+        self._stored: ev.Announced[str, Any] = ev.Announced(max_known_blocks)  # -> vLLM hash
         #: blocks stored by others, by rank, not yet complete or not yet described
         self._unnamed: OrderedDict[str, set[int]] = OrderedDict()
         self._to_describe: OrderedDict[str, None] = OrderedDict()  # complete, to be read
@@ -218,7 +218,7 @@ class SchedulerEvents:
                 elif kind == REMOVED:
                     self._removed_slice(key, rank)
                 elif kind == CLEARED:
-                    self._stored.clear()
+                    self._stored.clear()  # AllBlocksCleared below tells of every one
                     self._unnamed.clear()
                     self._to_describe.clear()
                     for block in self._pending.values():
@@ -248,7 +248,7 @@ class SchedulerEvents:
         if pending is not None:
             pending.ranks.discard(rank)
         self._forget_unnamed(key)
-        block_hash = self._stored.pop(key, None)
+        block_hash = self._stored.remove(key)
         if block_hash is not None:  # only what this engine announced
             self._out.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_STORAGE))
 
@@ -305,11 +305,8 @@ class SchedulerEvents:
                 group_idx=0,
             )
         )
-        self._stored[key] = facts.block_hash
-        self._stored.move_to_end(key)
-        while len(self._stored) > self.max_known:
-            # a block this engine can no longer follow is withdrawn, never left credited
-            _, forgotten = self._stored.popitem(last=False)
+        # a block this engine can no longer follow is withdrawn, never left credited
+        for forgotten in self._stored.announce(key, facts.block_hash):
             self._out.append(BlockRemoved(block_hashes=[forgotten], medium=MEDIUM_STORAGE))
 
 

@@ -43,7 +43,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
@@ -151,7 +151,7 @@ class KVCoreTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] | None = None
         self._subscription: ev.Subscription | None = None
         self._unlisted: dict[str, None] = {}  # the store's listing, still to announce
-        self._announced: OrderedDict[OffloadKey, None] = OrderedDict()  # told vLLM, in order
+        self._announced: ev.Announced[OffloadKey, OffloadKey] = ev.Announced(ANNOUNCED_CHUNKS)
         if cfg.enable_kv_events:
             events_config = getattr(offloading_spec, "kv_events_config", None)
             if events_config is not None and events_config.enable_kv_cache_events:
@@ -470,8 +470,7 @@ class KVCoreTier(SecondaryTierManager):
         if event.kind in (ev.CLEARED, ev.RESYNC):
             # vLLM's events name chunks; "everything of this tier" has none of its own: every
             # chunk announced is removed (after a resync, the store is listed again)
-            gone = list(self._announced)
-            self._announced.clear()
+            gone = self._announced.clear()
             if gone:
                 self._append_event(gone, True)
             return
@@ -500,16 +499,9 @@ class KVCoreTier(SecondaryTierManager):
         keeps one the tier no longer follows."""
         announced = self._announced
         if removed:
-            gone = [k for k in keys if k in announced]
-            for k in gone:
-                del announced[k]
-            return gone
-        new = [k for k in keys if k not in announced]
-        for k in new:
-            announced[k] = None
-        withdrawn = []
-        while len(announced) > ANNOUNCED_CHUNKS:
-            withdrawn.append(announced.popitem(last=False)[0])
+            return [k for k in keys if announced.remove(k) is not None]
+        new = [k for k in dict.fromkeys(keys) if k not in announced]
+        withdrawn = [gone for k in new for gone in announced.announce(k, k)]
         if withdrawn:
             self._append_event(withdrawn, True)
         return new
