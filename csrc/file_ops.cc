@@ -29,6 +29,10 @@ namespace {
 
 constexpr int64_t kPage = 4096;
 constexpr size_t kIovMax = 1024;  // Linux's IOV_MAX
+// Bytes moved and hashed at a time when a payload is checksummed: small enough to still be in
+// the CPU's cache when it is hashed after the copy (or copied after it is hashed), so memory
+// is walked once instead of twice; large enough that the calls cost nothing beside the copy.
+constexpr size_t kWindow = 256 * 1024;
 
 class FileDescriptor {
  public:
@@ -102,16 +106,16 @@ size_t advance(std::vector<struct iovec>& iov, size_t first, size_t moved) {
   return first;
 }
 
-// Read the file from its start into `iov` (consumed), IOV_MAX entries a call, through short
+// Read the file from `offset` into `iov` (consumed), IOV_MAX entries a call, through short
 // reads, up to the end of the file. Returns the bytes read, or -1 with errno set. A read short
 // of the end is continued rather than taken for a short file: the kernel copies up to a buffer
 // it cannot write (a bad pointer) and the next call reports that error.
-int64_t preadv_all(int fd, std::vector<struct iovec>& iov) {
+int64_t preadv_all(int fd, std::vector<struct iovec>& iov, int64_t offset = 0) {
   size_t first = 0;
   int64_t done = 0;
   while (first < iov.size()) {
     const int count = static_cast<int>(std::min(kIovMax, iov.size() - first));
-    const ssize_t got = preadv(fd, &iov[first], count, done);
+    const ssize_t got = preadv(fd, &iov[first], count, offset + done);
     if (got < 0) {
       if (errno == EINTR) continue;
       return -1;
@@ -123,35 +127,137 @@ int64_t preadv_all(int fd, std::vector<struct iovec>& iov) {
   return done;
 }
 
-// Write `iov` (consumed) in order, IOV_MAX entries a call, through short writes. 0 or errno.
-int writev_all(int fd, std::vector<struct iovec>& iov) {
+// Write `iov` (consumed) in order at `offset` (-1: at the file's position), IOV_MAX entries a
+// call, through short writes. 0 or errno.
+int writev_all(int fd, std::vector<struct iovec>& iov, int64_t offset = -1) {
   size_t first = 0;
+  int64_t done = 0;
   while (first < iov.size()) {
     const int count = static_cast<int>(std::min(kIovMax, iov.size() - first));
-    const ssize_t put = writev(fd, &iov[first], count);
+    const ssize_t put = offset < 0 ? writev(fd, &iov[first], count)
+                                   : pwritev(fd, &iov[first], count, offset + done);
     if (put < 0) {
       if (errno == EINTR) continue;
       return errno;
     }
+    done += put;
     first = advance(iov, first, static_cast<size_t>(put));
   }
   return 0;
 }
 
+// The payload's pieces cut into windows of about kWindow bytes (at most IOV_MAX entries each),
+// in order: what is moved and hashed at a time.
+class Windows {
+ public:
+  Windows(const struct iovec* pieces, int npieces) : pieces_(pieces), npieces_(npieces) {}
+
+  // The next window into `out` and its bytes; false past the last piece.
+  bool next(std::vector<struct iovec>& out, size_t* bytes) {
+    out.clear();
+    *bytes = 0;
+    if (piece_ >= npieces_) return false;
+    while (piece_ < npieces_ && *bytes < kWindow && out.size() < kIovMax) {
+      const struct iovec& p = pieces_[piece_];
+      const size_t take = std::min(p.iov_len - within_, kWindow - *bytes);
+      out.push_back({static_cast<char*>(p.iov_base) + within_, take});
+      *bytes += take;
+      within_ += take;
+      if (within_ == p.iov_len) {
+        ++piece_;
+        within_ = 0;
+      }
+    }
+    return true;
+  }
+
+ private:
+  const struct iovec* pieces_;
+  int npieces_;
+  int piece_ = 0;
+  size_t within_ = 0;
+};
+
 #if KVC_HAVE_XXH3
+// xxh3-128 of prefix, payload length (8 bytes, little-endian) and payload, fed in order.
+class PayloadDigest {
+ public:
+  PayloadDigest(const void* prefix, int64_t prefix_len, int64_t payload_len) {
+    XXH3_INITSTATE(&state_);
+    XXH3_128bits_reset(&state_);
+    XXH3_128bits_update(&state_, prefix, static_cast<size_t>(prefix_len));
+    uint8_t length[8];
+    for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(payload_len >> (8 * i));
+    XXH3_128bits_update(&state_, length, sizeof(length));
+  }
+  // Hash `window` but its first `*skip` bytes (the file's head, not payload), which it counts
+  // down.
+  void update(const std::vector<struct iovec>& window, size_t* skip) {
+    for (const auto& v : window) {
+      if (*skip >= v.iov_len) {
+        *skip -= v.iov_len;
+        continue;
+      }
+      XXH3_128bits_update(&state_, static_cast<const char*>(v.iov_base) + *skip,
+                          v.iov_len - *skip);
+      *skip = 0;
+    }
+  }
+  void finish(uint8_t out[16]) {
+    XXH128_canonical_t canonical;
+    XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state_));
+    memcpy(out, canonical.digest, 16);
+  }
+
+ private:
+  XXH3_state_t state_;
+};
+
+// The digest of a payload already in memory, in one pass.
 void digest_payload(const void* prefix, int64_t prefix_len, const struct iovec* pieces,
                     int npieces, int64_t payload_len, uint8_t out[16]) {
-  XXH3_state_t state;
-  XXH3_INITSTATE(&state);
-  XXH3_128bits_reset(&state);
-  XXH3_128bits_update(&state, prefix, static_cast<size_t>(prefix_len));
-  uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(payload_len >> (8 * i));
-  XXH3_128bits_update(&state, length, sizeof(length));
-  for (int i = 0; i < npieces; ++i) XXH3_128bits_update(&state, pieces[i].iov_base, pieces[i].iov_len);
-  XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
-  memcpy(out, canonical.digest, 16);
+  PayloadDigest digest(prefix, prefix_len, payload_len);
+  Windows windows(pieces, npieces);
+  std::vector<struct iovec> window;
+  size_t bytes = 0, skip = 0;
+  while (windows.next(window, &bytes)) digest.update(window, &skip);
+  digest.finish(out);
+}
+
+// Read the whole file (head and payload: `file`) window by window, hashing the payload of each
+// window as soon as it arrived. The bytes read (short: the end of the file), or -1 with errno.
+int64_t read_hashing(int fd, const std::vector<struct iovec>& file, size_t head_len,
+                     PayloadDigest& digest) {
+  Windows windows(file.data(), static_cast<int>(file.size()));
+  std::vector<struct iovec> window, io;
+  size_t bytes = 0, skip = head_len;
+  int64_t done = 0;
+  while (windows.next(window, &bytes)) {
+    io = window;
+    const int64_t got = preadv_all(fd, io, done);
+    if (got < 0) return -1;
+    done += got;
+    if (static_cast<size_t>(got) != bytes) return done;
+    digest.update(window, &skip);
+  }
+  return done;
+}
+
+// Hash and write the payload at `offset` window by window. 0 or errno.
+int write_hashing(int fd, int64_t offset, const struct iovec* pieces, int npieces,
+                  PayloadDigest& digest) {
+  Windows windows(pieces, npieces);
+  std::vector<struct iovec> window, io;
+  size_t bytes = 0, skip = 0;
+  int64_t done = 0;
+  while (windows.next(window, &bytes)) {
+    digest.update(window, &skip);
+    io = window;
+    const int err = writev_all(fd, io, offset + done);
+    if (err != 0) return err;
+    done += static_cast<int64_t>(bytes);
+  }
+  return 0;
 }
 #endif
 
@@ -200,6 +306,25 @@ extern "C" int kvc_read_file(const char* path, void* head, int64_t head_len,
       return KVC_READ_DIRECT_REFUSED;  // some FUSE and network file systems
     }
   }
+#if KVC_HAVE_XXH3
+  if (prefix != nullptr && !go_direct) {
+    // buffered (from the page cache): each window hashed right after its copy; an object of
+    // one window is one call, as before
+    std::vector<struct iovec> file;
+    file.reserve(static_cast<size_t>(npieces) + 1);
+    file.push_back({head, static_cast<size_t>(head_len)});
+    file.insert(file.end(), pieces, pieces + npieces);
+    PayloadDigest digest(prefix, prefix_len, payload_len);
+    const int64_t got = read_hashing(fd.get(), file, static_cast<size_t>(head_len), digest);
+    if (got < 0) {
+      *err_no = errno;
+      return KVC_READ_ERRNO;
+    }
+    if (got != total) return KVC_READ_OTHER;  // shrank since the fstat
+    digest.finish(digest_out);
+    return KVC_READ_OK;
+  }
+#endif
   std::vector<struct iovec> iov;
   iov.reserve(static_cast<size_t>(npieces) + 1);
   iov.push_back({head_target, static_cast<size_t>(head_len)});
@@ -217,6 +342,7 @@ extern "C" int kvc_read_file(const char* path, void* head, int64_t head_len,
   }
   if (prefix != nullptr) {
 #if KVC_HAVE_XXH3
+    // a direct read bypassed the CPU's cache: one pass to hash what arrived
     digest_payload(prefix, prefix_len, pieces, npieces, payload_len, digest_out);
 #else
     (void)prefix_len;
@@ -229,26 +355,42 @@ extern "C" int kvc_read_file(const char* path, void* head, int64_t head_len,
 extern "C" int kvc_write_file(const char* temp, const char* path, void* head, int64_t head_len,
                               int64_t digest_offset, const void* prefix, int64_t prefix_len,
                               const struct iovec* pieces, int npieces, int sync) {
-  if (digest_offset >= 0) {
-#if KVC_HAVE_XXH3
-    if (digest_offset + 16 > head_len) return EINVAL;
-    int64_t payload_len = 0;
-    for (int i = 0; i < npieces; ++i) payload_len += static_cast<int64_t>(pieces[i].iov_len);
-    digest_payload(prefix, prefix_len, pieces, npieces, payload_len,
-                   static_cast<uint8_t*>(head) + digest_offset);
-#else
-    (void)prefix;
-    (void)prefix_len;
-    return ENOSYS;
+#if !KVC_HAVE_XXH3
+  if (digest_offset >= 0) return ENOSYS;
+  (void)prefix;
+  (void)prefix_len;
 #endif
-  }
+  if (digest_offset >= 0 && digest_offset + 16 > head_len) return EINVAL;
   const int fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return errno;
-  std::vector<struct iovec> iov;
-  iov.reserve(static_cast<size_t>(npieces) + 1);
-  iov.push_back({head, static_cast<size_t>(head_len)});
-  iov.insert(iov.end(), pieces, pieces + npieces);
-  int err = writev_all(fd, iov);
+  int err = 0;
+  int64_t payload_len = 0;
+  for (int i = 0; i < npieces; ++i) payload_len += static_cast<int64_t>(pieces[i].iov_len);
+#if KVC_HAVE_XXH3
+  if (digest_offset >= 0 && payload_len > static_cast<int64_t>(kWindow)) {
+    // each window hashed, then copied to the page cache while still in the CPU's cache; the
+    // head, holding the digest, last (the temp file is renamed only once it is whole)
+    PayloadDigest digest(prefix, prefix_len, payload_len);
+    err = write_hashing(fd, head_len, pieces, npieces, digest);
+    if (err == 0) {
+      digest.finish(static_cast<uint8_t*>(head) + digest_offset);
+      std::vector<struct iovec> head_iov{{head, static_cast<size_t>(head_len)}};
+      err = writev_all(fd, head_iov, 0);
+    }
+  } else
+#endif
+  {
+#if KVC_HAVE_XXH3
+    if (digest_offset >= 0)  // one window: hashed, then written in one call with its head
+      digest_payload(prefix, prefix_len, pieces, npieces, payload_len,
+                     static_cast<uint8_t*>(head) + digest_offset);
+#endif
+    std::vector<struct iovec> iov;
+    iov.reserve(static_cast<size_t>(npieces) + 1);
+    iov.push_back({head, static_cast<size_t>(head_len)});
+    iov.insert(iov.end(), pieces, pieces + npieces);
+    err = writev_all(fd, iov);
+  }
   if (err == 0 && sync && fdatasync(fd) != 0) err = errno;
   if (close(fd) != 0 && err == 0) err = errno;
   if (err == 0 && rename(temp, path) != 0) err = errno;

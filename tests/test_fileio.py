@@ -189,3 +189,40 @@ def test_without_native_digests_reads_still_run_natively_and_return_none(tmp_pat
     code, _, _, digest = fileio.read_file(path, bytearray(8), [piece], digest_prefix=b"n")
     assert code == FileRead.OK and bytes(piece) == b"p" * 8
     assert (digest is not None) == fileio.NATIVE_DIGESTS
+
+
+@needs_digests
+@pytest.mark.parametrize("direct", [False, True], ids=["cached", "direct"])
+def test_payloads_of_many_windows_read_and_write_whole_with_their_digest(tmp_path, direct) -> None:
+    """Payloads larger than the 256 KiB a native call moves and hashes at a time, cut at odd
+    places (a window ending inside a piece, empty pieces, more pieces than one system call
+    takes): the bytes and the digest are those of the whole payload, read and written."""
+    sizes = [3 * 256 * 1024 + 13, 0, 7, 256 * 1024, 1, *([PAGE] * 1100), 0, 99_999]
+    if direct:
+        sizes = [256 * 1024 * 3, *([PAGE] * 1100), 2 * 256 * 1024]  # O_DIRECT: pages only
+    payload = os.urandom(sum(sizes))
+    head_len = PAGE if direct else 333
+    head_bytes = os.urandom(head_len)
+    path = str(tmp_path / "f")
+    _write(path, head_bytes + payload)
+    if direct:
+        _drop_from_page_cache(path)
+    buffers = [mmap.mmap(-1, max(n, PAGE)) for n in sizes]  # page-aligned
+    pieces = [memoryview(b)[:n] for b, n in zip(buffers, sizes, strict=True)]
+    head = bytearray(head_len)
+    code, _, used_direct, digest = fileio.read_file(
+        path, head, pieces, direct=direct, digest_prefix=b"n"
+    )
+    assert code == FileRead.OK
+    assert bytes(head) == head_bytes and b"".join(bytes(p) for p in pieces) == payload
+    assert digest == _expected_digest(b"n", payload)
+    out = str(tmp_path / "g")
+    head_out = bytearray(head_len)
+    assert fileio.write_file(str(tmp_path / "g.tmp"), out, head_out, pieces,
+                             digest_offset=16, digest_prefix=b"n") == 0  # fmt: skip
+    with open(out, "rb") as f:
+        written = f.read()
+    assert written[16:32] == _expected_digest(b"n", payload)
+    assert written[head_len:] == payload and len(written) == head_len + len(payload)
+    if direct and not used_direct:
+        pytest.skip("this file system read the file through the page cache")
