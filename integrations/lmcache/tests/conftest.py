@@ -123,3 +123,28 @@ def open_adapter(root: Path) -> Iterator[Callable[..., KVCoreL2Adapter]]:
     yield make
     for adapter in made:
         adapter.close()
+
+
+@pytest.fixture
+def no_meta_backend(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """The name of an installed backend that keeps no block metadata: kvcore's ``memory``
+    backend without the capability, published by a throwaway distribution's entry point (every
+    backend shipped with kvcore keeps block metadata, a third party's may not)."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "kvcore_lmcache_nometa.py").write_text(
+        "from kvcore.memory_backend import MemoryBackend\n\n\n"
+        "class NoMetaBackend(MemoryBackend):\n"
+        "    capabilities = MemoryBackend.capabilities.model_copy(update={'block_meta': False})\n"
+    )
+    info = site / "kvcore_lmcache_nometa-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kvcore-lmcache-nometa\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[kvcore.backends]\nlmcache-test-no-meta = kvcore_lmcache_nometa:NoMetaBackend\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    return "lmcache-test-no-meta"

@@ -328,10 +328,9 @@ def _tiered(tmp_path: Path, name: str, mooncake_config: dict, **params: object) 
 
 def test_local_disk_over_mooncake_shares_chunks_between_servers(tmp_path, mooncake_config):
     """The docs' stack (each server's own disk in front of a Mooncake cluster they share): a
-    chunk one server stored reaches another through Mooncake. Mooncake keeps no layout, so a
-    chunk found only there cannot be checked: with ``verify_layout`` (the default) it is a miss,
-    never a guess; a server that turns it off (one KV dtype per model name) is served it, and
-    a buffer of another size is still refused."""
+    chunk one server stored reaches another through Mooncake, with its layout (kv_mooncake
+    keeps block metadata), so it is checked and served; a buffer of another size is refused,
+    also by a server that does not check layouts."""
     namespace = f"lmcache-{tmp_path.name}"  # the session's Mooncake is shared by every test
     writer = KVCoreL2Adapter(_tiered(tmp_path, "a", mooncake_config, namespace=namespace))
     k, obj = key(11), random_obj(11)
@@ -345,7 +344,9 @@ def test_local_disk_over_mooncake_shares_chunks_between_servers(tmp_path, moonca
     try:
         assert lookup(strict, [k]) == [0]  # Mooncake holds it
         dst = memory_obj(n=1024)
-        assert load(strict, [k], [dst]) == []  # but no tier can say its layout
+        assert load(strict, [k], [dst]) == [0]  # with the layout its writer stored
+        assert torch.equal(dst.tensor, obj.tensor)
+        assert load(strict, [k], [memory_obj(n=1024, dtype=torch.bfloat16)]) == []
         assert strict.report_status()["load_layout_mismatches"] == 1
     finally:
         strict.close()
@@ -362,14 +363,12 @@ def test_local_disk_over_mooncake_shares_chunks_between_servers(tmp_path, moonca
         trusting.close()
 
 
-def test_a_backend_that_keeps_no_layout_is_refused_unless_told_to_trust(mooncake_config):
+def test_a_backend_that_keeps_no_layout_is_refused_unless_told_to_trust(no_meta_backend):
     with pytest.raises(ValueError, match="verify_layout"):
-        KVCoreL2Adapter({"backend": "mooncake", "backend_config": mooncake_config})
-    trusting = KVCoreL2Adapter(
-        {"backend": "mooncake", "backend_config": mooncake_config, "verify_layout": False}
-    )
+        KVCoreL2Adapter({"backend": no_meta_backend})
+    trusting = KVCoreL2Adapter({"backend": no_meta_backend, "verify_layout": False})
     try:
-        k, obj = key(21, cache_salt="mooncake-only"), random_obj(21)
+        k, obj = key(21, cache_salt="no-meta"), random_obj(21)
         assert store(trusting, [k], [obj]).is_successful()
         dst = memory_obj(n=1024)
         assert load(trusting, [k], [dst]) == [0]

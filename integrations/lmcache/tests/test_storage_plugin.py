@@ -191,9 +191,9 @@ def test_settings_are_read_for_this_plugin_and_a_typo_names_the_key(tmp_path):
         plugin_settings({}, "KVCoreStoragePlugin")
 
 
-def test_a_backend_that_keeps_no_layout_is_refused_at_start(tmp_path, mooncake_config):
+def test_a_backend_that_keeps_no_layout_is_refused_at_start(tmp_path, no_meta_backend):
     config = engine_config(tmp_path)
-    config.extra_config["storage_plugin.kvcore.backend"] = "mooncake"
-    config.extra_config["storage_plugin.kvcore.backend_config"] = mooncake_config
+    config.extra_config["storage_plugin.kvcore.backend"] = no_meta_backend
+    config.extra_config["storage_plugin.kvcore.backend_config"] = {}
     with pytest.raises(ValueError, match="keeps no block metadata"):
         KVCoreStoragePlugin(config=config, metadata=metadata())
