@@ -367,9 +367,11 @@ extern "C" int kvc_write_file(const char* temp, const char* path, void* head, in
   int64_t payload_len = 0;
   for (int i = 0; i < npieces; ++i) payload_len += static_cast<int64_t>(pieces[i].iov_len);
 #if KVC_HAVE_XXH3
-  if (digest_offset >= 0 && payload_len > static_cast<int64_t>(kWindow)) {
+  if (digest_offset >= 0 && payload_len > static_cast<int64_t>(kWindow) && !sync) {
     // each window hashed, then copied to the page cache while still in the CPU's cache; the
-    // head, holding the digest, last (the temp file is renamed only once it is whole)
+    // head, holding the digest, last (the temp file is renamed only once it is whole). Not
+    // for synced writes: the device is their limit, and one call per object cost less CPU
+    // there (measured: 1.09-1.11x raw's CPU per GB against 1.22-1.24x windowed)
     PayloadDigest digest(prefix, prefix_len, payload_len);
     err = write_hashing(fd, head_len, pieces, npieces, digest);
     if (err == 0) {
