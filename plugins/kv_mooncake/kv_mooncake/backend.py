@@ -227,7 +227,7 @@ class MooncakeBackend:
                 stored[i] = good
         done = leading_run(stored, parts)
         self._drops.stored(names[: done * parts])
-        if self._watch is not None:
+        if self._watch is not None and self._watch.active:
             landed = [i for i, good in enumerate(stored) if good]
             self._watch.stored([names[i] for i in landed], [objects.sizes[i] for i in landed])
         return _answer(done, code, objects.call("batch_put_from"))
@@ -248,8 +248,8 @@ class MooncakeBackend:
             return codes
         names = _names(request)
         self._drops.forgotten(names)
-        self._remove_companions(keys)
-        if self._watch is not None:
+        self._remove_companions(keys, parts)
+        if self._watch is not None and self._watch.active:
             self._watch.removed(
                 [n for n, c in zip(names, codes, strict=True) if c in (0, NOT_FOUND)]
             )
@@ -431,9 +431,8 @@ class MooncakeBackend:
         assert request.block_meta is not None
         parts = len(request.parts)
         chosen = [
-            i for i in todo
-            if request.block_meta[i // parts] and (i % parts == 0 or "#" in keys[i])
-        ]  # fmt: skip
+            i for i in todo if request.block_meta[i // parts] and _has_companion(keys, i, parts)
+        ]
         for lo in range(0, len(chosen), _COMPANIONS_PER_CALL):
             chunk = chosen[lo : lo + _COMPANIONS_PER_CALL]
             code = self._store.upsert_batch(
@@ -455,9 +454,12 @@ class MooncakeBackend:
         # through self, not the client's bound method: a closed backend must hold no client
         return list(self._store.get_batch(keys))
 
-    def _remove_companions(self, keys: list[str]) -> None:
+    def _remove_companions(self, keys: list[str], parts: int) -> None:
         """Remove the objects' metadata companions (absent ones are no error)."""
-        codes = self._store.batch_remove([block_meta.meta_key(k) for k in keys], True)
+        companions = [
+            block_meta.meta_key(k) for i, k in enumerate(keys) if _has_companion(keys, i, parts)
+        ]
+        codes = self._store.batch_remove(companions, True)
         bad = [c for c in codes if c not in (0, NOT_FOUND)]
         if bad:
             self._counters.add("block_meta_not_removed", len(bad))
@@ -679,6 +681,13 @@ class _Objects:
             for ptrs, sizes in zip(self.ptrs, self.pieces, strict=True)
             for p, n in zip(ptrs, sizes, strict=True)
         )
+
+
+def _has_companion(keys: Sequence[str], i: int, parts: int) -> bool:
+    """Whether object ``i`` (flat ``[block][part]`` order) gets a metadata companion when its
+    block is written with metadata: a block's first object (what ``describe`` reads), and an
+    object whose key is a digest of its name (the listing names it by its companion)."""
+    return i % parts == 0 or "#" in keys[i]
 
 
 def _names(request: BlockRequest) -> list[str]:

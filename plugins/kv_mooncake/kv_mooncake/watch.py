@@ -84,6 +84,11 @@ class StoreWatch:
     def close(self) -> None:
         self.watch(None)
 
+    @property
+    def active(self) -> bool:
+        """Whether somebody follows the stream (else this client's changes need no report)."""
+        return self._report is not None
+
     # -- this client's changes ---------------------------------------------------------------
 
     def stored(self, names: Sequence[str], sizes: Sequence[int]) -> None:
