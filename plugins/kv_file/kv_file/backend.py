@@ -391,6 +391,8 @@ class FileBackend:
             capacity_bytes=float(index.capacity),
             evictions=float(self._catalog.evictions),
             journal_bytes=float(self._catalog.journal.size),
+            own_files_bytes=float(self._catalog.own_bytes()),
+            directory_bytes=float(self._catalog.directory_bytes),
         )
         out["direct_reads"] = float(self._direct.count)
         out.update(self._admission.stats())

@@ -34,10 +34,16 @@ log = logging.getLogger("kvcore.file")
 
 #: a read hit goes into the journal at most once per object and process in this interval
 TOUCH_LOG_INTERVAL_S = 1.0
-#: the journal is rewritten compactly when it passes this many bytes...
+#: the journal is rewritten compactly when it passes this many bytes (or
+#: :data:`_COMPACT_CAPACITY_SHARE` of the capacity, if less, but never below
+#: :data:`_COMPACT_FLOOR_BYTES`)...
 _COMPACT_MIN_BYTES = 256 << 10
+_COMPACT_CAPACITY_SHARE = 64
+_COMPACT_FLOOR_BYTES = 8 << 10
 #: ...and this many times what its live objects need
 _COMPACT_FACTOR = 4
+#: what the file system allocates a file's bytes in, for counting the store's own files
+_BLOCK = 4096
 
 _EVENT_KINDS = {
     Kind.STORED: ev.STORED,
@@ -84,6 +90,13 @@ class Catalog:
         self._leaving: set[int] = set()  # victims this process is handing over now
         self.evictions = 0  # objects this process evicted
         self._compacted_size = 0  # journal bytes after its last rewrite
+        # the journal is compacted sooner in a small store: its bytes count against capacity
+        self._compact_min = max(
+            _COMPACT_FLOOR_BYTES, min(_COMPACT_MIN_BYTES, capacity // _COMPACT_CAPACITY_SHARE)
+        )
+        self._fixed_bytes = 0  # bytes of the ledger (see measure_own_files)
+        self.directory_bytes = 0  # what the directories take (reported, not counted)
+        self.measure_own_files()
         with self._exclusive():
             pass  # the journal as it stands applied
         self.reconcile()
@@ -92,10 +105,19 @@ class Catalog:
 
     def sync(self) -> None:
         """Apply what other processes recorded since (one read of shared memory when nothing
-        is new)."""
-        if self.journal.behind():
-            with self._exclusive():
-                pass
+        is new). Without the file lock where it can (:meth:`Journal.read_ahead`): a query or a
+        write's start need what was committed when they began, not the lock, which writers of
+        every process sharing the directory wait for; the lock only when the journal was
+        replaced or a record was being published."""
+        if not self.journal.behind():
+            return
+        with self.journal.mutex:
+            records = self.journal.read_ahead()
+            if records:
+                self._apply(records)
+                return
+        with self._exclusive():
+            pass
 
     def report_from_now(self, report: Callable[..., None]) -> None:
         """Report every record applied from now on (those before are the index as it is)."""
@@ -209,7 +231,7 @@ class Catalog:
     def _maybe_compact(self) -> None:
         """Rewrite the journal compactly once it has grown to :data:`_COMPACT_FACTOR` times
         its size at its last rewrite (one comparison per commit: the rewrite is O(objects))."""
-        if self.journal.size < max(_COMPACT_MIN_BYTES, _COMPACT_FACTOR * self._compacted_size):
+        if self.journal.size < max(self._compact_min, _COMPACT_FACTOR * self._compacted_size):
             return
         self.journal.replace(self._records_of(self.index.snapshot()))
         self._compacted_size = self.journal.size
@@ -221,6 +243,36 @@ class Catalog:
                    self.token)
             for d, s, n in live
         ]  # fmt: skip
+
+    # -- the store's own files ---------------------------------------------------------------
+
+    def measure_own_files(self) -> None:
+        """Measure what the ledger takes on the file system (at open and at each full scan: it
+        changes rarely). ``capacity_bytes`` bounds the store's files, so its bytes, and the
+        journal's, are counted as in use. The directories are not: they are the file system's
+        (no blocks on tmpfs, XFS or btrfs; one 4 KiB block each on ext4, 1 MiB a store, made
+        once at open), and counting them would leave a small store on ext4 no room at all."""
+        self._fixed_bytes = self.journal.ledger_bytes()
+        self.directory_bytes = self._dir.own_bytes()
+
+    def _own_bytes(self) -> int:
+        """Bytes the store's own files take or may take before the next admission (lock held):
+        the ledger, the journal and the compact copy of it that a rewrite
+        writes beside it (the old one's blocks are freed once the new one is in place). The
+        journal counts at least what it may grow to before its first rewrite, so a store whose
+        journal is short counts one constant (and how many objects fit does not change with
+        every record)."""
+        journal = max(self.journal.size, self._compact_min)
+        return self._fixed_bytes + _blocks(journal) + _blocks(journal // _COMPACT_FACTOR)
+
+    def own_bytes(self) -> int:
+        """What :meth:`used` counts for the store's own files (ledger, journal)."""
+        with self._exclusive():
+            return self._own_bytes()
+
+    def _in_use(self) -> int:
+        """Every byte the store holds or has reserved, in every process (lock held)."""
+        return self.index.files_bytes + self.journal.reserved() + self._own_bytes()
 
     # -- changes this process makes -----------------------------------------------------------
 
@@ -236,7 +288,9 @@ class Catalog:
             return self._admit_handing_over(sizes, touched, deadline)
         retired: list[tuple[int, str]] = []
         with self._exclusive():
-            victims, admitted = self.index.plan_admission(self.journal.reserved(), sizes)
+            victims, admitted = self.index.plan_admission(
+                self.journal.reserved() + self._own_bytes(), sizes
+            )
             victim_bytes = 0
             if victims:
                 # Renamed away from their names under the lock (a rename costs a fraction of
@@ -272,7 +326,7 @@ class Catalog:
         assert hand_over is not None
         with self._exclusive():
             victims, admitted = self.index.plan_admission(
-                self.journal.reserved(), sizes, self._leaving
+                self.journal.reserved() + self._own_bytes(), sizes, self._leaving
             )
             self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in touched])
             self.journal.reserve(sum(sizes[:admitted]))
@@ -303,7 +357,7 @@ class Catalog:
             kept = len(victims) - len(leave)
             if kept:
                 self._counters.add("evict_kept_not_handed_over", kept)
-                over = self.index.files_bytes + self.journal.reserved() - self.index.capacity
+                over = self._in_use() - self.index.capacity
                 while admitted and over > 0:
                     admitted -= 1
                     over -= sizes[admitted]
@@ -401,6 +455,7 @@ class Catalog:
                 continue
             adopt.append((f.digest, f.size, raw))
         self._dir.remove_stale_temps()
+        self.measure_own_files()
         with self._exclusive():
             records = []
             with self.index.lock:
@@ -450,13 +505,19 @@ class Catalog:
     # -- bytes -------------------------------------------------------------------------------
 
     def used(self) -> int:
-        """Bytes of every file in place and every write in flight, in every process."""
+        """Bytes of every object file in place and every write in flight, in every process
+        (the store's own files aside: :meth:`own_bytes`)."""
         with self._exclusive():
             return self.index.files_bytes + self.journal.reserved()
 
     def close(self) -> None:
         self.report = None
         self.journal.close()
+
+
+def _blocks(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole file system blocks."""
+    return -(-nbytes // _BLOCK) * _BLOCK
 
 
 def _regular_file(path: str) -> bool:

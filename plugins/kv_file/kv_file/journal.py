@@ -273,6 +273,11 @@ class Journal:
             finally:
                 os.close(fd)
             os.rename(temp, self._journal_path)
+            if self._jfd is not None:
+                # the old journal's blocks freed now, not when the last process that has it
+                # open reads on (a reader of the old generation then reads short, which
+                # read_ahead takes as nothing new, and the new generation is read under the lock)
+                os.ftruncate(self._jfd, 0)
         gen = _GEN_TAIL.unpack_from(self._map, _GEN_AT)[0] + 1
         _GEN_TAIL.pack_into(self._map, _GEN_AT, gen, len(data))
         self._reopen()
@@ -281,6 +286,12 @@ class Journal:
     def _start_new_journal(self) -> None:
         _HEAD.pack_into(self._map, 0, _MAGIC, _VERSION, 0, 0, 0)
         self.replace(())
+
+    def ledger_bytes(self) -> int:
+        """What the shared ledger takes on the file system (0 for a private journal)."""
+        if self._fd is None:
+            return 0
+        return os.fstat(self._fd).st_blocks * 512
 
     @property
     def size(self) -> int:

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -170,3 +171,21 @@ def direct_reads_work(directory: str) -> bool:
         return False
     finally:
         os.unlink(path)
+
+
+def with_own_files(root: str, objects_bytes: int, **config: Any) -> int:
+    """A ``capacity_bytes`` that holds ``objects_bytes`` of objects in a store at ``root``:
+    the capacity bounds the store's own files too (directories, ledger, journal), whose size
+    depends on the file system (ext4 gives each directory a block; tmpfs none) and, for the
+    journal, on the capacity. Measured on an empty store beside ``root``."""
+    probe = f"{root}.own-files-probe"
+    capacity = objects_bytes
+    for _ in range(3):  # the journal's share depends on the capacity: settle it
+        store = open_store(probe, capacity_bytes=capacity, **config)
+        own = int(store.stats()["backend_own_files_bytes"])
+        store.close()
+        shutil.rmtree(probe, ignore_errors=True)
+        if capacity == objects_bytes + own:
+            break
+        capacity = objects_bytes + own
+    return capacity

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kv_file.objfile import header_size
-from kv_file_testutil import LAYOUT, open_store, query, read_verified, write
+from kv_file_testutil import LAYOUT, open_store, query, read_verified, with_own_files, write
 
 import kvcore
 from kvcore.transfer import DeviceCache, TransferManager
@@ -86,9 +86,10 @@ def test_a_full_adaptive_store_refuses_one_off_blocks_once_second_hit_leads(tmp_
     # 8 blocks; two hot blocks read between scans of fresh blocks: the simulations (every id
     # sampled) see second-hit keep the hot pair while all churns, so the store follows it and
     # refuses the scans' first offers
+    root = str(tmp_path / "s")
     store = open_store(
-        str(tmp_path / "s"),
-        capacity_bytes=8 * BLOCK,
+        root,
+        capacity_bytes=with_own_files(root, 8 * BLOCK),
         high_watermark=1.0,
         low_watermark=1.0,
         admission_sample_rate=1.0,

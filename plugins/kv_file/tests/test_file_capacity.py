@@ -17,6 +17,7 @@ from kv_file_testutil import (
     open_store,
     query,
     read_verified,
+    with_own_files,
     write,
 )
 
@@ -25,20 +26,35 @@ OBJECT = header_size(KEY_LEN) + LAYOUT.part_bytes("k")  # one stored file
 BLOCK = 2 * OBJECT
 
 
+def four_blocks(root: str) -> dict[str, float]:
+    """A store of four blocks that evicts down to 2.96 blocks (the capacity and the
+    watermarks count the store's own files too)."""
+    capacity = with_own_files(root, 4 * BLOCK)
+    own = capacity - 4 * BLOCK
+    return {
+        "capacity_bytes": capacity,
+        "high_watermark": 1.0,
+        "low_watermark": (own + 0.74 * 4 * BLOCK) / capacity,
+    }
+
+
 def test_sustained_writes_stay_within_capacity(tmp_path) -> None:
     root = str(tmp_path / "s")
-    capacity = 10 * BLOCK + OBJECT // 2
+    objects = 10 * BLOCK + OBJECT // 2
+    capacity = with_own_files(root, objects)
     store = open_store(root, capacity_bytes=capacity, high_watermark=1.0, low_watermark=0.8)
+    own = int(store.stats()["backend_own_files_bytes"])
+    assert own == capacity - objects
     peak = 0
     for i in range(40):
         assert write(store, [f"k{i:02d}"]) == 1
         on_disk = disk_bytes(root)
         peak = max(peak, on_disk)
-        assert on_disk <= capacity + OBJECT, f"{on_disk} bytes on disk after write {i}"
+        assert on_disk + own <= capacity + OBJECT, f"{on_disk} bytes on disk after write {i}"
         assert store.stats()["backend_bytes_used"] == on_disk
     stats = store.stats()
     assert stats["backend_evictions"] > 0
-    assert peak > capacity * 0.8, "the store should fill up before evicting"
+    assert peak > objects * 0.8, "the store should fill up before evicting"
     # the newest block is still there, the oldest is gone
     assert read_verified(store, ["k39"]) == 1
     assert store.query(store.request("q", ["k00"])) == 0
@@ -46,9 +62,8 @@ def test_sustained_writes_stay_within_capacity(tmp_path) -> None:
 
 
 def test_a_read_refreshes_recency(tmp_path) -> None:
-    store = open_store(
-        str(tmp_path / "s"), capacity_bytes=4 * BLOCK, high_watermark=1.0, low_watermark=0.74
-    )
+    root = str(tmp_path / "s")
+    store = open_store(root, **four_blocks(root))
     assert write(store, ["a", "b", "c", "d"]) == 4
     assert read_verified(store, ["a"]) == 1  # a becomes the most recent
     _write_e_and_check_b_and_c_were_evicted(store)
@@ -64,7 +79,7 @@ def _write_e_and_check_b_and_c_were_evicted(store) -> None:
 
 def test_a_read_in_an_earlier_run_keeps_its_recency(tmp_path) -> None:
     root = str(tmp_path / "s")
-    cfg = {"capacity_bytes": 4 * BLOCK, "high_watermark": 1.0, "low_watermark": 0.74}
+    cfg = four_blocks(root)
     store = open_store(root, **cfg)
     assert write(store, ["a", "b", "c", "d"]) == 4
     for age, key in enumerate("dcba"):  # distinct past mtimes: a oldest (same-tick writes tie)
@@ -100,7 +115,7 @@ def test_recency_is_saved_by_the_background_scan(tmp_path) -> None:
 
 def test_accounting_and_recency_survive_a_restart(tmp_path) -> None:
     root = str(tmp_path / "s")
-    cfg = {"capacity_bytes": 4 * BLOCK, "high_watermark": 1.0, "low_watermark": 0.74}
+    cfg = four_blocks(root)
     store = open_store(root, **cfg)
     assert write(store, ["a", "b", "c", "d"]) == 4
     store.close()
@@ -134,12 +149,12 @@ def test_lowered_capacity_evicts_at_the_first_call(tmp_path) -> None:
     store = open_store(root)
     assert write(store, [f"k{i}" for i in range(8)]) == 8
     store.close()
-    small = open_store(root, capacity_bytes=3 * BLOCK)
+    small = open_store(root, capacity_bytes=with_own_files(root, 3 * BLOCK))
     assert disk_bytes(root) > 3 * BLOCK, "opening evicted"
     assert small.stats()["backend_bytes_used"] == disk_bytes(root) <= 3 * BLOCK
     small.close()
     handed: list[str] = []
-    again = open_store(root, capacity_bytes=BLOCK)
+    again = open_store(root, capacity_bytes=with_own_files(root, BLOCK))
     again.evict_to(lambda objects, deadline: handed.extend(n for n, _ in objects) or handed)
     assert handed, "what the first eviction took was not offered to the hand-over"
     assert disk_bytes(root) <= BLOCK
@@ -156,7 +171,8 @@ def test_an_object_larger_than_the_capacity_is_refused(tmp_path) -> None:
 
 def test_a_batch_larger_than_the_capacity_acknowledges_only_what_it_keeps(tmp_path) -> None:
     root = str(tmp_path / "s")
-    store = open_store(root, capacity_bytes=10 * BLOCK, high_watermark=1.0, low_watermark=0.5)
+    capacity = with_own_files(root, 10 * BLOCK)
+    store = open_store(root, capacity_bytes=capacity, high_watermark=1.0, low_watermark=0.5)
     keys = [f"big{i:02d}" for i in range(40)]
     acked = write(store, keys)
     assert 0 < acked <= 10, f"a 40-block batch into a 10-block store acknowledged {acked}"
@@ -170,9 +186,9 @@ def test_a_batch_larger_than_the_capacity_acknowledges_only_what_it_keeps(tmp_pa
 def test_blocks_a_batch_skips_are_not_evicted_by_that_batch(tmp_path) -> None:
     # the stored blocks are the oldest in LRU order, and the batch overflows the store: what
     # the batch skipped (acknowledged as stored) must still be there when it returns
-    store = open_store(
-        str(tmp_path / "s"), capacity_bytes=10 * BLOCK, high_watermark=1.0, low_watermark=0.5
-    )
+    root = str(tmp_path / "s")
+    capacity = with_own_files(root, 10 * BLOCK)
+    store = open_store(root, capacity_bytes=capacity, high_watermark=1.0, low_watermark=0.5)
     assert write(store, ["s0", "s1"]) == 2
     assert write(store, [f"mid{i}" for i in range(6)]) == 6
     batch = ["s0", "s1", *(f"new{i:02d}" for i in range(12))]
@@ -189,8 +205,9 @@ def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> 
     # returns (never less than what is there: a directory listing is not a snapshot), and
     # must stay within the capacity all along.
     root = str(tmp_path / "s")
-    capacity = 10 * BLOCK
+    capacity = with_own_files(root, 10 * BLOCK)
     store = open_store(root, capacity_bytes=capacity, high_watermark=1.0, low_watermark=0.2)
+    own = int(store.stats()["backend_own_files_bytes"])
     real_unlink, real_write = os.unlink, kv_file.backend.write_object
     lock = threading.Lock()
     on_disk = [0]
@@ -231,7 +248,7 @@ def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> 
         t.join(120)
     monkeypatch.undo()
     assert store.stats()["backend_evictions"] >= 40
-    assert peak[0] <= capacity, f"{peak[0] / capacity:.2f}x the capacity on disk"
+    assert peak[0] + own <= capacity, f"{(peak[0] + own) / capacity:.2f}x the capacity on disk"
     assert on_disk[0] == disk_bytes(root) == store.stats()["backend_bytes_used"]
     store.close()
 
@@ -239,7 +256,8 @@ def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> 
 def test_stores_sharing_a_root_come_back_within_the_capacity_after_a_rescan(tmp_path) -> None:
     # each process bounds the files it knows; after a rescan every process knows them all
     root = str(tmp_path / "s")
-    cfg = {"capacity_bytes": 10 * BLOCK, "high_watermark": 1.0, "low_watermark": 0.8}
+    capacity = with_own_files(root, 10 * BLOCK)
+    cfg = {"capacity_bytes": capacity, "high_watermark": 1.0, "low_watermark": 0.8}
     a, b = open_store(root, **cfg), open_store(root, **cfg)
     assert write(a, [f"a{i}" for i in range(10)]) == 10
     assert write(b, [f"b{i}" for i in range(10)]) == 10

@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 
 from kv_file.journal import Journal, JournalError, Kind, Record, decode
-from kv_file_testutil import forget_journal, object_files, open_store, read_verified, write
+from kv_file_testutil import (
+    forget_journal,
+    object_files,
+    open_store,
+    read_verified,
+    with_own_files,
+    write,
+)
 
 KEYS = [f"n{i}" for i in range(8)]
 
@@ -65,7 +72,8 @@ def test_the_journal_follows_a_full_store(tmp_path) -> None:
     assert write(probe, ["x"]) == 1
     one_block = sum(os.path.getsize(p) for p in object_files(str(tmp_path / "probe")))
     probe.close()
-    cfg = {"capacity_bytes": one_block, "high_watermark": 1.0, "low_watermark": 0.5}
+    capacity = with_own_files(root, one_block)
+    cfg = {"capacity_bytes": capacity, "high_watermark": 1.0, "low_watermark": 0.5}
     store = open_store(root, **cfg)
     assert write(store, ["a"]) == 1
     store.close()

@@ -138,9 +138,10 @@ def test_four_writers_hold_one_capacity_and_a_killed_one_breaks_nothing(tmp_path
     assert len(acked) * LAYOUT.block_bytes > 10 * CAPACITY  # far more than the store holds
     # a restart: the dead writer's reservation and temp files are gone, the files are counted
     store = open_store(root, capacity_bytes=CAPACITY)
-    used = store.stats()["backend_bytes_used"]
+    stats = store.stats()
+    used, own = stats["backend_bytes_used"], stats["backend_own_files_bytes"]
     on_disk = sum(os.path.getsize(p) for p in object_files(root))
-    assert used == on_disk <= CAPACITY
+    assert used == on_disk and used + own <= CAPACITY
     assert not list(Path(root).rglob("*.tmp"))
     present = [k for k in sorted(acked) if store.query(store.request("q", [k])) == 1]
     assert present, "nothing acknowledged survived"

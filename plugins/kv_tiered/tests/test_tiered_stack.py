@@ -15,6 +15,9 @@ from kv_tiered.mover import Copy
 import kvcore
 from kvcore.testing import Harness, blocks_equal, harness_opener, small_layout
 
+#: what a small kv_file store counts for its own files (ledger, journal) on top of its objects
+OWN = 16 << 10
+
 
 def open_stack(tmp_path, strict: bool = True, **config: Any) -> Harness:
     """file (near) over file (far): both shared and checksummed, so nothing is followed."""
@@ -406,8 +409,8 @@ def test_write_back_on_evict_moves_exactly_what_the_first_tier_evicts(tmp_path) 
     layout = small_layout()
     block = 2 * layout.part_bytes("k")
     tiers = [
-        # about 8 blocks (headers aside), evicting one object at a time
-        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block,
+        # about 8 blocks (headers, journal and ledger aside), evicting one object at a time
+        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block + OWN,
          "high_watermark": 1.0, "low_watermark": 1.0, "rescan_interval_s": 0},
         {"backend": "file", "root": str(tmp_path / "far"), "rescan_interval_s": 0},
     ]  # fmt: skip
