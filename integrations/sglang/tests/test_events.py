@@ -80,7 +80,8 @@ def test_stored_evicted_and_cleared_pages_reach_a_router(make_storage, collector
         extra={
             "events_endpoint": collector.endpoint,
             "backend_config": {"root": str(tmp_path / "events"),
-                               "capacity_bytes": int(16.5 * page_file_bytes)},
+                               # 16.5 pages, and room for the store's ledger and journal
+                               "capacity_bytes": int(16.5 * page_file_bytes) + (20 << 10)},
         },
     )  # fmt: skip
 
