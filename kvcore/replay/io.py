@@ -123,12 +123,30 @@ class IOReplay:
         self._name, self._config = backend, dict(config)
         self.block_file_bytes = self._block_file_bytes()
         settings = {**self._config, **self._settings}
-        settings["capacity_bytes"] = capacity_blocks * self.block_file_bytes
+        settings["capacity_bytes"] = self._capacity_for(settings, capacity_blocks)
         self.backend = self._open(settings)
 
     def _open(self, settings: Mapping[str, Any]) -> Backend:
         context = BackendContext(layout=self.layout, namespace=self.namespace)
         return BackendHandle(self._name, dict(settings), context=context).open()
+
+    def _capacity_for(self, settings: Mapping[str, Any], blocks: int) -> int:
+        """``capacity_bytes`` that holds ``blocks`` blocks of objects: a store that counts its
+        own files against its capacity (kv_file: the journal and ledger) reports them as the
+        stat ``own_files_bytes``, whose size may depend on the capacity; the replay gives
+        them room, so the objects get the capacity the store model has."""
+        objects = blocks * self.block_file_bytes
+        capacity = objects
+        for _ in range(4):  # settles at once unless the own files' size steps with it
+            backend = self._open({**settings, "capacity_bytes": capacity})
+            try:
+                own = int(backend.stats().get("backend_own_files_bytes", 0))
+            finally:
+                backend.close()
+            if objects + own == capacity:
+                break
+            capacity = objects + own
+        return capacity
 
     def _block_file_bytes(self) -> int:
         """Bytes one block takes in the store (headers included): measured by storing one,

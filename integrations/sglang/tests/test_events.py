@@ -81,7 +81,7 @@ def test_stored_evicted_and_cleared_pages_reach_a_router(make_storage, collector
             "events_endpoint": collector.endpoint,
             "backend_config": {"root": str(tmp_path / "events"),
                                # 16.5 pages, and room for the store's ledger and journal
-                               "capacity_bytes": int(16.5 * page_file_bytes) + (20 << 10)},
+                               "capacity_bytes": int(16.5 * page_file_bytes) + (28 << 10)},
         },
     )  # fmt: skip
 

@@ -27,6 +27,8 @@ class StoreAdmission:
     :param payload: payload bytes of each part by the layout (None: no layout; the capacity
         in blocks is then learned from the objects indexed).
     :param reserved: bytes reserved by writes in flight, in every process.
+    :param own_files: bytes the store's own files count against its capacity (the journal and
+        ledger: see ``Catalog``); the room and the policy's size are of the rest.
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class StoreAdmission:
         index: Index,
         payload: dict[str, int] | None,
         reserved: Callable[[], int],
+        own_files: Callable[[], int] = lambda: 0,
         *,
         doorkeeper_factor: float,
         sample_rate: float,
@@ -42,6 +45,7 @@ class StoreAdmission:
         self._index = index
         self._payload = payload
         self._reserved = reserved
+        self._own_files = own_files
         self._block_bytes = 0  # bytes of one block's files, once known
         self._lock = threading.Lock()
         self.policy = make_policy(
@@ -99,7 +103,7 @@ class StoreAdmission:
         if not self._block_bytes:
             return 0
         index = self._index
-        free = index.high_bytes - index.files_bytes - self._reserved()
+        free = index.high_bytes - index.files_bytes - self._reserved() - self._own_files()
         return max(0, free // self._block_bytes)
 
     def _size_from(self, request: BlockRequest) -> None:
@@ -121,4 +125,5 @@ class StoreAdmission:
         with self._lock:
             self._block_bytes = size
             index = self._index
-            self.policy.resize((index.high_bytes + index.low_bytes) // 2 // size)
+            between = (index.high_bytes + index.low_bytes) // 2 - self._own_files()
+            self.policy.resize(max(0, between // size))

@@ -38,8 +38,8 @@ TOUCH_LOG_INTERVAL_S = 1.0
 #: :data:`_COMPACT_CAPACITY_SHARE` of the capacity, if less, but never below
 #: :data:`_COMPACT_FLOOR_BYTES`)...
 _COMPACT_MIN_BYTES = 256 << 10
-_COMPACT_CAPACITY_SHARE = 64
-_COMPACT_FLOOR_BYTES = 8 << 10
+_COMPACT_CAPACITY_SHARE = 32
+_COMPACT_FLOOR_BYTES = 16 << 10
 #: ...and this many times what its live objects need
 _COMPACT_FACTOR = 4
 #: what the file system allocates a file's bytes in, for counting the store's own files
@@ -264,6 +264,11 @@ class Catalog:
         every record)."""
         journal = max(self.journal.size, self._compact_min)
         return self._fixed_bytes + _blocks(journal) + _blocks(journal // _COMPACT_FACTOR)
+
+    def own_bytes_unlocked(self) -> int:
+        """:meth:`own_bytes` as it stands, without the lock (an estimate for admission's room,
+        which a write's admission under the lock checks again)."""
+        return self._own_bytes()
 
     def own_bytes(self) -> int:
         """What :meth:`used` counts for the store's own files (ledger, journal)."""

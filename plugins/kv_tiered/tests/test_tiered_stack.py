@@ -16,7 +16,7 @@ import kvcore
 from kvcore.testing import Harness, blocks_equal, harness_opener, small_layout
 
 #: what a small kv_file store counts for its own files (ledger, journal) on top of its objects
-OWN = 16 << 10
+OWN = 32 << 10
 
 
 def open_stack(tmp_path, strict: bool = True, **config: Any) -> Harness:
