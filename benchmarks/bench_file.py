@@ -64,6 +64,7 @@ from benchutil import Report, add_layout_args, emit
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers, fileio
+from kvcore.replay.io import capacity_holding
 from kvcore.threads import usable_cpus
 
 PAGE = 4096
@@ -508,19 +509,16 @@ def with_own_files(work: str, objects_bytes: int, layout: CacheLayout) -> int:
     """A capacity that holds ``objects_bytes`` of objects: kv_file counts its own files (the
     journal and ledger) against it, by an amount that depends on the capacity and the file
     system: measured on a store opened beside the roots."""
-    capacity = objects_bytes
-    for _ in range(4):
-        probe = tempfile.mkdtemp(prefix="own-files-", dir=work)
-        store = kvcore.open_backend(
-            "file", {"root": probe, "capacity_bytes": capacity}, context={"layout": layout}
+    probe = tempfile.mkdtemp(prefix="own-files-", dir=work)
+    try:
+        return capacity_holding(
+            lambda capacity: kvcore.open_backend(
+                "file", {"root": probe, "capacity_bytes": capacity}, context={"layout": layout}
+            ),
+            objects_bytes,
         )
-        own = int(store.stats()["backend_own_files_bytes"])
-        store.close()
+    finally:
         shutil.rmtree(probe, ignore_errors=True)
-        if capacity == objects_bytes + own:
-            break
-        capacity = objects_bytes + own
-    return capacity
 
 
 def _run_writers(roots, capacity, blocks, batch, layout) -> tuple[float, float]:

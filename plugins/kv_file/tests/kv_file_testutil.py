@@ -15,6 +15,7 @@ from kv_file.paths import name_digest
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers
+from kvcore.replay.io import capacity_holding
 from kvcore.testing import payload_for
 
 #: Objects of 64 KiB: big enough that a SIGKILL often lands inside a write.
@@ -175,17 +176,12 @@ def direct_reads_work(directory: str) -> bool:
 
 def with_own_files(root: str, objects_bytes: int, **config: Any) -> int:
     """A ``capacity_bytes`` that holds ``objects_bytes`` of objects in a store at ``root``:
-    the capacity bounds the store's own files too (directories, ledger, journal), whose size
-    depends on the file system (ext4 gives each directory a block; tmpfs none) and, for the
-    journal, on the capacity. Measured on an empty store beside ``root``."""
+    the capacity bounds the store's own files too (ledger, journal), whose size depends on the
+    file system and, for the journal, on the capacity. Measured on a store beside ``root``."""
     probe = f"{root}.own-files-probe"
-    capacity = objects_bytes
-    for _ in range(3):  # the journal's share depends on the capacity: settle it
-        store = open_store(probe, capacity_bytes=capacity, **config)
-        own = int(store.stats()["backend_own_files_bytes"])
-        store.close()
+    try:
+        return capacity_holding(
+            lambda capacity: open_store(probe, capacity_bytes=capacity, **config), objects_bytes
+        )
+    finally:
         shutil.rmtree(probe, ignore_errors=True)
-        if capacity == objects_bytes + own:
-            break
-        capacity = objects_bytes + own
-    return capacity
