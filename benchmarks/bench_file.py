@@ -64,7 +64,7 @@ from benchutil import Report, add_layout_args, emit
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers, fileio
-from kvcore.replay.io import capacity_holding
+from kvcore.replay import capacity_holding
 from kvcore.threads import usable_cpus
 
 PAGE = 4096

@@ -25,10 +25,19 @@ from typing import Any
 import numpy as np
 
 from kvcore.admission import PolicyName
+from kvcore.replay.capacity import capacity_holding
 from kvcore.replay.model import Tally, optimal_hits, simulate, unlimited_hits
 from kvcore.replay.trace import Trace, TraceError, TraceRequest, load_trace
 
-__all__ = ["Bounds", "Trace", "TraceError", "TraceRequest", "load_trace", "replay"]
+__all__ = [
+    "Bounds",
+    "Trace",
+    "TraceError",
+    "TraceRequest",
+    "capacity_holding",
+    "load_trace",
+    "replay",
+]
 
 
 class Bounds:

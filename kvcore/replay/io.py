@@ -22,39 +22,17 @@ from kvcore.backend import Backend
 from kvcore.errors import ConfigError
 from kvcore.handles import BackendHandle
 from kvcore.registry import load_backend_class
+from kvcore.replay.capacity import capacity_holding
 from kvcore.replay.model import Tally, block_key
 from kvcore.replay.trace import Trace
 from kvcore.schemas import BackendContext, CacheDType, CacheLayout
 from kvcore.transfer import DeviceCache, TransferManager
 
-__all__ = ["IOReplay", "capacity_holding", "replay_layout"]
+__all__ = ["IOReplay", "replay_layout"]
 
 #: bytes of one element of the replay's cache (bfloat16)
 _ELEMENT = 2
 _PARTS = 2  # K and V
-
-
-def capacity_holding(open_at: Callable[[int], Backend], objects_bytes: int) -> int:
-    """The ``capacity_bytes`` that leaves ``objects_bytes`` to a store's objects.
-
-    A store that counts its own files against its capacity (kv_file: its journal and ledger)
-    reports them as the stat ``own_files_bytes``, whose size may depend on the capacity and
-    the file system: measured on stores ``open_at(capacity)`` opens (and this closes) until
-    the two agree. A store without that stat: ``objects_bytes``.
-
-    .. versionadded:: 0.4
-    """
-    capacity = objects_bytes
-    for _ in range(4):  # settles at once unless the own files' size steps with the capacity
-        backend = open_at(capacity)
-        try:
-            own = int(backend.stats().get("backend_own_files_bytes", 0))
-        finally:
-            backend.close()
-        if objects_bytes + own == capacity:
-            break
-        capacity = objects_bytes + own
-    return capacity
 
 
 def replay_layout(block_bytes: int, tokens_per_block: int, num_blocks: int) -> CacheLayout:

@@ -15,7 +15,7 @@ from kv_file.paths import name_digest
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers
-from kvcore.replay.io import capacity_holding
+from kvcore.replay import capacity_holding
 from kvcore.testing import payload_for
 
 #: Objects of 64 KiB: big enough that a SIGKILL often lands inside a write.
