@@ -470,16 +470,19 @@ def _shared_root_case(
     work = tempfile.mkdtemp(prefix="kvcore-bench-shared-", dir=args.ram_dir)
     samples: dict[str, list[float]] = {"shared": [], "separate": []}
     acked: dict[str, list[float]] = {"shared": [], "separate": []}
+    # each root's objects get the same bytes; its own files (journal, ledger) count against
+    # its capacity, so each root gets room for them
+    caps = {
+        "shared": with_own_files(work, capacity, layout),
+        "separate": with_own_files(work, capacity // procs, layout),
+    }
     try:
         for r in range(args.reps):
             order = ("shared", "separate") if r % 2 == 0 else ("separate", "shared")
             for how in order:
                 base = os.path.join(work, f"{how}-{r}")
                 roots = [base] * procs if how == "shared" else [f"{base}-{i}" for i in range(procs)]
-                # each root's objects get the same bytes; its own files (journal, ledger)
-                # count against its capacity, so each root gets room for them
-                cap = capacity if how == "shared" else capacity // procs
-                cap = with_own_files(work, cap, layout)
+                cap = caps[how]
                 os.sync()
                 gbps, fraction = _run_writers(roots, cap, blocks, batch, layout)
                 samples[how].append(gbps)

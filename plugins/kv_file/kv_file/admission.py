@@ -37,7 +37,7 @@ class StoreAdmission:
         index: Index,
         payload: dict[str, int] | None,
         reserved: Callable[[], int],
-        own_files: Callable[[], int] = lambda: 0,
+        own_files: Callable[[], int],
         *,
         doorkeeper_factor: float,
         sample_rate: float,

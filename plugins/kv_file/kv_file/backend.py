@@ -135,7 +135,7 @@ class FileBackend:
             self._index,
             self._payload,
             self._catalog.journal.reserved,
-            self._catalog.own_bytes_unlocked,
+            self._catalog.own_bytes,
             doorkeeper_factor=config.admission_doorkeeper,
             sample_rate=config.admission_sample_rate,
         )

@@ -94,7 +94,7 @@ class Catalog:
         self._compact_min = max(
             _COMPACT_FLOOR_BYTES, min(_COMPACT_MIN_BYTES, capacity // _COMPACT_CAPACITY_SHARE)
         )
-        self._fixed_bytes = 0  # bytes of the ledger (see measure_own_files)
+        self._ledger_bytes = 0  # what the ledger takes on the file system (measure_own_files)
         self.directory_bytes = 0  # what the directories take (reported, not counted)
         self.measure_own_files()
         with self._exclusive():
@@ -252,32 +252,23 @@ class Catalog:
         journal's, are counted as in use. The directories are not: they are the file system's
         (no blocks on tmpfs, XFS or btrfs; one 4 KiB block each on ext4, 1 MiB a store, made
         once at open), and counting them would leave a small store on ext4 no room at all."""
-        self._fixed_bytes = self.journal.ledger_bytes()
-        self.directory_bytes = self._dir.own_bytes()
-
-    def _own_bytes(self) -> int:
-        """Bytes the store's own files take or may take before the next admission (lock held):
-        the ledger, the journal and the compact copy of it that a rewrite
-        writes beside it (the old one's blocks are freed once the new one is in place). The
-        journal counts at least what it may grow to before its first rewrite, so a store whose
-        journal is short counts one constant (and how many objects fit does not change with
-        every record)."""
-        journal = max(self.journal.size, self._compact_min)
-        return self._fixed_bytes + _blocks(journal) + _blocks(journal // _COMPACT_FACTOR)
-
-    def own_bytes_unlocked(self) -> int:
-        """:meth:`own_bytes` as it stands, without the lock (an estimate for admission's room,
-        which a write's admission under the lock checks again)."""
-        return self._own_bytes()
+        self._ledger_bytes = self.journal.ledger_bytes()
+        self.directory_bytes = self._dir.directory_bytes()
 
     def own_bytes(self) -> int:
-        """What :meth:`used` counts for the store's own files (ledger, journal)."""
-        with self._exclusive():
-            return self._own_bytes()
+        """Bytes the store's own files take or may take before the next admission: the
+        ledger, the journal and the compact copy of it that a rewrite writes beside it (the
+        old one's blocks are freed once the new one is in place). The journal counts at least
+        what it may grow to before its first rewrite, so a store whose journal is short counts
+        one constant (how many objects fit does not change with every record). Needs no lock
+        (two integers and one read of the shared ledger); admission calls it under the lock."""
+        journal = max(self.journal.size, self._compact_min)
+        return self._ledger_bytes + _blocks(journal) + _blocks(journal // _COMPACT_FACTOR)
 
-    def _in_use(self) -> int:
-        """Every byte the store holds or has reserved, in every process (lock held)."""
-        return self.index.files_bytes + self.journal.reserved() + self._own_bytes()
+    def _beside_files(self) -> int:
+        """What counts against the capacity beside the indexed files (lock held): every
+        process's writes in flight and the store's own files."""
+        return self.journal.reserved() + self.own_bytes()
 
     # -- changes this process makes -----------------------------------------------------------
 
@@ -293,9 +284,7 @@ class Catalog:
             return self._admit_handing_over(sizes, touched, deadline)
         retired: list[tuple[int, str]] = []
         with self._exclusive():
-            victims, admitted = self.index.plan_admission(
-                self.journal.reserved() + self._own_bytes(), sizes
-            )
+            victims, admitted = self.index.plan_admission(self._beside_files(), sizes)
             victim_bytes = 0
             if victims:
                 # Renamed away from their names under the lock (a rename costs a fraction of
@@ -331,7 +320,7 @@ class Catalog:
         assert hand_over is not None
         with self._exclusive():
             victims, admitted = self.index.plan_admission(
-                self.journal.reserved() + self._own_bytes(), sizes, self._leaving
+                self._beside_files(), sizes, self._leaving
             )
             self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in touched])
             self.journal.reserve(sum(sizes[:admitted]))
@@ -362,7 +351,7 @@ class Catalog:
             kept = len(victims) - len(leave)
             if kept:
                 self._counters.add("evict_kept_not_handed_over", kept)
-                over = self._in_use() - self.index.capacity
+                over = self.index.files_bytes + self._beside_files() - self.index.capacity
                 while admitted and over > 0:
                     admitted -= 1
                     over -= sizes[admitted]

@@ -57,7 +57,7 @@ class StoreDir:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, 0o700)
 
-    def own_bytes(self) -> int:
+    def directory_bytes(self) -> int:
         """What the store's directories take on the file system (ext4: a block each; tmpfs,
         btrfs and small XFS directories: none)."""
         total = 0
