@@ -1,4 +1,5 @@
-// kvcore._fileio: thin CPython binding of file_ops.h; the GIL is released for the whole read.
+// kvcore._fileio: thin CPython binding of file_ops.h; the GIL is released for every read,
+// write and batch run.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -143,6 +144,246 @@ PyObject* py_write_file(PyObject*, PyObject* args) {
   return PyLong_FromLong(err);
 }
 
+
+// -- batches (file_ops.h: kvc_batch_*) -------------------------------------------------------
+
+// A kvc_file_batch and everything its jobs point into: the encoded paths and prefixes (bytes
+// objects, immutable while held), the heads and the pieces' iovecs (held buffers).
+struct BatchObject {
+  PyObject_HEAD
+  kvc_file_batch* batch;
+  PyObject* held;  // a tuple: the paths', temps' and prefixes' bytes objects
+  Py_buffer heads;
+  Py_buffer iov;
+  bool has_heads, has_iov;
+  Py_ssize_t n;
+  int running;  // threads inside run(): results() and dealloc wait for none
+};
+
+void batch_dealloc(BatchObject* self) {
+  if (self->batch != nullptr) kvc_batch_free(self->batch);
+  if (self->has_heads) PyBuffer_Release(&self->heads);
+  if (self->has_iov) PyBuffer_Release(&self->iov);
+  Py_XDECREF(self->held);
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyObject* batch_run(PyObject* o, PyObject*) {
+  auto* self = reinterpret_cast<BatchObject*>(o);
+  kvc_file_batch* batch = self->batch;
+  ++self->running;  // under the GIL
+  Py_INCREF(o);     // alive while this thread works, whatever the caller drops
+  Py_BEGIN_ALLOW_THREADS;
+  kvc_batch_run(batch);
+  Py_END_ALLOW_THREADS;
+  --self->running;
+  Py_DECREF(o);
+  Py_RETURN_NONE;
+}
+
+PyObject* batch_results(PyObject* o, PyObject*) {
+  auto* self = reinterpret_cast<BatchObject*>(o);
+  if (self->running != 0) {
+    PyErr_SetString(PyExc_RuntimeError, "results() while run() is still working");
+    return nullptr;
+  }
+  const Py_ssize_t bytes = self->n * static_cast<Py_ssize_t>(sizeof(int32_t));
+  PyObject* codes = PyBytes_FromStringAndSize(nullptr, bytes);
+  PyObject* err_nos = PyBytes_FromStringAndSize(nullptr, bytes);
+  if (codes == nullptr || err_nos == nullptr) {
+    Py_XDECREF(codes);
+    Py_XDECREF(err_nos);
+    return nullptr;
+  }
+  int64_t direct_reads = 0;
+  int refused = 0;
+  kvc_batch_results(self->batch, reinterpret_cast<int32_t*>(PyBytes_AS_STRING(codes)),
+                    reinterpret_cast<int32_t*>(PyBytes_AS_STRING(err_nos)), &direct_reads,
+                    &refused);
+  return Py_BuildValue("NNLi", codes, err_nos, static_cast<long long>(direct_reads), refused);
+}
+
+PyMethodDef kBatchMethods[] = {
+    {"run", batch_run, METH_NOARGS,
+     "run() -> None: take objects until none is left (the GIL released); call it from as many "
+     "threads as should work at once."},
+    {"results", batch_results, METH_NOARGS,
+     "results() -> (codes, errnos, direct_reads, refused_errno): codes and errnos as int32 "
+     "bytes, one per object, once every run() returned."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject kBatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// An int64 buffer of exactly `count` items; nullptr with an exception set otherwise.
+const int64_t* int64_items(Buffers& held, PyObject* obj, Py_ssize_t count, const char* what) {
+  Py_buffer* view = held.acquire(obj, false, what);
+  if (view == nullptr) return nullptr;
+  if (view->len != count * static_cast<Py_ssize_t>(sizeof(int64_t))) {
+    PyErr_Format(PyExc_ValueError, "%s must hold %zd int64 values, not %zd bytes", what, count,
+                 view->len);
+    return nullptr;
+  }
+  return static_cast<const int64_t*>(view->buf);
+}
+
+// Each str of `seq` encoded for the file system (bytes), appended to `out`; false with an
+// exception set when one is not a str.
+bool encode_paths(PyObject* seq, Py_ssize_t n, PyObject* out, Py_ssize_t at, const char* what) {
+  PyObject* fast = PySequence_Fast(seq, what);
+  if (fast == nullptr) return false;
+  if (PySequence_Fast_GET_SIZE(fast) != n) {
+    PyErr_Format(PyExc_ValueError, "%s: %zd items for %zd objects", what,
+                 PySequence_Fast_GET_SIZE(fast), n);
+    Py_DECREF(fast);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* encoded = nullptr;
+    if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(fast, i), &encoded)) {
+      Py_DECREF(fast);
+      return false;
+    }
+    PyTuple_SET_ITEM(out, at + i, encoded);
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+PyObject* py_batch(PyObject*, PyObject* args) {
+  int kind, direct, sync;
+  PyObject *o_paths, *o_temps, *o_heads, *o_head_offsets, *o_head_lens, *o_prefixes, *o_iov,
+      *o_iov_starts, *o_group_starts, *o_mask;
+  long long digest_offset;
+  double deadline;
+  if (!PyArg_ParseTuple(args, "iOOOOOOOOOdLOpp", &kind, &o_paths, &o_temps, &o_heads,
+                        &o_head_offsets, &o_head_lens, &o_prefixes, &o_iov, &o_iov_starts,
+                        &o_group_starts, &deadline, &digest_offset, &o_mask, &direct, &sync))
+    return nullptr;
+  if (kind != KVC_BATCH_READ && kind != KVC_BATCH_WRITE) {
+    PyErr_SetString(PyExc_ValueError, "kind must be BATCH_READ or BATCH_WRITE");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyObject_Length(o_paths);
+  if (n < 0) return nullptr;
+  const bool writes = kind == KVC_BATCH_WRITE;
+  if (writes && o_temps == Py_None) {
+    PyErr_SetString(PyExc_ValueError, "a write batch needs temps");
+    return nullptr;
+  }
+  // held: paths, then temps (writes), then prefixes
+  PyObject* held_objects = PyTuple_New(n * (writes ? 3 : 2));
+  if (held_objects == nullptr) return nullptr;
+  auto* self = PyObject_New(BatchObject, &kBatchType);
+  if (self == nullptr) {
+    Py_DECREF(held_objects);
+    return nullptr;
+  }
+  self->batch = nullptr;
+  self->held = held_objects;  // owned by self from here: every way out is Py_DECREF(self)
+  self->has_heads = self->has_iov = false;
+  self->n = n;
+  self->running = 0;
+  PyObject* out = reinterpret_cast<PyObject*>(self);
+  if (!encode_paths(o_paths, n, held_objects, 0, "paths") ||
+      (writes && !encode_paths(o_temps, n, held_objects, n, "temps"))) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  const Py_ssize_t prefixes_at = writes ? 2 * n : n;
+  PyObject* prefixes = PySequence_Fast(o_prefixes, "prefixes must be a sequence of bytes");
+  if (prefixes == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  bool ok = PySequence_Fast_GET_SIZE(prefixes) == n;
+  if (!ok) PyErr_SetString(PyExc_ValueError, "prefixes: one bytes object per object");
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    PyObject* prefix = PySequence_Fast_GET_ITEM(prefixes, i);
+    if (!PyBytes_Check(prefix)) {
+      PyErr_SetString(PyExc_TypeError, "each prefix must be bytes");
+      ok = false;
+      break;
+    }
+    Py_INCREF(prefix);
+    PyTuple_SET_ITEM(held_objects, prefixes_at + i, prefix);
+  }
+  Py_DECREF(prefixes);
+  if (!ok) {  // the tuple's unset items are NULL, which its dealloc skips
+    Py_DECREF(out);
+    return nullptr;
+  }
+  Buffers offsets;  // the int64 arrays: read here, not needed once the jobs are built
+  const int64_t* head_offsets = int64_items(offsets, o_head_offsets, n + 1, "head_offsets");
+  const int64_t* head_lens =
+      head_offsets == nullptr ? nullptr : int64_items(offsets, o_head_lens, n, "head_lens");
+  const int64_t* iov_starts =
+      head_lens == nullptr ? nullptr : int64_items(offsets, o_iov_starts, n + 1, "iov_starts");
+  const int64_t* group_starts = nullptr;
+  bool groups_ok = iov_starts != nullptr;
+  if (groups_ok && o_group_starts != Py_None) {
+    group_starts = int64_items(offsets, o_group_starts, n, "group_starts");
+    groups_ok = group_starts != nullptr;
+  }
+  for (Py_ssize_t i = 0; groups_ok && group_starts != nullptr && i < n; ++i) {
+    if (group_starts[i] < 0 || group_starts[i] > i) {
+      PyErr_Format(PyExc_ValueError, "group_starts[%zd] must be in 0..%zd", i, i);
+      groups_ok = false;
+    }
+  }
+  Py_buffer* mask = nullptr;
+  if (groups_ok && o_mask != Py_None) mask = offsets.acquire(o_mask, false, "mask");
+  if (!groups_ok || (o_mask != Py_None && mask == nullptr) ||
+      PyObject_GetBuffer(o_heads, &self->heads, PyBUF_SIMPLE) != 0) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "heads must be a contiguous buffer");
+    Py_DECREF(out);
+    return nullptr;
+  }
+  self->has_heads = true;
+  if (PyObject_GetBuffer(o_iov, &self->iov, PyBUF_SIMPLE) != 0) {
+    PyErr_SetString(PyExc_TypeError, "iov must be a contiguous buffer of int64 pairs");
+    Py_DECREF(out);
+    return nullptr;
+  }
+  self->has_iov = true;
+  static_assert(sizeof(struct iovec) == 2 * sizeof(int64_t), "an iovec is two int64 values");
+  const Py_ssize_t iov_count = self->iov.len / static_cast<Py_ssize_t>(sizeof(struct iovec));
+  const auto* iov = static_cast<const struct iovec*>(self->iov.buf);
+  const auto* heads = static_cast<const char*>(self->heads.buf);
+  std::vector<kvc_file_job> jobs(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const int64_t h0 = head_offsets[i], h1 = head_offsets[i + 1];
+    const int64_t p0 = iov_starts[i], p1 = iov_starts[i + 1];
+    if (h0 < 0 || h1 < h0 || h1 > self->heads.len || p0 < 0 || p1 < p0 || p1 > iov_count ||
+        p1 - p0 > INT32_MAX) {
+      PyErr_Format(PyExc_ValueError, "object %zd: head_offsets or iov_starts out of range", i);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyObject* prefix = PyTuple_GET_ITEM(held_objects, prefixes_at + i);
+    jobs[i] = kvc_file_job{PyBytes_AS_STRING(PyTuple_GET_ITEM(held_objects, i)),
+                           writes ? PyBytes_AS_STRING(PyTuple_GET_ITEM(held_objects, n + i))
+                                  : nullptr,
+                           heads + h0,
+                           h1 - h0,
+                           head_lens[i],
+                           PyBytes_AS_STRING(prefix),
+                           PyBytes_GET_SIZE(prefix),
+                           iov + p0,
+                           static_cast<int>(p1 - p0)};
+  }
+  const int64_t deadline_ns =
+      deadline >= 9.2e9 ? INT64_MAX : static_cast<int64_t>(deadline * 1e9);
+  self->batch = kvc_batch_new(kind, jobs.data(), n, group_starts, deadline_ns, digest_offset,
+                              mask != nullptr ? static_cast<const uint8_t*>(mask->buf) : nullptr,
+                              mask != nullptr ? mask->len : 0, direct, sync);
+  if (self->batch == nullptr) {
+    Py_DECREF(out);
+    return PyErr_NoMemory();
+  }
+  return out;
+}
+
 PyMethodDef kMethods[] = {
     {"write_file", py_write_file, METH_VARARGS,
      "write_file(temp, path, head, digest_offset, prefix, pieces, sync) -> errno (0: written)\n\n"
@@ -152,6 +393,11 @@ PyMethodDef kMethods[] = {
      "read_file(path, head, pieces, direct, prefix) -> (code, errno, used_direct, digest)\n\n"
      "Read a whole file: its first len(head) bytes into head, the rest into pieces in order. "
      "The GIL is released for the call. See kvcore.fileio."},
+    {"batch", py_batch, METH_VARARGS,
+     "batch(kind, paths, temps, heads, head_offsets, head_lens, prefixes, iov, iov_starts, "
+     "group_starts, deadline, digest_offset, mask, direct, sync) -> Batch\n\n"
+     "Many objects' reads or writes, run by Batch.run() from any number of threads. See "
+     "kvcore.fileio."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "kvcore._fileio",
@@ -160,14 +406,27 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "kvcore._fileio",
 }  // namespace
 
 PyMODINIT_FUNC PyInit__fileio(void) {
+  kBatchType.tp_name = "kvcore._fileio.Batch";
+  kBatchType.tp_basicsize = sizeof(BatchObject);
+  kBatchType.tp_flags = Py_TPFLAGS_DEFAULT;
+  kBatchType.tp_doc = "A batch of file reads or writes (see kvcore.fileio.FileBatch).";
+  kBatchType.tp_dealloc = reinterpret_cast<destructor>(batch_dealloc);
+  kBatchType.tp_methods = kBatchMethods;
+  if (PyType_Ready(&kBatchType) != 0) return nullptr;
   PyObject* module = PyModule_Create(&kModule);
   if (module == nullptr) return nullptr;
   if (PyModule_AddIntConstant(module, "HAVE_DIGEST", kvc_file_ops_have_digest()) != 0 ||
+      PyModule_AddStringConstant(module, "DIGEST_KERNEL", kvc_file_ops_digest_kernel()) != 0 ||
       PyModule_AddIntConstant(module, "OK", KVC_READ_OK) != 0 ||
       PyModule_AddIntConstant(module, "MISSING", KVC_READ_MISSING) != 0 ||
       PyModule_AddIntConstant(module, "OTHER", KVC_READ_OTHER) != 0 ||
       PyModule_AddIntConstant(module, "ERRNO", KVC_READ_ERRNO) != 0 ||
-      PyModule_AddIntConstant(module, "DIRECT_REFUSED", KVC_READ_DIRECT_REFUSED) != 0) {
+      PyModule_AddIntConstant(module, "DIRECT_REFUSED", KVC_READ_DIRECT_REFUSED) != 0 ||
+      PyModule_AddIntConstant(module, "DEADLINE", KVC_BATCH_DEADLINE) != 0 ||
+      PyModule_AddIntConstant(module, "SKIPPED", KVC_BATCH_SKIPPED) != 0 ||
+      PyModule_AddIntConstant(module, "MISMATCH", KVC_BATCH_MISMATCH) != 0 ||
+      PyModule_AddIntConstant(module, "BATCH_READ", KVC_BATCH_READ) != 0 ||
+      PyModule_AddIntConstant(module, "BATCH_WRITE", KVC_BATCH_WRITE) != 0) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -1,5 +1,6 @@
 // Native file reads: see file_ops.h.
 #include "file_ops.h"
+#include "thread_buffer.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -20,6 +21,13 @@
 #else
 #define KVC_HAVE_XXH3 0
 #endif
+
+// digest_avx2.cc, digest_avx512.cc: xxh3's kernels for CPUs that have them (built where the
+// compiler can)
+extern "C" int kvc_digest_built_avx2(void);
+extern "C" void kvc_xxh3_128_update_avx2(void* state, const void* data, size_t len);
+extern "C" int kvc_digest_built_avx512(void);
+extern "C" void kvc_xxh3_128_update_avx512(void* state, const void* data, size_t len);
 
 #ifndef __NR_cachestat
 #define __NR_cachestat 451  // Linux 6.5, the same number on every architecture
@@ -71,25 +79,6 @@ bool page_aligned(int64_t head_len, const struct iovec* pieces, int npieces) {
       return false;
   }
   return true;
-}
-
-// A page-aligned buffer of at least `bytes` for this thread's direct reads of heads (the
-// caller's head buffer need not be aligned); nullptr when memory is short.
-void* direct_head_buffer(int64_t bytes) {
-  struct Buffer {
-    void* data = nullptr;
-    int64_t size = 0;
-    ~Buffer() { free(data); }
-  };
-  thread_local Buffer buffer;
-  if (buffer.size < bytes) {
-    void* fresh = nullptr;
-    if (posix_memalign(&fresh, kPage, static_cast<size_t>(bytes)) != 0) return nullptr;
-    free(buffer.data);
-    buffer.data = fresh;
-    buffer.size = bytes;
-  }
-  return buffer.data;
 }
 
 // Past the `moved` bytes a vectored call moved from iov[first..]: the index of the first entry
@@ -179,6 +168,33 @@ class Windows {
 };
 
 #if KVC_HAVE_XXH3
+using DigestUpdate = void (*)(void* state, const void* data, size_t len);
+
+void update_baseline(void* state, const void* data, size_t len) {
+  XXH3_128bits_update(static_cast<XXH3_state_t*>(state), data, len);
+}
+
+struct DigestKernel {
+  DigestUpdate update;
+  const char* name;
+};
+
+// The fastest xxh3 kernel this CPU runs (the same digest from each): measured here, AVX-512
+// 89 GB/s, AVX2 61, the SSE2 baseline 34 (64 KiB in the CPU's cache).
+DigestKernel pick_kernel() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (kvc_digest_built_avx512() && __builtin_cpu_supports("avx512f"))
+    return {kvc_xxh3_128_update_avx512, "avx512"};
+  if (kvc_digest_built_avx2() && __builtin_cpu_supports("avx2"))
+    return {kvc_xxh3_128_update_avx2, "avx2"};
+#endif
+  return {update_baseline, "baseline"};
+}
+
+const DigestKernel kernel = pick_kernel();
+const DigestUpdate digest_update = kernel.update;
+
 // xxh3-128 of prefix, payload length (8 bytes, little-endian) and payload, fed in order.
 class PayloadDigest {
  public:
@@ -198,8 +214,7 @@ class PayloadDigest {
         *skip -= v.iov_len;
         continue;
       }
-      XXH3_128bits_update(&state_, static_cast<const char*>(v.iov_base) + *skip,
-                          v.iov_len - *skip);
+      digest_update(&state_, static_cast<const char*>(v.iov_base) + *skip, v.iov_len - *skip);
       *skip = 0;
     }
   }
@@ -265,6 +280,14 @@ int write_hashing(int fd, int64_t offset, const struct iovec* pieces, int npiece
 
 extern "C" int kvc_file_ops_have_digest(void) { return KVC_HAVE_XXH3; }
 
+extern "C" const char* kvc_file_ops_digest_kernel(void) {
+#if KVC_HAVE_XXH3
+  return kernel.name;
+#else
+  return "none";
+#endif
+}
+
 extern "C" int kvc_read_file(const char* path, void* head, int64_t head_len,
                              const struct iovec* pieces, int npieces, int direct,
                              const void* prefix, int64_t prefix_len, uint8_t digest_out[16],
@@ -295,7 +318,8 @@ extern "C" int kvc_read_file(const char* path, void* head, int64_t head_len,
   }
   void* head_target = head;
   if (go_direct) {
-    head_target = direct_head_buffer(head_len);
+    // the caller's head buffer need not be aligned: the head lands here first
+    head_target = kvc::thread_page_buffer<kvc::kDirectHead>(head_len);
     if (head_target == nullptr) {
       *err_no = ENOMEM;
       return KVC_READ_ERRNO;

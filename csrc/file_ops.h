@@ -28,6 +28,10 @@ enum {
 
 // Whether this build computes digests (xxh3-128; 0 when xxhash.h was missing at build time).
 int kvc_file_ops_have_digest(void);
+// Which xxh3 kernel computes digests: "avx512" or "avx2" where the CPU has it (and the build
+// could make it), else "baseline" (the build's target: SSE2 on x86-64); "none" without
+// digests.
+const char* kvc_file_ops_digest_kernel(void);
 
 // Read the file at `path` (opened O_NOFOLLOW and non-blocking: a FIFO never waits): its first
 // `head_len` bytes into `head`, the rest into `pieces` in order. The file must be a regular file
@@ -53,6 +57,66 @@ int kvc_read_file(const char* path, void* head, int64_t head_len, const struct i
 int kvc_write_file(const char* temp, const char* path, void* head, int64_t head_len,
                    int64_t digest_offset, const void* prefix, int64_t prefix_len,
                    const struct iovec* pieces, int npieces, int sync);
+
+
+// -- batches ---------------------------------------------------------------------------------
+//
+// A batch runs many objects' reads or writes (each one kvc_read_file / kvc_write_file) from
+// any number of the caller's threads at once: each thread that calls kvc_batch_run takes the
+// next object from a shared counter until none is left, with no lock and no GIL. Objects come
+// in groups (a block's parts): once one object fails, objects of later groups are skipped
+// (they could not count), and past the deadline nothing more starts. It knows nothing of any
+// backend's file format: the caller gives each object's head bytes (what to write, or what a
+// read must find under `mask`) and where in the head the digest sits.
+
+// One object of a batch. Pointers stay the caller's, valid until kvc_batch_free.
+struct kvc_file_job {
+  const char* path;
+  const char* temp;  // writes: the temp file written, then renamed over path
+  // writes: the head's first head_used bytes (zeros follow up to head_len);
+  // reads: what the file's first head_used bytes must be (see kvc_batch_new's mask)
+  const void* head;
+  int64_t head_used;
+  int64_t head_len;                // bytes before the payload in the file
+  const void* prefix;              // digest prefix (see kvc_read_file)
+  int64_t prefix_len;
+  const struct iovec* pieces;      // the payload, in order
+  int npieces;
+};
+
+// An object's result in a batch: KVC_READ_* codes (writes: OK or ERRNO), or one of these.
+enum {
+  KVC_BATCH_DEADLINE = 5,  // not started: the deadline had passed
+  KVC_BATCH_SKIPPED = 6,   // not started: an object of an earlier group failed
+  // reads: the file is there and whole but is not what the job expected (its head differs
+  // under the mask, or its digest does not match): the caller's own code looks at it
+  KVC_BATCH_MISMATCH = 7
+};
+enum { KVC_BATCH_READ = 0, KVC_BATCH_WRITE = 1 };
+
+typedef struct kvc_file_batch kvc_file_batch;
+
+// A batch of `n` jobs (copied; what they point at is not). `group_starts` (n items, or NULL:
+// every object a group of its own): the index of the first object of object k's group; the
+// objects of a group are consecutive.
+// `deadline_ns`: CLOCK_MONOTONIC nanoseconds, INT64_MAX for none. `digest_offset` >= 0: reads
+// check, writes fill the digest at head[digest_offset .. +16] (needs
+// kvc_file_ops_have_digest()). Reads: byte i < head_used of the file's head must equal the
+// job's head[i] unless i < mask_len and mask[i] == 0; `direct` as in kvc_read_file (refused
+// once, the batch reads the rest buffered). Writes: `sync` as in kvc_write_file. NULL when
+// memory is short.
+kvc_file_batch* kvc_batch_new(int kind, const struct kvc_file_job* jobs, int64_t n,
+                              const int64_t* group_starts,
+                              int64_t deadline_ns, int64_t digest_offset, const uint8_t* mask,
+                              int64_t mask_len, int direct, int sync);
+// Take objects until none is left (call it from as many threads as should work at once).
+void kvc_batch_run(kvc_file_batch* batch);
+// After every kvc_batch_run returned: each object's code and errno (n each), and how many
+// reads went around the page cache; *refused_errno: the errno with which O_DIRECT or
+// cachestat(2) was refused (0: never).
+void kvc_batch_results(const kvc_file_batch* batch, int32_t* codes, int32_t* err_nos,
+                       int64_t* direct_reads, int* refused_errno);
+void kvc_batch_free(kvc_file_batch* batch);
 
 #ifdef __cplusplus
 }

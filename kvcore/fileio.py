@@ -12,30 +12,52 @@ head and payload into a new temp file, an optional ``fdatasync``, the rename ove
 The Python work per object shrinks to one call and a comparison, and the I/O threads of a
 backend no longer contend for the interpreter with the engine's own thread while they read.
 
+A batch (:func:`read_batch`, :func:`write_batch`) takes the Python call per object away too:
+the objects' paths, expected heads and pieces are handed over once, and any number of threads
+run the batch (:meth:`FileBatch.run`), each taking the next object from a shared counter with
+no lock and no GIL, until none is left; reads are verified there (the head against what the
+caller expects, the digest against the head's). What stays in Python is what the batch
+returns: one code per object (:class:`FileRead`).
+
 .. versionadded:: 0.3
+.. versionchanged:: 0.4 batches: :func:`read_batch`, :func:`write_batch`, :class:`FileBatch`.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import os
 from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from kvcore import _fileio
 
 __all__ = [
+    "DIGEST_KERNEL",
     "NATIVE_DIGESTS",
     "NATIVE_IO_ENV",
+    "FileBatch",
     "FileRead",
     "describe",
     "enabled",
+    "read_batch",
     "read_file",
+    "write_batch",
     "write_file",
 ]
 
 #: Whether the native reads compute the xxh3-128 digest (False when kvcore was built without
 #: xxhash's header: the caller then hashes the pieces itself).
 NATIVE_DIGESTS: bool = bool(_fileio.HAVE_DIGEST)
+#: Which xxh3 kernel computes the digests: ``"avx512"`` or ``"avx2"`` where the CPU has it,
+#: else ``"baseline"`` (what the build targets: SSE2 on x86-64); ``"none"`` without digests.
+#: Every kernel gives the same digest.
+#:
+#: .. versionadded:: 0.4
+DIGEST_KERNEL: str = _fileio.DIGEST_KERNEL
 
 
 #: ``KVCORE_NATIVE_IO=0``: backends that use this module read and write with their own Python
@@ -54,7 +76,10 @@ def describe() -> str:
     if not enabled():
         return f"file I/O: Python ({NATIVE_IO_ENV}=0)"
     if NATIVE_DIGESTS:
-        return "file I/O: native (kvcore.fileio; xxh3 checksums in C++)"
+        return (
+            "file I/O: native, in batches (kvcore.fileio; xxh3 checksums in C++, "
+            f"{DIGEST_KERNEL} kernel)"
+        )
     return "file I/O: native, checksums in Python (kvcore was built without xxhash.h)"
 
 
@@ -70,6 +95,13 @@ class FileRead(enum.IntEnum):
     #: ``O_DIRECT`` or ``cachestat(2)`` refused (the returned errno): nothing was decided about
     #: the file; read it again without ``direct``
     DIRECT_REFUSED = _fileio.DIRECT_REFUSED
+    #: (batches) not started: the batch's deadline had passed
+    DEADLINE = _fileio.DEADLINE
+    #: (batches) not started: an object of its group, or of an earlier one, failed
+    SKIPPED = _fileio.SKIPPED
+    #: (read batches) the file is there and whole, but its head is not what was expected or
+    #: its digest does not match: the caller's own code looks at it
+    MISMATCH = _fileio.MISMATCH
 
 
 def read_file(
@@ -116,3 +148,133 @@ def write_file(
     offset = -1 if digest_offset is None else digest_offset
     prefix = None if digest_offset is None else digest_prefix
     return _fileio.write_file(os.fspath(temp), os.fspath(path), head, offset, prefix, pieces, sync)
+
+
+class FileBatch:
+    """Many objects' reads or writes, made by :func:`read_batch` or :func:`write_batch`.
+
+    Call :meth:`run` from every thread that should work on it (the caller's own included),
+    then :meth:`results` once they all returned. Objects come in groups (a block's parts;
+    ``group_starts[k]``: the index of the first object of object ``k``'s group, each object
+    its own group when not given): after an object fails (missing, an error), no object from
+    its group's first on starts any more (``SKIPPED``), and past the deadline none does
+    (``DEADLINE``). Whatever memory
+    the objects' pieces point at must stay valid until every :meth:`run` returned.
+    """
+
+    __slots__ = ("_batch", "size")
+
+    def __init__(self, batch: _fileio.Batch, size: int) -> None:
+        self._batch = batch
+        self.size = size  #: objects in the batch
+
+    def run(self) -> None:
+        """Take objects until none is left (the GIL released)."""
+        self._batch.run()
+
+    def results(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], int, int]:
+        """``(codes, errnos, direct_reads, refused_errno)``: each object's :class:`FileRead`
+        code and errno (int32 arrays), how many reads went around the page cache, and the
+        errno with which ``O_DIRECT`` was refused (0: never; the batch then read buffered)."""
+        codes, errnos, direct_reads, refused = self._batch.results()
+        return (
+            np.frombuffer(codes, dtype=np.int32),
+            np.frombuffer(errnos, dtype=np.int32),
+            direct_reads,
+            refused,
+        )
+
+
+def _batch(
+    kind: int,
+    paths: Sequence[str],
+    temps: Sequence[str] | None,
+    heads: Sequence[bytes],
+    head_lens: npt.ArrayLike,
+    pieces: npt.ArrayLike,
+    piece_starts: npt.ArrayLike,
+    digest_prefixes: Sequence[bytes],
+    digest_offset: int | None,
+    group_starts: npt.ArrayLike | None,
+    deadline: float | None,
+    *,
+    compare_mask: bytes | None = None,
+    direct: bool = False,
+    sync: bool = False,
+) -> FileBatch:
+    """The native batch of :func:`read_batch` or :func:`write_batch`: the heads joined, every
+    array as contiguous int64."""
+    offsets = np.zeros(len(heads) + 1, dtype=np.int64)
+    np.cumsum([len(h) for h in heads], out=offsets[1:])
+
+    def int64s(values: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        return np.ascontiguousarray(values, dtype=np.int64)
+
+    batch = _fileio.batch(
+        kind, paths, temps, b"".join(heads), offsets, int64s(head_lens), digest_prefixes,
+        int64s(pieces), int64s(piece_starts),
+        None if group_starts is None else int64s(group_starts),
+        math.inf if deadline is None else deadline,
+        -1 if digest_offset is None else digest_offset, compare_mask, direct, sync,
+    )  # fmt: skip
+    return FileBatch(batch, len(paths))
+
+
+def read_batch(
+    paths: Sequence[str],
+    expected_heads: Sequence[bytes],
+    head_lens: npt.NDArray[np.int64],
+    pieces: npt.NDArray[np.int64],
+    piece_starts: npt.NDArray[np.int64],
+    *,
+    digest_prefixes: Sequence[bytes],
+    digest_offset: int | None,
+    compare_mask: bytes | None = None,
+    group_starts: npt.NDArray[np.int64] | None = None,
+    deadline: float | None = None,
+    direct: bool = False,
+) -> FileBatch:
+    """A batch of whole-file reads: object ``k`` is the file at ``paths[k]``, its first
+    ``head_lens[k]`` bytes a head, the rest read into its pieces: rows
+    ``piece_starts[k] .. piece_starts[k + 1]`` of ``pieces`` (``(address, nbytes)`` int64
+    rows, as :meth:`kvcore.HostBuffers.iovecs` gives them).
+
+    Verified as it arrives: the head's first ``len(expected_heads[k])`` bytes must equal
+    ``expected_heads[k]`` (except byte ``i`` where ``compare_mask[i] == 0``), and with
+    ``digest_offset`` the payload's digest (as :func:`read_file` computes it with
+    ``digest_prefixes[k]``, when :data:`NATIVE_DIGESTS`) must equal the 16 bytes at that
+    offset of the head; else ``MISMATCH``. ``deadline``: a :func:`time.monotonic` instant.
+    """
+    return _batch(
+        _fileio.BATCH_READ, paths, None, expected_heads, head_lens, pieces, piece_starts,
+        digest_prefixes, digest_offset, group_starts, deadline, compare_mask=compare_mask,
+        direct=direct,
+    )  # fmt: skip
+
+
+def write_batch(
+    temps: Sequence[str],
+    paths: Sequence[str],
+    heads: Sequence[bytes],
+    head_lens: npt.NDArray[np.int64],
+    pieces: npt.NDArray[np.int64],
+    piece_starts: npt.NDArray[np.int64],
+    *,
+    digest_prefixes: Sequence[bytes],
+    digest_offset: int | None,
+    group_starts: npt.NDArray[np.int64] | None = None,
+    deadline: float | None = None,
+    sync: bool = False,
+) -> FileBatch:
+    """A batch of whole-file writes, each as :func:`write_file`: ``heads[k]`` then zeros up
+    to ``head_lens[k]`` bytes, then the object's pieces (rows ``piece_starts[k] ..
+    piece_starts[k + 1]`` of ``pieces``), into ``temps[k]``, renamed over ``paths[k]``;
+    ``digest_offset``: the digest put into the head first (needs :data:`NATIVE_DIGESTS`).
+    An object's code is ``OK`` or ``ERRNO`` (its temp file then removed), or it was not
+    started."""
+    if digest_offset is not None and not NATIVE_DIGESTS:
+        raise ValueError("digests in a write batch need kvcore built with xxhash.h")
+    return _batch(
+        _fileio.BATCH_WRITE, paths, temps, heads, head_lens, pieces, piece_starts,
+        digest_prefixes, digest_offset, group_starts, deadline, sync=sync,
+    )  # fmt: skip

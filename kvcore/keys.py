@@ -253,6 +253,20 @@ class NameRows(Sequence[tuple[str, ...]]):
             origin.weight_version,
         )
 
+    def blocks(self) -> list[BlockId] | None:
+        """Each row's block (what :attr:`ObjectName.block` gives for any of its names),
+        without reading the names; None for names built otherwise.
+
+        .. versionadded:: 0.4
+        """
+        origin, keys = self._origin, self._keys
+        if origin is None or keys is None:
+            return None
+        namespace, rank, world, version = (
+            origin.namespace, origin.rank, origin.world_size, origin.weight_version
+        )  # fmt: skip
+        return [BlockId(namespace, key, rank, world, version) for key in keys]
+
     def with_parts(self, parts: Sequence[str]) -> NameRows | None:
         """The same blocks' names of other ``parts`` (e.g. their digests); None for names
         that do not carry their identity.

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from fake_dist import make_dist
 
+from kvcore import fileio
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,6 +61,8 @@ def test_backends_json_lists_the_three_backends():
     assert "Not opened" in text.stdout  # says plainly what was not checked
     # which file I/O path kv_file takes: native (the default), or Python when chosen
     assert re.search(r"^file I/O: native", text.stdout, re.M), text.stdout
+    if fileio.NATIVE_DIGESTS:  # and which xxh3 kernel this CPU runs
+        assert f"{fileio.DIGEST_KERNEL} kernel" in text.stdout, text.stdout
     python_io = kvcore_cli("backends", env={"KVCORE_NATIVE_IO": "0"})
     assert "file I/O: Python (KVCORE_NATIVE_IO=0)" in python_io.stdout, python_io.stdout
 

@@ -7,7 +7,9 @@ import ctypes
 import mmap
 import os
 import struct
+import threading
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -226,3 +228,159 @@ def test_payloads_of_many_windows_read_and_write_whole_with_their_digest(tmp_pat
     assert written[head_len:] == payload and len(written) == head_len + len(payload)
     if direct and not used_direct:
         pytest.skip("this file system read the file through the page cache")
+
+
+# -- batches -------------------------------------------------------------------------------
+
+
+def _rows(buffers: list[bytearray]) -> tuple[list[memoryview], np.ndarray]:
+    """Pieces over ``buffers`` as a batch takes them: one ``(address, nbytes)`` row each."""
+
+    views = [memoryview(b) for b in buffers]
+    rows = np.array(
+        [(ctypes.addressof(ctypes.c_char.from_buffer(b)), len(b)) for b in buffers],
+        dtype=np.int64,
+    ).reshape(-1, 2)
+    return views, rows
+
+
+def _run(batch: fileio.FileBatch, threads: int = 3):
+    workers = [threading.Thread(target=batch.run) for _ in range(threads - 1)]
+    for w in workers:
+        w.start()
+    batch.run()
+    for w in workers:
+        w.join()
+    return batch.results()
+
+
+@needs_digests
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_write_batch_then_a_read_batch_give_back_every_object_verified(tmp_path, threads):
+    """Each object of a write batch lands whole (head, zeros, payload; the digest in its
+    head), and a read batch finds each one OK, its pieces filled, from several threads."""
+
+    n, head_len = 40, PAGE
+    payloads = [bytearray(os.urandom(PAGE + 17 * k)) for k in range(n)]
+    names = [f"obj-{k}".encode() for k in range(n)]
+    heads = [b"HEAD" + bytes(20) + name for name in names]  # the digest at 4 .. 20
+    paths = [str(tmp_path / f"{k}.kv") for k in range(n)]
+    _, rows = _rows(payloads)
+    starts = np.arange(n + 1, dtype=np.int64)
+    lens = np.full(n, head_len, dtype=np.int64)
+    batch = fileio.write_batch(
+        [p + ".tmp" for p in paths], paths, heads, lens, rows, starts,
+        digest_prefixes=names, digest_offset=4,
+    )  # fmt: skip
+    codes, errnos, _, _ = _run(batch, threads)
+    assert codes.tolist() == [FileRead.OK] * n and errnos.tolist() == [0] * n
+    for k in range(n):
+        with open(paths[k], "rb") as f:
+            data = f.read()
+        digest = _expected_digest(names[k], bytes(payloads[k]))
+        assert data[:4] == b"HEAD" and data[4:20] == digest
+        assert data[20 : 24 + len(names[k])] == bytes(4) + names[k]
+        assert data[24 + len(names[k]) : head_len] == bytes(head_len - 24 - len(names[k]))
+        assert data[head_len:] == payloads[k]
+        assert not os.path.exists(paths[k] + ".tmp")
+    back = [bytearray(len(p)) for p in payloads]
+    _, back_rows = _rows(back)
+    mask = bytes([1] * 4 + [0] * 16)  # the head as written but its digest
+    reads = fileio.read_batch(
+        paths, heads, lens, back_rows, starts, digest_prefixes=names, digest_offset=4,
+        compare_mask=mask,
+    )  # fmt: skip
+    codes, _, direct_reads, refused = _run(reads, threads)
+    assert codes.tolist() == [FileRead.OK] * n and direct_reads == 0 and refused == 0
+    assert back == payloads
+
+
+@needs_digests
+def test_a_read_batch_tells_what_it_cannot_settle_and_stops_at_a_failed_group(tmp_path):
+    """A file whose head differs under the mask, or whose payload does not match its digest,
+    is MISMATCH (the caller looks at it) and stops nothing; a missing file stops the objects
+    of its group and the later groups (SKIPPED); a wrong size is OTHER."""
+
+    n = 8
+    payloads = [bytearray(os.urandom(PAGE)) for _ in range(n)]
+    names = [f"n{k}".encode() for k in range(n)]
+    heads = [b"HEAD" + bytes(16) + name for name in names]
+    paths = [str(tmp_path / f"{k}") for k in range(n)]
+    _, rows = _rows(payloads)
+    starts = np.arange(n + 1, dtype=np.int64)
+    lens = np.full(n, PAGE, dtype=np.int64)
+    codes, _, _, _ = _run(fileio.write_batch(
+        [p + ".t" for p in paths], paths, heads, lens, rows, starts, digest_prefixes=names,
+        digest_offset=4,
+    ))  # fmt: skip
+    assert (codes == FileRead.OK).all()
+    with open(paths[1], "r+b") as f:  # another name in the head
+        f.seek(20)
+        f.write(b"X")
+    with open(paths[2], "r+b") as f:  # one payload bit flipped
+        f.seek(PAGE + 5)
+        byte = f.read(1)
+        f.seek(PAGE + 5)
+        f.write(bytes([byte[0] ^ 1]))
+    with open(paths[3], "ab") as f:  # longer than the object
+        f.write(b"!")
+    os.unlink(paths[5])  # groups: (0, 1) (2, 3) (4, 5) (6, 7)
+    back = [bytearray(PAGE) for _ in range(n)]
+    _, back_rows = _rows(back)
+    reads = fileio.read_batch(
+        paths, heads, lens, back_rows, starts, digest_prefixes=names, digest_offset=4,
+        compare_mask=bytes([1] * 4 + [0] * 16),
+        group_starts=np.array([0, 0, 2, 2, 4, 4, 6, 6]),
+    )  # fmt: skip
+    codes, _, _, _ = _run(reads, threads=1)  # one thread: the order is the objects'
+    assert codes.tolist() == [
+        FileRead.OK, FileRead.MISMATCH, FileRead.MISMATCH, FileRead.OTHER,
+        FileRead.OK, FileRead.MISSING, FileRead.SKIPPED, FileRead.SKIPPED,
+    ]  # fmt: skip
+    assert back[0] == payloads[0] and back[4] == payloads[4]
+    # past the deadline nothing starts
+    late = fileio.read_batch(
+        paths, heads, lens, back_rows, starts, digest_prefixes=names, digest_offset=4,
+        deadline=0.0,
+    )  # fmt: skip
+    codes, _, _, _ = _run(late, threads=1)
+    assert codes.tolist()[0] == FileRead.DEADLINE
+    assert set(codes.tolist()[1:]) <= {FileRead.DEADLINE, FileRead.SKIPPED}
+
+
+def test_a_write_batch_reports_each_failure_and_stops_later_groups(tmp_path):
+
+    payloads = [bytearray(b"x" * 10) for _ in range(4)]
+    _, rows = _rows(payloads)
+    paths = [str(tmp_path / "a"), str(tmp_path / "missing" / "b"), str(tmp_path / "c"),
+             str(tmp_path / "d")]  # fmt: skip
+    temps = [str(tmp_path / f"t{k}") for k in range(4)]
+    batch = fileio.write_batch(
+        temps, paths, [b"h"] * 4, np.full(4, 8, dtype=np.int64), rows,
+        np.arange(5, dtype=np.int64), digest_prefixes=[b""] * 4, digest_offset=None,
+        group_starts=np.array([0, 1, 2, 2]),
+    )  # fmt: skip
+    codes, errnos, _, _ = _run(batch, threads=1)
+    assert codes.tolist() == [FileRead.OK, FileRead.ERRNO, FileRead.SKIPPED, FileRead.SKIPPED]
+    assert errnos.tolist()[1] == 2  # ENOENT (the rename)
+    with open(paths[0], "rb") as f:
+        assert f.read() == b"h" + bytes(7) + b"x" * 10
+    assert not any(os.path.exists(t) for t in temps)
+
+
+def test_a_batch_refuses_bad_arguments_naming_them(tmp_path):
+
+    rows = np.zeros((1, 2), dtype=np.int64)
+    with pytest.raises(ValueError, match="head_lens"):
+        fileio.read_batch([str(tmp_path / "a")], [b""], np.zeros(2, dtype=np.int64), rows,
+                          np.array([0, 1]), digest_prefixes=[b""], digest_offset=None)  # fmt: skip
+    with pytest.raises(ValueError, match="iov_starts out of range"):
+        fileio.read_batch([str(tmp_path / "a")], [b""], np.zeros(1, dtype=np.int64), rows,
+                          np.array([0, 2]), digest_prefixes=[b""], digest_offset=None)  # fmt: skip
+    with pytest.raises(ValueError, match="group_starts"):
+        fileio.read_batch([str(tmp_path / "a")], [b""], np.zeros(1, dtype=np.int64), rows,
+                          np.array([0, 1]), digest_prefixes=[b""], digest_offset=None,
+                          group_starts=np.array([1]))  # fmt: skip
+    with pytest.raises(TypeError, match="prefix must be bytes"):
+        fileio.read_batch([str(tmp_path / "a")], [b""], np.zeros(1, dtype=np.int64), rows,
+                          np.array([0, 1]), digest_prefixes=["s"], digest_offset=None)  # type: ignore[list-item]  # fmt: skip

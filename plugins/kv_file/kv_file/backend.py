@@ -1,19 +1,18 @@
 """The ``file`` backend: kvcore's embedded default store, one file per object under a root.
 
-Batches fan out over a small thread pool (the calling thread works too): each object is one
-``open``/``preadv``/``close`` straight into the caller's memory on reads (``O_DIRECT`` when
-the page cache does not hold it, see :class:`~kv_file.objio.DirectReads`), and one
-``writev`` of header and payload to a temp file plus a ``rename`` on writes. The caller's
-memory is a staging region per object, or the engine's own host-resident cache blocks, one
-piece per layer (segmented host buffers): the vectored calls take either as it is. ``preadv``,
-``writev`` and xxhash release the GIL, so threads overlap the copies and checksums.
+A request's objects move as one batch on a small thread pool (the calling thread works too;
+:mod:`kv_file.transfer`): each object is one ``open``/``preadv``/``close`` straight into the
+caller's memory on reads (``O_DIRECT`` when the page cache does not hold it, see
+:class:`~kv_file.objio.DirectReads`), and one ``writev`` of header and payload to a temp file
+plus a ``rename`` on writes, in native code with no GIL (:mod:`kv_file.objbatch`). The
+caller's memory is a staging region per object, or the engine's own host-resident cache
+blocks, one piece per layer (segmented host buffers): the vectored calls take either as it is.
 
 The index is a cache of what is on disk, never trusted alone where it is cheap to check: a
 write skips an object only after an ``lstat`` shows a regular file of the right size; a query
 counts a name only for a file of the size the layout gives it; a read verifies everything and
 removes what is not the object its name promises (a torn or damaged file, an object of another
-size or at another object's place, a symlink, a directory, a FIFO), so a rewrite lands.
-"""
+size or at another object's place, a symlink, a directory, a FIFO), so a rewrite lands."""
 
 from __future__ import annotations
 
@@ -29,16 +28,17 @@ from collections.abc import Callable
 
 import kvcore
 from kv_file.admission import StoreAdmission
-from kv_file.batch import READ_COUNTERS, Batches, answer
+from kv_file.batch import Batches
 from kv_file.catalog import Catalog
 from kv_file.config import FileConfig, safe_namespace
-from kv_file.files import ObjectFiles, describe, fsync_dir, retire_files
+from kv_file.files import ObjectFiles, describe, retire_files
 from kv_file.handover import HandOver
 from kv_file.model import StoreModel
-from kv_file.objfile import encode_name, header_size
-from kv_file.objio import DirectReads, ReadOutcome, read_meta, read_object, write_object
-from kv_file.paths import StoreDir, name_digest
+from kv_file.objfile import encode_name
+from kv_file.objio import DirectReads, read_meta
+from kv_file.paths import StoreDir
 from kv_file.removal import clear_objects, remove_blocks
+from kv_file.transfer import Transfers
 from kv_file.watch import Watch
 from kvcore import BlockRequest
 from kvcore.evictions import EvictionSink, sink_caller
@@ -140,6 +140,19 @@ class FileBackend:
             sample_rate=config.admission_sample_rate,
         )
         self._batches = Batches(config.io_threads, self._counters, self._failures)
+        self._transfers = Transfers(
+            self._dir,
+            self._catalog,
+            self._files,
+            self._admission,
+            self._batches,
+            self._direct,
+            self._payload,
+            sync=self._sync,
+            sync_dirs=self._sync_dirs,
+            io_threads=config.io_threads,
+            cpus=self._cpus,
+        )
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
         if config.rescan_interval_s > 0:
@@ -207,7 +220,7 @@ class FileBackend:
                 out.extend([None] * (request.num_blocks - i))
                 break
             raw = encode_name(names[0])
-            out.append(read_meta(self._dir.object_path(self._digest(names[0], raw)), raw))
+            out.append(read_meta(self._dir.object_path(self._transfers.digest(names[0], raw)), raw))
         return out
 
     @kvcore.hookimpl
@@ -225,146 +238,15 @@ class FileBackend:
 
     @kvcore.hookimpl
     def kvcore_read(self, request: BlockRequest) -> int:
+        """See :meth:`kv_file.transfer.Transfers.read`."""
         self._settle()
-        host = request.host
-        assert host is not None  # the core sends host buffers to io="host" backends
-        index = self._index
-        hits: list[tuple[int, int]] = []  # (k, digest)
-        adopted: list[tuple[int, int, bytes | None]] = []
-        gone: list[int] = []
-
-        def read_one(k: int) -> str:
-            i, j, name, raw, digest = self._locate(request, k)
-            expected = self._payload_bytes(request.parts[j])
-            outcome = read_object(
-                self._dir.object_path(digest),
-                raw,
-                host.views(i, j),
-                digest=digest,
-                expected_len=expected,
-                direct=self._direct,
-            )
-            if outcome is ReadOutcome.OK:
-                if not index.learn(name, digest):  # a file no record told of: adopt it
-                    named = raw if expected in (None, host.nbytes[j]) else None
-                    adopted.append((digest, header_size(len(raw)) + host.nbytes[j], named))
-                hits.append((k, digest))
-            elif outcome is ReadOutcome.MISNAMED:
-                index.unname(name)
-            elif outcome is not ReadOutcome.WRONG_SIZE:  # the file is gone or was removed
-                gone.append(digest)
-            return READ_COUNTERS[outcome]
-
-        workers = self._read_workers(request)
-        try:
-            outcomes, errors = self._batches.run(
-                request, read_one, host.nbytes, workers, "io_errors"
-            )
-        finally:  # what the read learned, for every process: after the data, off its path
-            # most recently used in the request's order, whichever thread read what first
-            hits.sort()
-            now = time.time_ns()
-            for _, digest in hits:
-                index.touch(digest, now)
-            self._catalog.adopted(adopted)
-            self._catalog.gone(gone)
-            self._catalog.read([digest for _, digest in hits])
-            nparts = len(request.parts)
-            self._admission.read(request, [k // nparts for k, _ in hits if k % nparts == 0])
-        return answer(outcomes, errors, len(request.parts))
+        return self._transfers.read(request)
 
     @kvcore.hookimpl
     def kvcore_write(self, request: BlockRequest) -> int:
-        """Objects already on disk are skipped (and pinned, so this write cannot evict what
-        it acknowledges); the others' bytes are reserved in order, as one run: when the batch
-        does not fit, the leading run that fits is stored and acknowledged, the rest refused.
-        """
+        """See :meth:`kv_file.transfer.Transfers.write`."""
         self._settle()
-        host = request.host
-        assert host is not None  # the core sends host buffers to io="host" backends
-        index = self._index
-        catalog = self._catalog
-        planned: dict[int, tuple[bytes, int, int, bytes | None]] = {}
-        before: list[str | None] = [None] * (request.num_blocks * len(request.parts))
-        pinned: list[int] = []  # acknowledged objects: evictions pass them over until we return
-        written_dirs: dict[str, list[int]] = {}
-        for k in range(len(before)):
-            if k % len(request.parts) == 0 and request.expired():
-                before[k] = "deadline"
-                break
-            _, j, _, raw, digest = self._locate(request, k)
-            size = header_size(len(raw)) + host.nbytes[j]
-            # named only as an object of its part's size (the core checks buffers against the
-            # layout; this keeps any other object from ever being counted by its name)
-            named = raw if self._payload_bytes(request.parts[j]) in (None, host.nbytes[j]) else None
-            if self._files.hold_stored(digest, named, size):
-                pinned.append(digest)
-                before[k] = "write_skipped"  # names are content-derived: same name, same bytes
-            else:
-                planned[k] = (raw, digest, size, named)
-        order = list(planned)
-        # skipped objects are being stored again: most recently used, for every process
-        admitted = catalog.admit(
-            [planned[k][2] for k in order], touched=pinned, deadline=request.deadline
-        )
-        for k in order[admitted:]:
-            before[k] = "write_refused"
-            del planned[k]
-        reserved = dict(planned)  # reservations not yet turned into files or given back
-        written: list[tuple[int, int, int, bytes | None]] = []  # k, digest, size, name
-
-        def write_one(k: int) -> str:
-            if k not in planned:
-                return before[k] or "deadline"
-            raw, digest, size, named = planned[k]
-            i, j = divmod(k, len(request.parts))
-            del reserved[k]
-            try:
-                write_object(
-                    self._dir.object_path(digest),
-                    self._dir.temp_path(digest),
-                    raw,
-                    host.views(i, j),
-                    sync=self._sync,
-                    meta=None if request.block_meta is None else request.block_meta[i],
-                )
-            except OSError:
-                catalog.release(size)
-                raise
-            written.append((k, digest, size, named))  # recorded with the rest, in one go
-            if self._sync_dirs:
-                written_dirs.setdefault(self._dir.subdir(digest), []).append(k)
-            return "write_stored"
-
-        # Synced writes wait on the disk; unsynced ones are copies into the page cache.
-        workers = self.config.io_threads if self._sync else min(self.config.io_threads, self._cpus)
-        try:
-            try:
-                outcomes, errors = self._batches.run(
-                    request, write_one, host.nbytes, workers, "write_errors"
-                )
-            finally:  # every file in place becomes a file of the store, also on a failure
-                # recorded in the request's order (the LRU order then does not depend on
-                # which thread finished first)
-                written.sort(key=lambda w: w[0])
-                lost = catalog.stored([(d, size, name) for _, d, size, name in written])
-            for k, digest, _, _ in written:
-                if digest in lost:
-                    outcomes[k] = "write_refused"  # evicted by another process meanwhile
-                else:
-                    pinned.append(digest)
-            for d, ks in written_dirs.items():  # one directory fsync per batch, not per object
-                try:
-                    fsync_dir(d)
-                except OSError as exc:
-                    for k in ks:
-                        outcomes[k], errors[k] = "write_errors", exc
-        finally:
-            unused = sum(size for _, _, size, _ in reserved.values())  # stopped before written
-            if unused:
-                catalog.release(unused)
-            index.unpin(pinned)
-        return answer(outcomes, errors, len(request.parts))
+        return self._transfers.write(request)
 
     @kvcore.hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:
@@ -372,7 +254,7 @@ class FileBackend:
         write is (with ``fsync=data_and_dir``, the directories are synced); processes sharing
         the directory see it at their next query (see :mod:`kv_file.journal`)."""
         self._catalog.sync()
-        return remove_blocks(self._files, request.object_names, self._digest)
+        return remove_blocks(self._files, request.object_names, self._transfers.digest)
 
     @kvcore.hookimpl
     def kvcore_clear(self) -> int:
@@ -487,31 +369,3 @@ class FileBackend:
         if self._unsettled:
             self._unsettled = False
             self._catalog.admit([0])
-
-    def _locate(self, request: BlockRequest, k: int) -> tuple[int, int, str, bytes, int]:
-        """Object ``k`` of a request (flat ``[block][part]`` order): its block and part
-        index, name, encoded name and file digest."""
-        i, j = divmod(k, len(request.parts))
-        name = request.object_names[i][j]
-        raw = encode_name(name)
-        return i, j, name, raw, self._digest(name, raw)
-
-    def _payload_bytes(self, part: str) -> int | None:
-        """Bytes an object of ``part`` holds by the layout (None: no layout, or no such part)."""
-        return None if self._payload is None else self._payload.get(part)
-
-    def _digest(self, name: str, raw: bytes | None = None) -> int:
-        """The file digest of ``name``: from the index when learned, else hashed."""
-        digest = self._index.by_name.get(name)
-        return digest if digest is not None else name_digest(raw or encode_name(name))
-
-    def _read_workers(self, request: BlockRequest) -> int:
-        """Threads for a read: all ``io_threads`` when it goes to the disk (each one mostly
-        waits on a direct read), one per core when the page cache holds it (each one copies,
-        and more threads than cores measured slower). The batch's first object decides."""
-        if not self._direct.enabled or request.num_blocks == 0:
-            return min(self.config.io_threads, self._cpus)
-        name = request.object_names[0][0]
-        if self._direct.path_cached(self._dir.object_path(self._digest(name))):
-            return min(self.config.io_threads, self._cpus)
-        return self.config.io_threads

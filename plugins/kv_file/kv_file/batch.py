@@ -16,6 +16,7 @@ import kvcore
 from kv_file.files import describe
 from kv_file.objio import ReadOutcome
 from kvcore import BlockRequest, Outcome, leading_run
+from kvcore.fileio import FileBatch
 from kvcore.threads import thread_pool
 
 __all__ = ["FAILURES", "GOOD", "INLINE_BYTES", "READ_COUNTERS", "Batches", "answer"]
@@ -96,31 +97,45 @@ class Batches:
                 except OSError as exc:
                     errors[k] = exc
                     outcome = error_outcome
-                    self._failures.warning(
-                        (error_outcome, exc.errno),
-                        "kv_file %s of %r failed: %s (further errors like it are logged at "
-                        "debug level)",
-                        "write" if error_outcome == "write_errors" else "read",
-                        request.object_names[k // parts][k % parts],
-                        describe(exc),
-                    )
+                    self.failed(error_outcome, exc, request.object_names[k // parts][k % parts])
                 outcomes[k] = outcome
                 if outcome not in GOOD:
                     stop[0] = min(stop[0], k - k % parts)
 
-        workers = min(workers, total)
-        if workers == 1 or sum(nbytes) * request.num_blocks < INLINE_BYTES:
-            worker()
-        else:
-            futures = [self._pool.submit(worker) for _ in range(workers - 1)]
-            try:
-                worker()
-            finally:
-                for f in futures:
-                    f.result()
+        self._on_threads(worker, min(workers, total), sum(nbytes) * request.num_blocks)
+        self.count(outcomes)
+        return outcomes, errors
+
+    def run_native(self, batch: FileBatch, workers: int, nbytes: int) -> None:
+        """Run a native batch of ``nbytes`` on ``workers`` threads (the caller's included);
+        returns when no thread works on it any more (its results are then complete)."""
+        self._on_threads(batch.run, min(workers, batch.size), nbytes)
+
+    def _on_threads(self, work: Callable[[], None], workers: int, nbytes: int) -> None:
+        if workers <= 1 or nbytes < INLINE_BYTES:
+            work()
+            return
+        futures = [self._pool.submit(work) for _ in range(workers - 1)]
+        try:
+            work()
+        finally:
+            for f in futures:
+                f.result()
+
+    def count(self, outcomes: list[str]) -> None:
+        """Count a batch's outcomes (objects never started aside)."""
         for outcome, count in Counter(o for o in outcomes if o != "skipped").items():
             self._counters.add(outcome, count)
-        return outcomes, errors
+
+    def failed(self, error_outcome: str, exc: OSError, name: str) -> None:
+        """Log an object's failure, once per kind of failure (then at debug level)."""
+        self._failures.warning(
+            (error_outcome, exc.errno),
+            "kv_file %s of %r failed: %s (further errors like it are logged at debug level)",
+            "write" if error_outcome == "write_errors" else "read",
+            name,
+            describe(exc),
+        )
 
 
 def answer(outcomes: list[str], errors: dict[int, OSError], parts: int) -> int:

@@ -18,15 +18,16 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import kvcore
-from kv_file.index import Entry, Index
+from kv_file.index import Entry, Index, Unknown
 from kv_file.journal import Journal, JournalError, Kind, Record
 from kv_file.objfile import header_size
 from kv_file.objio import read_name
 from kv_file.paths import StoreDir, discard
 from kvcore import events as ev
+from kvcore.keys import BlockId
 
 __all__ = ["Catalog"]
 
@@ -88,6 +89,7 @@ class Catalog:
             Callable[[list[tuple[int, str | None, int, str]], float | None], set[int]] | None
         ) = None
         self._leaving: set[int] = set()  # victims this process is handing over now
+        self._watches: list[_Watch] = []  # writes in progress (see watch_writes)
         self.evictions = 0  # objects this process evicted
         self._compacted_size = 0  # journal bytes after its last rewrite
         # the journal is compacted sooner in a small store: its bytes count against capacity
@@ -157,6 +159,7 @@ class Catalog:
             self._rebuild()
             return
         if restart:  # a new generation starts with a compact journal
+            self._suspect_all()  # what happened between the generations is not in it
             self._compacted_size = self.journal.size
             before = dict(self.index.clear())
             self._apply(records, quiet=True)
@@ -165,16 +168,26 @@ class Catalog:
             self._apply(records)
 
     def _apply(
-        self, records: Iterable[Record], *, pin: frozenset[int] = frozenset(), quiet: bool = False
+        self,
+        records: Iterable[Record],
+        *,
+        pin: frozenset[int] = frozenset(),
+        quiet: bool = False,
+        blocks: Mapping[int, BlockId | None] | None = None,
     ) -> None:
-        """Change the index as ``records`` say, and report the changes to a watcher."""
-        index, token = self.index, self.token
+        """Change the index as ``records`` say, and report the changes to a watcher.
+        ``blocks``: the block of each stored object's name by digest, where the caller knows
+        it (the index need not parse those names)."""
+        index, token, watches = self.index, self.token, self._watches
         runs: list[tuple[str, str, list[str], list[int]]] = []  # (kind, origin, names, sizes)
         for r in records:
             kind = r.kind
             if kind is Kind.TOUCHED:
                 index.touch(r.digest)
                 continue
+            for watch in watches:
+                if r.digest in watch.digests:
+                    watch.touched.add(r.digest)
             if kind is Kind.STORED:
                 name = None if r.name is None else r.name.decode("utf-8", "surrogatepass")
                 # the index learns a name only for a file of a size its part can have (another
@@ -183,7 +196,8 @@ class Catalog:
                     self._fits is None or r.size - header_size(len(r.name)) in self._fits
                 )
                 pinned = r.digest in pin and r.origin == token
-                index.add(r.digest, r.size, name if fits else None, pin=pinned)
+                block = Unknown.BLOCK if blocks is None else blocks.get(r.digest, Unknown.BLOCK)
+                index.add(r.digest, r.size, name if fits else None, pin=pinned, block=block)
                 size = r.size
             else:
                 entry = index.drop(r.digest)
@@ -220,12 +234,19 @@ class Catalog:
                          for e, n in zip(entries, names, strict=True)]  # fmt: skip
                 report(kind, names, sizes, ev.PEER)
 
-    def _commit(self, records: list[Record], *, pin: frozenset[int] = frozenset()) -> None:
-        """Record ``records`` and apply them (lock held, caught up)."""
+    def _commit(
+        self,
+        records: list[Record],
+        *,
+        pin: frozenset[int] = frozenset(),
+        blocks: Mapping[int, BlockId | None] | None = None,
+    ) -> None:
+        """Record ``records`` and apply them (lock held, caught up); ``blocks``: see
+        :meth:`_apply`."""
         if not records:
             return
         self.journal.append(records)
-        self._apply(records, pin=pin)
+        self._apply(records, pin=pin, blocks=blocks)
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
@@ -368,17 +389,53 @@ class Catalog:
             with self.journal.mutex:  # given back by the next locked section of this process
                 self._unreserve += victim_bytes
 
-    def stored(self, files: Sequence[tuple[int, int, bytes | None]]) -> set[int]:
+    @contextlib.contextmanager
+    def watch_writes(self, digests: Iterable[int]) -> Iterator[_Watch]:
+        """Watch the records about objects being written, from before their files are renamed
+        into place until :meth:`stored` records them: only a record about an object (another
+        process stored it too and someone evicted or removed it, a scan adopted it) can mean
+        its file left after the rename. Yields what :meth:`stored` takes."""
+        watch = _Watch(frozenset(digests))
+        with self.journal.mutex:
+            self._watches.append(watch)
+        try:
+            yield watch
+        finally:
+            with self.journal.mutex:
+                self._watches.remove(watch)
+
+    def _suspect_all(self) -> None:
+        """Records may have been missed (the journal was replaced or rebuilt): every object a
+        write in progress watches is looked at again."""
+        for watch in self._watches:
+            watch.touched.update(watch.digests)
+
+    def stored(
+        self,
+        files: Sequence[tuple[int, int, bytes | None]],
+        watch: _Watch | None = None,
+        blocks: Mapping[int, BlockId | None] | None = None,
+    ) -> set[int]:
         """Written files ``(digest, size, name)`` are in place: their reservations become
         files, recorded in one go and pinned (kept from eviction until
         :meth:`Index.unpin`). Returns the digests not recorded: files gone already, because
         another process evicted or removed what was at their place after the rename (it may
-        have been another writer's copy of the same object), so they are not acknowledged."""
+        have been another writer's copy of the same object), so they are not acknowledged.
+
+        With the ``watch`` (:meth:`watch_writes`) that covered the renames, only files some
+        record was about since are looked for (an ``lstat`` each, under the lock); without
+        it, every file is. ``blocks``: each file's block by digest, where the caller knows it
+        (see :meth:`_apply`)."""
         if not files:
             return set()
         with self._exclusive():
             self.journal.reserve(-sum(size for _, size, _ in files))
-            lost = {d for d, _, _ in files if not _regular_file(self._dir.object_path(d))}
+            lost = {
+                d
+                for d, _, _ in files
+                if (watch is None or d in watch.touched)
+                and not _regular_file(self._dir.object_path(d))
+            }
             if lost:
                 self._counters.add("write_lost", len(lost))
             records = [
@@ -386,7 +443,7 @@ class Catalog:
                 for d, size, name in files
                 if d not in lost
             ]
-            self._commit(records, pin=frozenset(r.digest for r in records))
+            self._commit(records, pin=frozenset(r.digest for r in records), blocks=blocks)
         return lost
 
     def release(self, size: int) -> None:
@@ -406,7 +463,7 @@ class Catalog:
     def read(self, digests: Iterable[int]) -> None:
         """Read hits: most recently used, here now and for every process soon."""
         now = time.monotonic()
-        due = [d for d in digests if self.index.due_for_log(d, now, TOUCH_LOG_INTERVAL_S)]
+        due = self.index.due_for_log(digests, now, TOUCH_LOG_INTERVAL_S)
         if due:
             with self._exclusive():
                 self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in due])
@@ -486,6 +543,7 @@ class Catalog:
 
     def _rebuild(self) -> None:
         """A new journal from the directory (lock held): the old one did not parse."""
+        self._suspect_all()
         self.index.clear()
         records = [
             Record(Kind.STORED, f.digest, f.size, read_name(self._dir.object_path(f.digest)),
@@ -507,6 +565,16 @@ class Catalog:
     def close(self) -> None:
         self.report = None
         self.journal.close()
+
+
+class _Watch:
+    """The objects a write is storing, and those of them some record was about since."""
+
+    __slots__ = ("digests", "touched")
+
+    def __init__(self, digests: frozenset[int]) -> None:
+        self.digests = digests
+        self.touched: set[int] = set()
 
 
 def _blocks(nbytes: int) -> int:

@@ -13,6 +13,7 @@ After the first lookup a query is one dict probe per name, with no hashing and n
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 from collections import Counter, OrderedDict
@@ -21,7 +22,13 @@ from dataclasses import dataclass
 
 from kvcore.keys import BlockId, ObjectName
 
-__all__ = ["Entry", "Index", "block_of"]
+__all__ = ["Entry", "Index", "Unknown", "block_of"]
+
+
+class Unknown(enum.Enum):
+    """A name's block that the caller does not know: :class:`Index` parses the name."""
+
+    BLOCK = "unknown block"
 
 
 def block_of(name: str | None) -> BlockId | None:
@@ -88,6 +95,20 @@ class Index:
                     self._name(entry, digest, name)
         return len(names)
 
+    def learn_each(self, names: list[str], digests: list[int]) -> list[int]:
+        """:meth:`learn` for every pair under one lock; returns the positions whose digest is
+        not indexed (read hits of files no record told of)."""
+        unknown = []
+        with self.lock:
+            lru = self.lru
+            for k, (name, digest) in enumerate(zip(names, digests, strict=True)):
+                entry = lru.get(digest)
+                if entry is None:
+                    unknown.append(k)
+                elif entry.name is None:
+                    self._name(entry, digest, name)
+        return unknown
+
     def size_of(self, digest: int) -> int | None:
         entry = self.lru.get(digest)
         return None if entry is None else entry.size
@@ -117,9 +138,18 @@ class Index:
 
     # -- changes (as the journal's records say) ---------------------------------------------
 
-    def add(self, digest: int, size: int, name: str | None, *, pin: bool = False) -> Entry | None:
+    def add(
+        self,
+        digest: int,
+        size: int,
+        name: str | None,
+        *,
+        pin: bool = False,
+        block: BlockId | Unknown | None = Unknown.BLOCK,
+    ) -> Entry | None:
         """Index a file now in place (replacing what was at its digest, which is returned);
-        ``pin``: also pin it (see :meth:`hold`), atomically, so no eviction comes between."""
+        ``pin``: also pin it (see :meth:`hold`), atomically, so no eviction comes between.
+        ``block``: :func:`block_of` the name, when the caller knows it (else it is parsed)."""
         with self.lock:
             old = self.lru.pop(digest, None)
             if old is not None:  # replaced in place (a concurrent writer of the same name)
@@ -132,7 +162,7 @@ class Index:
             entry = self.lru[digest] = Entry(size, None, self.stamp())
             self.files_bytes += size
             if name is not None:
-                self._name(entry, digest, name)
+                self._name(entry, digest, name, block)
             if pin:
                 self._pinned[digest] += 1
             return old
@@ -158,15 +188,27 @@ class Index:
                 if now_ns is not None:
                     self.touched[digest] = now_ns
 
-    def due_for_log(self, digest: int, now: float, every_s: float) -> bool:
-        """Whether a read of ``digest`` should go into the journal (at most one per
-        ``every_s`` per object and process: recency that fine is all LRU needs)."""
+    def touch_many(self, digests: Iterable[int], now_ns: int) -> None:
+        """:meth:`touch` of read hits, in order, under one lock."""
         with self.lock:
-            entry = self.lru.get(digest)
-            if entry is None or now - entry.logged_touch < every_s:
-                return False
-            entry.logged_touch = now
-            return True
+            lru, touched = self.lru, self.touched
+            for digest in digests:
+                if digest in lru:
+                    lru.move_to_end(digest)
+                    touched[digest] = now_ns
+
+    def due_for_log(self, digests: Iterable[int], now: float, every_s: float) -> list[int]:
+        """The reads of ``digests`` that should go into the journal (at most one per
+        ``every_s`` per object and process: recency that fine is all LRU needs)."""
+        due = []
+        with self.lock:
+            lru = self.lru
+            for digest in digests:
+                entry = lru.get(digest)
+                if entry is not None and now - entry.logged_touch >= every_s:
+                    entry.logged_touch = now
+                    due.append(digest)
+        return due
 
     def clear(self) -> list[tuple[int, Entry]]:
         """Forget everything (a journal read from its start follows); returns what was."""
@@ -255,10 +297,12 @@ class Index:
             if not any(d in pinned for d in unit):
                 yield unit
 
-    def _name(self, entry: Entry, digest: int, name: str) -> None:
+    def _name(
+        self, entry: Entry, digest: int, name: str, block: BlockId | Unknown | None = Unknown.BLOCK
+    ) -> None:
         entry.name = name
         self.by_name[name] = digest
-        entry.block = block_of(name)
+        entry.block = block_of(name) if block is Unknown.BLOCK else block
         if entry.block is not None:
             self.blocks.setdefault(entry.block, set()).add(digest)
 

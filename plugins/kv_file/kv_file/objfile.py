@@ -39,11 +39,13 @@ __all__ = [
     "DIGEST_AT",
     "FLAG_META",
     "HEADER",
+    "HEAD_COMPARE_MASK",
     "MAGIC",
     "MAX_NAME_BYTES",
     "VERSION",
     "Header",
     "checksum",
+    "head_fields",
     "header_size",
     "header_template",
     "meta_fits",
@@ -62,6 +64,11 @@ _META_DIGEST = struct.Struct("<Q")
 MAX_NAME_BYTES = 1 << 16
 PAGE = 4096
 _LEN = struct.Struct("<Q")
+_NO_DIGEST = bytes(16)
+#: Which bytes of :func:`head_fields` (without metadata) a reader compares with the file's
+#: head: magic, version, name length and payload length (1); not the flags, checksum and
+#: metadata length (0), which depend on what the writer stored; the name after it, all of it.
+HEAD_COMPARE_MASK = bytes([1] * 6 + [0] * 2 + [1] * 12 + [0] * 16 + [0] * 4)
 
 
 def encode_name(name: str) -> bytes:
@@ -96,19 +103,23 @@ def _meta_digest(name: bytes, meta: bytes) -> bytes:
     return _META_DIGEST.pack(xxhash.xxh3_64_intdigest(name + meta))
 
 
-def header_template(name: bytes, length: int, meta: bytes | None = None) -> bytearray:
-    """Header, name, metadata (when given and it fits) and padding of an object of ``length``
-    payload bytes, its checksum zero (at :data:`DIGEST_AT`, for the writer to fill)."""
-    head = bytearray(header_size(len(name)))
+def head_fields(name: bytes, length: int, meta: bytes | None = None) -> bytes:
+    """What comes before the padding of an object of ``length`` payload bytes: header, name,
+    metadata (when given and it fits), the checksum zero (at :data:`DIGEST_AT`, for the writer
+    to fill). Under :data:`HEAD_COMPARE_MASK`, also what a reader must find there."""
     if meta is not None and not meta_fits(len(name), len(meta)):
         meta = None
-    flags, meta_len = (0, 0) if meta is None else (FLAG_META, len(meta))
-    HEADER.pack_into(head, 0, MAGIC, VERSION, flags, len(name), length, bytes(16), meta_len)
-    at = HEADER.size + len(name)
-    head[HEADER.size : at] = name
-    if meta is not None:
-        head[at : at + _META_DIGEST.size] = _meta_digest(name, meta)
-        head[at + _META_DIGEST.size : at + _META_DIGEST.size + len(meta)] = meta
+    if meta is None:
+        return HEADER.pack(MAGIC, VERSION, 0, len(name), length, _NO_DIGEST, 0) + name
+    fixed = HEADER.pack(MAGIC, VERSION, FLAG_META, len(name), length, _NO_DIGEST, len(meta))
+    return b"".join((fixed, name, _meta_digest(name, meta), meta))
+
+
+def header_template(name: bytes, length: int, meta: bytes | None = None) -> bytearray:
+    """:func:`head_fields` and the padding up to the payload: the header page(s) as written."""
+    head = bytearray(header_size(len(name)))
+    fields = head_fields(name, length, meta)
+    head[: len(fields)] = fields
     return head
 
 

@@ -144,9 +144,10 @@ class DirectReads:
             return True
         return local.stat.nr_cache * PAGE >= size
 
-    def counted(self) -> None:
-        with self._lock:
-            self.count += 1
+    def counted(self, reads: int = 1) -> None:
+        if reads:
+            with self._lock:
+                self.count += reads
 
     def disable(self, why: OSError) -> None:
         if self.enabled:

@@ -80,8 +80,21 @@ class StoreDir:
         """A fresh temp name beside the object: same directory, so the rename is atomic."""
         return self._temp(self._subdirs[digest >> 120], f"{digest:032x}")
 
+    def temp_paths(self, digests: list[int]) -> list[str]:
+        """:meth:`temp_path` of each digest: fresh names, the process and thread told once."""
+        self._seq += 1  # one sequence number for the batch; each name has its own position
+        tag = f"{_HOST}.{os.getpid()}.{threading.get_native_id()}.{self._seq}x"
+        subdirs = self._subdirs
+        return [f"{subdirs[d >> 120]}/{d:032x}.{tag}{k}{TMP_SUFFIX}" for k, d in enumerate(digests)]
+
+    def object_paths(self, digests: list[int]) -> list[str]:
+        """:meth:`object_path` of each digest."""
+        subdirs = self._subdirs
+        return [f"{subdirs[d >> 120]}/{d:032x}{SUFFIX}" for d in digests]
+
     def _temp(self, directory: str, stem: str) -> str:
-        """``<stem>.<host>.<pid>.<thread>.<seq>.tmp``: what remove_stale_temps parses."""
+        """``<stem>.<host>.<pid>.<thread>.<seq>.tmp``: what remove_stale_temps parses (a batch's
+        ``<seq>`` is ``<batch>x<position>``, :meth:`temp_paths`)."""
         self._seq += 1  # racy under threads, but the thread id below keeps names unique
         return (
             f"{directory}/{stem}.{_HOST}.{os.getpid()}.{threading.get_native_id()}."

@@ -14,7 +14,7 @@ from kv_file.objfile import encode_name
 from kv_file.paths import name_digest
 
 import kvcore
-from kvcore import CacheLayout, HostBuffers
+from kvcore import CacheLayout, HostBuffers, fileio
 from kvcore.replay import capacity_holding
 from kvcore.testing import payload_for
 
@@ -185,3 +185,40 @@ def with_own_files(root: str, objects_bytes: int, **config: Any) -> int:
         )
     finally:
         shutil.rmtree(probe, ignore_errors=True)
+
+
+class _FailingBatch:
+    """A native batch whose first object fails with ``code``, as one thread would run it:
+    nothing is read or written, and the objects after it are not started."""
+
+    def __init__(self, size: int, code: int) -> None:
+        self.size, self._code = size, code
+
+    def run(self) -> None:
+        pass
+
+    def results(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        codes = np.full(self.size, fileio.FileRead.SKIPPED, dtype=np.int32)
+        errnos = np.zeros(self.size, dtype=np.int32)
+        if self.size:
+            codes[0], errnos[0] = fileio.FileRead.ERRNO, self._code
+        return codes, errnos, 0, 0
+
+
+def fail_object_io(monkeypatch: Any, op: str, code: int) -> None:
+    """Every object ``op`` (``"read"`` or ``"write"``) fails with OSError ``code`` from now on,
+    on both of kv_file's paths: per object (``read_object`` / ``write_object``) and in native
+    batches (the batch reports the errno for each object)."""
+    import kv_file.transfer
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+
+    def failing_batch(paths: list[str], *args: Any, **kwargs: Any) -> _FailingBatch:
+        return _FailingBatch(len(paths), code)
+
+    monkeypatch.setattr(kv_file.transfer, f"{op}_object", fail)
+    if op == "read":
+        monkeypatch.setattr(fileio, "read_batch", failing_batch)
+    else:  # write_batch(temps, paths, ...): as many objects as temps
+        monkeypatch.setattr(fileio, "write_batch", failing_batch)

@@ -6,7 +6,8 @@ import os
 import threading
 import time
 
-import kv_file.backend
+import kv_file.objbatch
+import kv_file.transfer
 from kv_file.objfile import header_size
 from kv_file_testutil import (
     LAYOUT,
@@ -199,7 +200,7 @@ def test_blocks_a_batch_skips_are_not_evicted_by_that_batch(tmp_path) -> None:
     store.close()
 
 
-def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> None:
+def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch, io_path) -> None:
     # Deleting evicted files is slow here, so other writers run while victims are deleted.
     # Bytes on disk are tracked from the moment a write starts until the unlink of its file
     # returns (never less than what is there: a directory listing is not a snapshot), and
@@ -208,7 +209,7 @@ def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> 
     capacity = with_own_files(root, 10 * BLOCK)
     store = open_store(root, capacity_bytes=capacity, high_watermark=1.0, low_watermark=0.2)
     own = int(store.stats()["backend_own_files_bytes"])
-    real_unlink, real_write = os.unlink, kv_file.backend.write_object
+    real_unlink, real_write = os.unlink, kv_file.transfer.write_object
     lock = threading.Lock()
     on_disk = [0]
     peak = [0]
@@ -234,8 +235,29 @@ def test_concurrent_writers_never_exceed_the_capacity(tmp_path, monkeypatch) -> 
             account(-size)
             raise
 
+    class CountedBatch:
+        """A batch of writes, its objects counted on disk from its start."""
+
+        def __init__(self, batch, sizes) -> None:
+            self.batch, self.sizes, self.size = batch, sizes, batch.size
+            account(sum(sizes))
+
+        def run(self) -> None:
+            self.batch.run()
+
+        def results(self):
+            out = self.batch.results()
+            account(-sum(s for s, code in zip(self.sizes, out[0], strict=True) if code != 0))
+            return out
+
+    def counted_batch(temps, paths, names, lengths, *args, **kwargs):
+        sizes = [header_size(len(n)) + length for n, length in zip(names, lengths, strict=True)]
+        return CountedBatch(real_batch(temps, paths, names, lengths, *args, **kwargs), sizes)
+
+    real_batch = kv_file.objbatch.write_objects
     monkeypatch.setattr(os, "unlink", slow_unlink)
-    monkeypatch.setattr(kv_file.backend, "write_object", counted_write)
+    monkeypatch.setattr(kv_file.transfer, "write_object", counted_write)
+    monkeypatch.setattr(kv_file.objbatch, "write_objects", counted_batch)
 
     def writer(w: int) -> None:
         for i in range(30):

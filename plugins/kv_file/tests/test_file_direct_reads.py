@@ -128,7 +128,7 @@ def test_reads_from_disk_use_every_io_thread_cached_ones_one_per_core(root) -> N
     plugin = store.plugin
     assert write(store, KEYS) == len(KEYS)
     req = store.request("r", KEYS)
-    assert plugin._read_workers(req) == min(12, plugin._cpus)
+    assert plugin._transfers._read_workers(req) == min(12, plugin._cpus)
     drop_cached_pages(object_files(root))
-    assert plugin._read_workers(req) == 12
+    assert plugin._transfers._read_workers(req) == 12
     store.close()

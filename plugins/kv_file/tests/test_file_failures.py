@@ -7,9 +7,17 @@ import errno
 import logging
 import os
 
-import kv_file.backend
 from kv_file.objfile import PAGE
-from kv_file_testutil import LAYOUT, disk_bytes, object_path, open_store, query, read, write
+from kv_file_testutil import (
+    LAYOUT,
+    disk_bytes,
+    fail_object_io,
+    object_path,
+    open_store,
+    query,
+    read,
+    write,
+)
 
 import kvcore
 from kvcore.testing import small_layout
@@ -22,10 +30,12 @@ def _raise(code: int):
     return fail
 
 
-def test_a_full_disk_is_a_reported_failure_logged_once(tmp_path, monkeypatch, caplog) -> None:
+def test_a_full_disk_is_a_reported_failure_logged_once(
+    tmp_path, monkeypatch, caplog, io_path
+) -> None:
     store = open_store(str(tmp_path / "s"))
     assert write(store, ["a"]) == 1
-    monkeypatch.setattr(kv_file.backend, "write_object", _raise(errno.ENOSPC))
+    fail_object_io(monkeypatch, "write", errno.ENOSPC)
     with caplog.at_level(logging.DEBUG, logger="kvcore.file"):
         for _ in range(3):
             got = write(store, ["a", "b"])
@@ -44,10 +54,10 @@ def test_a_full_disk_is_a_reported_failure_logged_once(tmp_path, monkeypatch, ca
     store.close()
 
 
-def test_an_io_error_on_read_is_a_reported_failure(tmp_path, monkeypatch) -> None:
+def test_an_io_error_on_read_is_a_reported_failure(tmp_path, monkeypatch, io_path) -> None:
     store = open_store(str(tmp_path / "s"))
     assert write(store, ["a"]) == 1
-    monkeypatch.setattr(kv_file.backend, "read_object", _raise(errno.EIO))
+    fail_object_io(monkeypatch, "read", errno.EIO)
     done, _ = read(store, ["a"])
     assert done == 0
     assert "Input/output error" in (done.failure or "")

@@ -1,7 +1,8 @@
-"""kv_file reads and writes objects through kvcore's native file I/O (``kvcore.fileio``): one
-native call per object holds no GIL, and only what a read cannot settle is read again by the
-Python path (which stays as the fallback, ``KVCORE_NATIVE_IO=0``, and is tested beside it:
-``io_path``). Both paths make the same files, byte for byte."""
+"""kv_file reads and writes objects through kvcore's native file I/O (``kvcore.fileio``): a
+request's objects are one native batch that holds no GIL, with no Python call per object, and
+only what a read cannot settle is read again by the per-object path (which is the fallback,
+``KVCORE_NATIVE_IO=0``, and is tested beside it: ``io_path``). Both paths make the same files,
+byte for byte."""
 
 from __future__ import annotations
 
@@ -19,30 +20,36 @@ KEYS = [f"k{i}" for i in range(6)]
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts native reads; the Python path's vectored read fails the test if a good object
-    reaches it."""
-    counted = {"native": 0}
-    real = fileio.read_file
+    """Counts native batches and their objects, and native calls per object; the Python
+    path's vectored read fails the test if a good object reaches it."""
+    counted = {"batches": 0, "objects": 0, "per_object": 0}
+    real_batch, real_read = fileio.read_batch, fileio.read_file
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        counted["native"] += 1
-        return real(*args, **kwargs)
+    def batch(paths: list[str], *args: Any, **kwargs: Any) -> Any:
+        counted["batches"] += 1
+        counted["objects"] += len(paths)
+        return real_batch(paths, *args, **kwargs)
+
+    def per_object(*args: Any, **kwargs: Any) -> Any:
+        counted["per_object"] += 1
+        return real_read(*args, **kwargs)
 
     def python_path(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("a good object was read again by the Python path")
 
     monkeypatch.setattr(objio, "native_io", True)
-    monkeypatch.setattr(fileio, "read_file", counting)
+    monkeypatch.setattr(fileio, "read_batch", batch)
+    monkeypatch.setattr(fileio, "read_file", per_object)
     monkeypatch.setattr(objio, "_preadv_all", python_path)
     return counted
 
 
-def test_each_good_object_is_one_native_call(tmp_path, calls) -> None:
+def test_a_read_is_one_native_batch_with_no_call_per_object(tmp_path, calls) -> None:
     store = open_store(str(tmp_path / "s"))
     assert write(store, KEYS) == len(KEYS)
     parts = len(store.context.layout.parts)
     assert read_verified(store, KEYS) == len(KEYS)
-    assert calls["native"] == len(KEYS) * parts
+    assert calls == {"batches": 1, "objects": len(KEYS) * parts, "per_object": 0}
     store.close()
 
 

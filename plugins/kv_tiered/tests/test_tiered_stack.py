@@ -220,7 +220,7 @@ def test_a_corrupt_object_is_removed_there_and_served_from_a_good_copy(tmp_path)
         assert h.write(seq) == 3
         flush(h)
         name = h.request(seq).object_names[1][0]
-        path = near.backend.plugin._dir.object_path(near.backend.plugin._digest(name))
+        path = near.backend.plugin._dir.object_path(near.backend.plugin._transfers.digest(name))
         with open(path, "r+b") as f:  # one flipped byte in the payload of block 1, part k
             f.seek(os.path.getsize(path) - 7)
             byte = f.read(1)
