@@ -104,8 +104,13 @@ swap_ext = Extension(
 # hashes the payload itself.
 fileio_ext = Extension(
     "kvcore._fileio",
-    sources=["csrc/_fileio_module.cc", "csrc/file_ops.cc", "csrc/file_batch.cc",
-             "csrc/digest_avx2.cc", "csrc/digest_avx512.cc"],
+    sources=[
+        "csrc/_fileio_module.cc",
+        "csrc/file_ops.cc",
+        "csrc/file_batch.cc",
+        "csrc/digest_avx2.cc",
+        "csrc/digest_avx512.cc",
+    ],
     include_dirs=["csrc"],
     depends=["csrc/file_ops.h", "csrc/digest_kernel.inc", "csrc/thread_buffer.h"],
     extra_compile_args=["-O3", "-std=c++17"],
