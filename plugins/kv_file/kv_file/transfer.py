@@ -11,6 +11,7 @@ byte.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -267,9 +268,14 @@ class Transfers:
                 written_dirs.setdefault(self._dir.subdir(digest), []).append(k)
             return "write_stored"
 
-        def failed(k: int) -> None:
-            """Object ``k``'s write failed (its temp file is gone)."""
-            catalog.release(reserved.pop(k)[2])
+        def failed(k: int, exc: OSError) -> None:
+            """Object ``k``'s write failed (its temp file is gone). When its rename met a
+            directory in its place (a write does not look before it writes an object no
+            record tells of), that is removed: the next write of it lands."""
+            _, digest, size, _ = reserved.pop(k)
+            catalog.release(size)
+            if exc.errno in (errno.EISDIR, errno.ENOTEMPTY):
+                self._files.look(digest, None)
 
         def write_one(k: int) -> str:
             if k not in planned:
@@ -285,8 +291,8 @@ class Transfers:
                     sync=self._sync,
                     meta=None if request.block_meta is None else request.block_meta[i],
                 )
-            except OSError:
-                failed(k)
+            except OSError as exc:
+                failed(k, exc)
                 raise
             return stored(k)
 
@@ -344,12 +350,12 @@ class Transfers:
         before: list[str | None],
         workers: int,
         stored: Callable[[int], str],
-        failed: Callable[[int], None],
+        failed: Callable[[int, OSError], None],
     ) -> tuple[list[str], dict[int, OSError]]:
         """A write's planned objects (``k`` -> encoded name, digest, size, name if counted)
         in one native batch (see :mod:`kv_file.objbatch`); the others' outcomes are
-        ``before``'s. ``stored(k)`` / ``failed(k)``: object ``k``'s file is in place / its
-        write failed."""
+        ``before``'s. ``stored(k)`` / ``failed(k, error)``: object ``k``'s file is in place /
+        its write failed."""
         host = request.host
         assert host is not None
         nparts = len(request.parts)
@@ -379,8 +385,8 @@ class Transfers:
             elif code == FileRead.DEADLINE:
                 outcomes[k] = "deadline"
             elif code == FileRead.ERRNO:
-                failed(k)
                 exc = OSError(err, os.strerror(err), self._dir.object_path(planned[k][1]))
+                failed(k, exc)
                 errors[k] = exc
                 outcomes[k] = "write_errors"
                 self._batches.failed(

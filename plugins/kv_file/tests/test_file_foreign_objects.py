@@ -104,3 +104,19 @@ def test_a_rewrite_is_not_skipped_when_the_file_is_gone(tmp_path) -> None:
     assert write(store, ["a", "b"]) == 2
     assert read_verified(store, ["a", "b"]) == 2
     store.close()
+
+
+def test_a_directory_where_a_new_object_goes_fails_that_write_once(tmp_path) -> None:
+    """A write does not look before it writes an object no record tells of: a directory put
+    in its place meanwhile fails that write (reported), is removed, and the next write lands."""
+    store = open_store(str(tmp_path / "s"))
+    path = object_path(store, "n")
+    os.makedirs(path)
+    with open(os.path.join(path, "inside"), "wb") as f:
+        f.write(b"x")
+    got = write(store, ["n"])
+    assert got == 0 and "Is a directory" in (got.failure or ""), got
+    assert not os.path.lexists(path), "the directory is removed"
+    assert write(store, ["n"]) == 1
+    assert read_verified(store, ["n"]) == 1
+    store.close()
