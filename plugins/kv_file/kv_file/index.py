@@ -75,7 +75,7 @@ class Index:
 
     def learn(self, name: str, digest: int) -> bool:
         """Remember ``name`` for ``digest`` if the digest is indexed; True when it is."""
-        return self.learn_many([name], [digest]) == 1
+        return not self.learn_each([name], [digest])
 
     def learn_many(
         self, names: list[str], digests: list[int], sizes: list[int | None] | None = None
@@ -180,16 +180,15 @@ class Index:
                 self.by_name.pop(entry.name, None)
             return entry
 
-    def touch(self, digest: int, now_ns: int | None = None) -> None:
-        """Most recently used now; ``now_ns``: a read hit of this process, to save as mtime."""
+    def touch(self, digest: int) -> None:
+        """Most recently used now (another process's read, as its record says)."""
         with self.lock:
             if digest in self.lru:
                 self.lru.move_to_end(digest)
-                if now_ns is not None:
-                    self.touched[digest] = now_ns
 
     def touch_many(self, digests: Iterable[int], now_ns: int) -> None:
-        """:meth:`touch` of read hits, in order, under one lock."""
+        """Read hits of this process at ``now_ns``, in order, under one lock: most recently
+        used, and the time to save as their files' mtimes."""
         with self.lock:
             lru, touched = self.lru, self.touched
             for digest in digests:

@@ -163,6 +163,7 @@ def read_object(
     digest: int,
     expected_len: int | None = None,
     direct: DirectReads | None = None,
+    native: bool = True,
 ) -> ReadOutcome:
     """Fill ``pieces`` with the object stored at ``path`` (the file of ``digest``) under
     ``name``, verified: the payload's bytes in order, split over the pieces (one staging
@@ -176,8 +177,10 @@ def read_object(
 
     With :data:`native_io`, all of this but the rare cases runs in one native call that
     holds no GIL (:func:`_read_native`); whatever that call does not settle is read again here.
+    ``native=False``: straight to this code (a native batch already read the file and could
+    not settle it).
     """
-    if native_io:
+    if native and native_io:
         outcome = _read_native(path, name, pieces, direct)
         if outcome is not None:
             return outcome

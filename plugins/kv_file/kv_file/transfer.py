@@ -134,7 +134,9 @@ class Transfers:
             self._admission.read(request, [k // nparts for k, _ in hits if k % nparts == 0])
         return answer(outcomes, errors, nparts)
 
-    def _read_object(self, request: BlockRequest, k: int, raw: bytes, digest: int) -> ReadOutcome:
+    def _read_object(
+        self, request: BlockRequest, k: int, raw: bytes, digest: int, *, native: bool = True
+    ) -> ReadOutcome:
         """Object ``k`` of a read, by :func:`read_object` (raises OSError)."""
         i, j = divmod(k, len(request.parts))
         host = request.host
@@ -146,6 +148,7 @@ class Transfers:
             digest=digest,
             expected_len=self._payload_bytes(request.parts[j]),
             direct=self._direct,
+            native=native,
         )
 
     def _read_batch(
@@ -200,7 +203,7 @@ class Transfers:
                         err = int(errnos[k])
                         raise OSError(err, os.strerror(err), self._dir.object_path(digests[k]))
                     # not what its name promises (or direct reads refused): looked at again
-                    outcome = self._read_object(request, k, raws[k], digests[k])
+                    outcome = self._read_object(request, k, raws[k], digests[k], native=False)
                 except OSError as exc:
                     errors[k] = exc
                     outcomes[k] = "io_errors"
