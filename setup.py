@@ -54,6 +54,23 @@ NO_COMPILER = (
     "kvcore: building the C++ swap ops from source needs a C++ compiler on PATH ({what}); "
     "install one (e.g. `apt install g++`), or install kvcore's prebuilt wheel instead"
 )
+PYTHON_FALLBACK = (
+    "kvcore: WARNING: no C++ compiler on PATH ({what}): installing without the native "
+    "extensions. The swap ops and file I/O run in Python (correct, slower); `kvcore backends` "
+    "says so. Install kvcore's prebuilt wheel, or a compiler (e.g. `apt install g++`) and "
+    "reinstall, for the native path; KVCORE_NATIVE=1 makes this an error."
+)
+
+
+def _native_choice() -> str:
+    """KVCORE_NATIVE (kvcore.native.NATIVE_ENV): "1" requires the extensions, "0" builds
+    none, anything else builds them where a compiler is found."""
+    choice = os.environ.get("KVCORE_NATIVE", "").strip().lower()
+    if choice in {"1", "true", "yes", "on"}:
+        return "require"
+    if choice in {"0", "false", "no", "off"}:
+        return "none"
+    return "auto"
 
 
 def _compilers_missing() -> str | None:
@@ -68,12 +85,18 @@ def _compilers_missing() -> str | None:
 
 
 class BuildExtWithCuda(build_ext):
-    """Builds kvcore._swap, then (if requested) the ctypes-loaded CUDA library beside it."""
+    """Builds kvcore._swap and kvcore._fileio, then (if requested) the ctypes-loaded CUDA
+    library beside them; without a compiler, nothing (unless KVCORE_NATIVE=1 requires it)."""
 
     def run(self) -> None:
-        missing = _compilers_missing()
-        if missing:
+        choice = _native_choice()
+        missing = "KVCORE_NATIVE=0" if choice == "none" else _compilers_missing()
+        if missing and choice == "require":
             sys.exit(NO_COMPILER.format(what=missing))
+        if missing:
+            # kvcore.native finds no extension at run time and takes the Python path
+            print(PYTHON_FALLBACK.format(what=missing), file=sys.stderr, flush=True)
+            return
         try:
             super().run()
         except (CCompilerError, DistutilsExecError) as exc:

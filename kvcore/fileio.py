@@ -19,8 +19,13 @@ no lock and no GIL, until none is left; reads are verified there (the head again
 caller expects, the digest against the head's). What stays in Python is what the batch
 returns: one code per object (:class:`FileRead`).
 
+In an install built without a C++ compiler (:mod:`kvcore.native`) this module has no native
+code: :func:`enabled` is False, so backends take their own Python path, and the I/O functions
+raise :class:`NativeIOMissing`.
+
 .. versionadded:: 0.3
-.. versionchanged:: 0.4 batches: :func:`read_batch`, :func:`write_batch`, :class:`FileBatch`.
+.. versionchanged:: 0.4 batches: :func:`read_batch`, :func:`write_batch`, :class:`FileBatch`;
+   the extension may be absent (:data:`AVAILABLE`).
 """
 
 from __future__ import annotations
@@ -29,18 +34,21 @@ import enum
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvcore import _fileio
+from kvcore.native import file_ops
 
 __all__ = [
+    "AVAILABLE",
     "DIGEST_KERNEL",
     "NATIVE_DIGESTS",
     "NATIVE_IO_ENV",
     "FileBatch",
     "FileRead",
+    "NativeIOMissing",
     "describe",
     "enabled",
     "read_batch",
@@ -49,15 +57,20 @@ __all__ = [
     "write_file",
 ]
 
+#: Whether this install has the native file I/O (``kvcore._fileio``; False where kvcore was
+#: built without a C++ compiler).
+#:
+#: .. versionadded:: 0.4
+AVAILABLE: bool = file_ops is not None
 #: Whether the native reads compute the xxh3-128 digest (False when kvcore was built without
-#: xxhash's header: the caller then hashes the pieces itself).
-NATIVE_DIGESTS: bool = bool(_fileio.HAVE_DIGEST)
+#: xxhash's header, or without the extension: the caller then hashes the pieces itself).
+NATIVE_DIGESTS: bool = bool(file_ops is not None and file_ops.HAVE_DIGEST)
 #: Which xxh3 kernel computes the digests: ``"avx512"`` or ``"avx2"`` where the CPU has it,
 #: else ``"baseline"`` (what the build targets: SSE2 on x86-64); ``"none"`` without digests.
 #: Every kernel gives the same digest.
 #:
 #: .. versionadded:: 0.4
-DIGEST_KERNEL: str = _fileio.DIGEST_KERNEL
+DIGEST_KERNEL: str = "none" if file_ops is None else file_ops.DIGEST_KERNEL
 
 
 #: ``KVCORE_NATIVE_IO=0``: backends that use this module read and write with their own Python
@@ -65,14 +78,35 @@ DIGEST_KERNEL: str = _fileio.DIGEST_KERNEL
 NATIVE_IO_ENV = "KVCORE_NATIVE_IO"
 
 
+class NativeIOMissing(RuntimeError):
+    """This install has no native file I/O (built without a C++ compiler): check
+    :func:`enabled` before calling the I/O functions.
+
+    .. versionadded:: 0.4
+    """
+
+
+def _native() -> Any:
+    """The extension, or :class:`NativeIOMissing`."""
+    if file_ops is None:
+        raise NativeIOMissing(
+            "kvcore was built without its native file I/O (no C++ compiler): "
+            "kvcore.fileio.enabled() is False, use the Python path"
+        )
+    return file_ops
+
+
 def enabled() -> bool:
-    """Whether backends should read and write through this module (the default), as the
-    operator chose with :data:`NATIVE_IO_ENV`."""
-    return os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
+    """Whether backends should read and write through this module: the default where the
+    extension is there (:data:`AVAILABLE`), unless the operator chose otherwise with
+    :data:`NATIVE_IO_ENV`."""
+    return AVAILABLE and os.environ.get(NATIVE_IO_ENV, "1").strip() != "0"
 
 
 def describe() -> str:
     """Which file I/O path backends take, in one line for operators (``kvcore backends``)."""
+    if not AVAILABLE:
+        return "file I/O: Python (kvcore was built without its native extension)"
     if not enabled():
         return f"file I/O: Python ({NATIVE_IO_ENV}=0)"
     if NATIVE_DIGESTS:
@@ -83,25 +117,29 @@ def describe() -> str:
     return "file I/O: native, checksums in Python (kvcore was built without xxhash.h)"
 
 
-class FileRead(enum.IntEnum):
-    """What :func:`read_file` found."""
+_BATCH_READ, _BATCH_WRITE = 0, 1  # the extension's batch kinds (csrc/file_ops.h)
 
-    OK = _fileio.OK  #: head and pieces filled; the digest computed when asked
-    MISSING = _fileio.MISSING  #: no file at the path
+
+class FileRead(enum.IntEnum):
+    """What :func:`read_file` found. The values are the extension's (``csrc/file_ops.h``),
+    spelled out so the enum exists without it."""
+
+    OK = 0  #: head and pieces filled; the digest computed when asked
+    MISSING = 1  #: no file at the path
     #: something else is there (not a regular file, another size, a symlink, a file that
     #: shrank while read): the caller's own code looks at it
-    OTHER = _fileio.OTHER
-    ERRNO = _fileio.ERRNO  #: a system call failed with the returned errno
+    OTHER = 2
+    ERRNO = 3  #: a system call failed with the returned errno
     #: ``O_DIRECT`` or ``cachestat(2)`` refused (the returned errno): nothing was decided about
     #: the file; read it again without ``direct``
-    DIRECT_REFUSED = _fileio.DIRECT_REFUSED
+    DIRECT_REFUSED = 4
     #: (batches) not started: the batch's deadline had passed
-    DEADLINE = _fileio.DEADLINE
+    DEADLINE = 5
     #: (batches) not started: an object of its group, or of an earlier one, failed
-    SKIPPED = _fileio.SKIPPED
+    SKIPPED = 6
     #: (read batches) the file is there and whole, but its head is not what was expected or
     #: its digest does not match: the caller's own code looks at it
-    MISMATCH = _fileio.MISMATCH
+    MISMATCH = 7
 
 
 def read_file(
@@ -124,7 +162,7 @@ def read_file(
     int: compare with the members), ``errno`` set for ``ERRNO`` and ``DIRECT_REFUSED``, the
     digest or None. Raises TypeError for a read-only or non-contiguous buffer.
     """
-    return _fileio.read_file(os.fspath(path), head, pieces, direct, digest_prefix)
+    return _native().read_file(os.fspath(path), head, pieces, direct, digest_prefix)
 
 
 def write_file(
@@ -147,7 +185,9 @@ def write_file(
     """
     offset = -1 if digest_offset is None else digest_offset
     prefix = None if digest_offset is None else digest_prefix
-    return _fileio.write_file(os.fspath(temp), os.fspath(path), head, offset, prefix, pieces, sync)
+    return _native().write_file(
+        os.fspath(temp), os.fspath(path), head, offset, prefix, pieces, sync
+    )
 
 
 class FileBatch:
@@ -164,7 +204,7 @@ class FileBatch:
 
     __slots__ = ("_batch", "size")
 
-    def __init__(self, batch: _fileio.Batch, size: int) -> None:
+    def __init__(self, batch: Any, size: int) -> None:
         self._batch = batch
         self.size = size  #: objects in the batch
 
@@ -210,7 +250,7 @@ def _batch(
     def int64s(values: npt.ArrayLike) -> npt.NDArray[np.int64]:
         return np.ascontiguousarray(values, dtype=np.int64)
 
-    batch = _fileio.batch(
+    batch = _native().batch(
         kind, paths, temps, b"".join(heads), offsets, int64s(head_lens), digest_prefixes,
         int64s(pieces), int64s(piece_starts),
         None if group_starts is None else int64s(group_starts),
@@ -246,7 +286,7 @@ def read_batch(
     offset of the head; else ``MISMATCH``. ``deadline``: a :func:`time.monotonic` instant.
     """
     return _batch(
-        _fileio.BATCH_READ, paths, None, expected_heads, head_lens, pieces, piece_starts,
+        _BATCH_READ, paths, None, expected_heads, head_lens, pieces, piece_starts,
         digest_prefixes, digest_offset, group_starts, deadline, compare_mask=compare_mask,
         direct=direct,
     )  # fmt: skip
@@ -275,6 +315,6 @@ def write_batch(
     if digest_offset is not None and not NATIVE_DIGESTS:
         raise ValueError("digests in a write batch need kvcore built with xxhash.h")
     return _batch(
-        _fileio.BATCH_WRITE, paths, temps, heads, head_lens, pieces, piece_starts,
+        _BATCH_WRITE, paths, temps, heads, head_lens, pieces, piece_starts,
         digest_prefixes, digest_offset, group_starts, deadline, sync=sync,
     )  # fmt: skip

@@ -2,8 +2,9 @@
 
 Same call signatures as FastDeploy's ``swap_cache_all_layers`` / ``swap_cache_layout``. Cache
 tensors may be Paddle or torch tensors (anything with ``data_ptr()``), CuPy arrays or numpy
-arrays. CPU tensors go to the C++ extension ``kvcore._swap``; GPU tensors go to the optional CUDA
-library ``kvcore/_swap_cuda.so`` (built with ``KVCORE_CUDA=1`` or ``=auto``).
+arrays. CPU tensors go to the C++ extension ``kvcore._swap`` (or, in an install built without a
+compiler, its Python twin :mod:`kvcore._swap_py`: see :mod:`kvcore.native`); GPU tensors go to
+the optional CUDA library ``kvcore/_swap_cuda.so`` (built with ``KVCORE_CUDA=1`` or ``=auto``).
 
 Modes: 0 copies device → host, 1 copies host → device. A destination id may appear only once per
 call (duplicates raise ValueError: the result would depend on copy order); source ids may repeat.
@@ -18,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from kvcore import _swap
 from kvcore.cuda_lib import cuda_available, require_cuda
 from kvcore.host_memory import HostBuffer
+from kvcore.native import swap_ops as _swap
 
 __all__ = [
     "TO_DEVICE",

@@ -59,6 +59,8 @@ def test_backends_json_lists_the_three_backends():
         re.M,
     ), text.stdout
     assert "Not opened" in text.stdout  # says plainly what was not checked
+    # which native extensions this install has (all of them, in a build with a compiler)
+    assert "native extensions: swap ops and file I/O in C++" in text.stdout, text.stdout
     # which file I/O path kv_file takes: native (the default), or Python when chosen
     assert re.search(r"^file I/O: native", text.stdout, re.M), text.stdout
     if fileio.NATIVE_DIGESTS:  # and which xxh3 kernel this CPU runs

@@ -1,18 +1,29 @@
-"""CPU tests of kvcore.ops: byte-exact round trips against a numpy reference."""
+"""CPU tests of kvcore.ops: byte-exact round trips against a numpy reference, each on the C++
+extension and on its Python twin (what an install built without a compiler runs)."""
 
 from __future__ import annotations
 
 import gc
 import math
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvcore import _swap, ops
+from kvcore import _swap, _swap_py, ops
 from kvcore.ops import HostBuffer, swap_cache_all_layers, swap_cache_layout
 
 paddle = pytest.importorskip("paddle")
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def swap_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """Every test on both implementations of the swap ops."""
+    impl = _swap if request.param == "native" else _swap_py
+    monkeypatch.setattr(ops, "_swap", impl)
+    return impl
+
 
 BLOCK = (2, 16, 8)  # heads, block_size, head_dim
 RNG = np.random.default_rng(1234)
@@ -148,14 +159,15 @@ def test_large_calls_stream_exact_bytes_at_any_alignment(threads: int) -> None:
     )
 
 
-def test_thread_count_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thread_count_resolution(monkeypatch: pytest.MonkeyPatch, swap_impl: ModuleType) -> None:
     monkeypatch.setenv("KVCORE_SWAP_THREADS", "3")
-    assert _swap.resolve_threads(0, 64 << 20) == 3
-    assert _swap.resolve_threads(0, 512 << 10) == 1  # small copies stay single-threaded
-    assert _swap.resolve_threads(5, 64 << 20) == 5  # an explicit request wins
-    assert _swap.resolve_threads(8, 8192) == 2  # at most one thread per 4 KiB
+    assert swap_impl.resolve_threads(0, 64 << 20) == 3
+    assert swap_impl.resolve_threads(0, 512 << 10) == 1  # small copies stay single-threaded
+    assert swap_impl.resolve_threads(5, 64 << 20) == 5  # an explicit request wins
+    assert swap_impl.resolve_threads(8, 8192) == 2  # at most one thread per 4 KiB
     monkeypatch.delenv("KVCORE_SWAP_THREADS")
-    assert 1 <= _swap.resolve_threads(0, 64 << 20) <= 4
+    assert 1 <= swap_impl.resolve_threads(0, 64 << 20) <= 4
+    assert ops.copy_threads(None, 64 << 20) == _swap.resolve_threads(0, 64 << 20)
 
 
 def test_all_layers_offset_view_tensor() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.table import Table
 
-from kvcore import fileio
+from kvcore import fileio, native
 from kvcore.cli.common import open_for_cli
 from kvcore.cli.console import CommandConsole, print_table
 from kvcore.cli.errors import classify
@@ -121,6 +121,7 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
             _capabilities(r["capabilities"]),
         )
     print_table(console.out, table)
+    console.out.print(native.describe(), markup=False)
     console.out.print(fileio.describe(), markup=False)
     for r in rows:
         if r["error"]:
