@@ -63,12 +63,28 @@ struct CacheStat {
   uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
 };
 
-// 1: the page cache holds every page of the file; 0: it does not; -1: cachestat failed (errno).
+// 1: the page cache holds the file, as its first and last pages tell; 0: it does not; -1:
+// cachestat failed (errno). Two pages, not the whole file: cachestat walks every page of its
+// range, which took 26 us for a 3.5 MiB file on tmpfs (small folios) against 0.7 us for one
+// page, 6 % of a warm read's CPU. A file read or written whole enters the page cache in order
+// and leaves it oldest first, so one that lost pages lost its first ones, and one never read
+// whole lacks its last ones. A file missing only middle pages reads buffered: the same bytes.
+// A file of up to kWholeProbePages pages is asked about whole, in one call that costs less.
+constexpr int64_t kWholeProbePages = 24;
+
 int page_cache_holds(int fd, int64_t size) {
-  CacheStatRange range{0, 0};
   CacheStat stat{};
-  if (syscall(__NR_cachestat, fd, &range, &stat, 0) != 0) return -1;
-  return static_cast<int64_t>(stat.nr_cache) * kPage >= size ? 1 : 0;
+  if (size <= kWholeProbePages * kPage) {
+    CacheStatRange whole{0, 0};
+    if (syscall(__NR_cachestat, fd, &whole, &stat, 0) != 0) return -1;
+    return static_cast<int64_t>(stat.nr_cache) * kPage >= size ? 1 : 0;
+  }
+  for (const int64_t offset : {int64_t{0}, (size - 1) / kPage * kPage}) {
+    CacheStatRange page{static_cast<uint64_t>(offset), static_cast<uint64_t>(kPage)};
+    if (syscall(__NR_cachestat, fd, &page, &stat, 0) != 0) return -1;
+    if (stat.nr_cache == 0) return 0;
+  }
+  return 1;
 }
 
 bool page_aligned(int64_t head_len, const struct iovec* pieces, int npieces) {

@@ -37,8 +37,8 @@ const char* kvc_file_ops_digest_kernel(void);
 // `head_len` bytes into `head`, the rest into `pieces` in order. The file must be a regular file
 // of exactly head_len + the pieces' total bytes.
 //
-// `direct` != 0: when the page cache does not hold the whole file (cachestat(2), which does no
-// I/O) and head_len and every piece's address and length are multiples of 4096, the read goes
+// `direct` != 0: when the page cache lacks the file's first or last page (cachestat(2), which
+// does no I/O) and head_len and every piece's address and length are multiples of 4096, the read goes
 // around the page cache (O_DIRECT); *used_direct says whether it did.
 //
 // `prefix` != NULL: digest_out receives the canonical (big-endian) xxh3-128 of `prefix`, then

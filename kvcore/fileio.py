@@ -153,7 +153,8 @@ def read_file(
     """Read the regular file at ``path`` whole: its first ``len(head)`` bytes into ``head``,
     the rest into ``pieces`` in order. It must be exactly that long (else ``OTHER``).
 
-    ``direct``: when the page cache does not hold the whole file and the head's length and
+    ``direct``: when the page cache lacks the file's first or last page (a file leaves the
+    cache oldest pages first, so one that lost pages lost those) and the head's length and
     every piece's address and length are multiples of 4 KiB, read around the page cache.
     ``digest_prefix``: also compute the canonical xxh3-128 of the prefix, the payload's
     length (u64, little-endian) and the payload (when :data:`NATIVE_DIGESTS`).

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import kvcore
 from kv_file.index import Entry, Index, Unknown
-from kv_file.journal import Journal, JournalError, Kind, Record
+from kv_file.journal import Journal, JournalError, Kind, Record, record_bytes
 from kv_file.objfile import header_size
 from kv_file.objio import read_name
 from kv_file.paths import StoreDir, discard
@@ -91,7 +91,9 @@ class Catalog:
         self._leaving: set[int] = set()  # victims this process is handing over now
         self._watches: list[_Watch] = []  # writes in progress (see watch_writes)
         self.evictions = 0  # objects this process evicted
-        self._compacted_size = 0  # journal bytes after its last rewrite
+        # stored records applied and their bytes in the journal: their mean sizes a rewrite
+        self._stored_records = 0
+        self._stored_record_bytes = 0
         # the journal is compacted sooner in a small store: its bytes count against capacity
         self._compact_min = max(
             _COMPACT_FLOOR_BYTES, min(_COMPACT_MIN_BYTES, capacity // _COMPACT_CAPACITY_SHARE)
@@ -160,7 +162,6 @@ class Catalog:
             return
         if restart:  # a new generation starts with a compact journal
             self._suspect_all()  # what happened between the generations is not in it
-            self._compacted_size = self.journal.size
             before = dict(self.index.clear())
             self._apply(records, quiet=True)
             self._report_difference(before)
@@ -198,6 +199,8 @@ class Catalog:
                 pinned = r.digest in pin and r.origin == token
                 block = Unknown.BLOCK if blocks is None else blocks.get(r.digest, Unknown.BLOCK)
                 index.add(r.digest, r.size, name if fits else None, pin=pinned, block=block)
+                self._stored_records += 1
+                self._stored_record_bytes += record_bytes(len(r.name or b""))
                 size = r.size
             else:
                 entry = index.drop(r.digest)
@@ -251,11 +254,13 @@ class Catalog:
 
     def _maybe_compact(self) -> None:
         """Rewrite the journal compactly once it has grown to :data:`_COMPACT_FACTOR` times
-        its size at its last rewrite (one comparison per commit: the rewrite is O(objects))."""
-        if self.journal.size < max(self._compact_min, _COMPACT_FACTOR * self._compacted_size):
+        what its rewrite would hold: one stored record per object, of the mean size of the
+        stored records seen (one comparison per commit: the rewrite is O(objects)). A journal
+        of a store that only grew is that rewrite already, and is left alone however long."""
+        mean = self._stored_record_bytes / max(1, self._stored_records)
+        if self.journal.size < max(self._compact_min, _COMPACT_FACTOR * mean * len(self.index)):
             return
         self.journal.replace(self._records_of(self.index.snapshot()))
-        self._compacted_size = self.journal.size
         self._counters.add("journal_compactions")
 
     def _records_of(self, live: Iterable[tuple[int, int, str | None]]) -> list[Record]:
@@ -551,7 +556,6 @@ class Catalog:
             for f in sorted(self._dir.scan(), key=lambda f: f.mtime_ns)
         ]  # fmt: skip
         self.journal.replace(records)
-        self._compacted_size = self.journal.size
         self._apply(records, quiet=True)
 
     # -- bytes -------------------------------------------------------------------------------

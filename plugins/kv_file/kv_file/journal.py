@@ -51,7 +51,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Journal", "JournalError", "Kind", "Record"]
+__all__ = ["Journal", "JournalError", "Kind", "Record", "record_bytes"]
 
 log = logging.getLogger("kvcore.file")
 
@@ -80,6 +80,11 @@ class Kind(enum.IntEnum):
     GONE = 5  # found missing by a scan or a lookup (deleted by hand, a crash mid-way)
 
 
+def record_bytes(name_len: int) -> int:
+    """What a record with a name of ``name_len`` bytes takes in the journal."""
+    return -(-(_REC.size + name_len) // 8) * 8
+
+
 @dataclass(slots=True)
 class Record:
     kind: Kind
@@ -90,7 +95,7 @@ class Record:
 
     def encode(self) -> bytes:
         name = self.name or b""
-        length = -(-(_REC.size + len(name)) // 8) * 8
+        length = record_bytes(len(name))
         head = _REC.pack(
             length,
             self.kind,

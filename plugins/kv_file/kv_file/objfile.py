@@ -29,6 +29,7 @@ unpickled: it is bytes in, bytes out.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,6 +104,13 @@ def _meta_digest(name: bytes, meta: bytes) -> bytes:
     return _META_DIGEST.pack(xxhash.xxh3_64_intdigest(name + meta))
 
 
+@functools.lru_cache(maxsize=64)
+def _plain_header(name_len: int, length: int) -> bytes:
+    """The fixed header of an object without metadata: the same for every object of a request
+    (names of one length, parts of one size), so packed once."""
+    return HEADER.pack(MAGIC, VERSION, 0, name_len, length, _NO_DIGEST, 0)
+
+
 def head_fields(name: bytes, length: int, meta: bytes | None = None) -> bytes:
     """What comes before the padding of an object of ``length`` payload bytes: header, name,
     metadata (when given and it fits), the checksum zero (at :data:`DIGEST_AT`, for the writer
@@ -110,7 +118,7 @@ def head_fields(name: bytes, length: int, meta: bytes | None = None) -> bytes:
     if meta is not None and not meta_fits(len(name), len(meta)):
         meta = None
     if meta is None:
-        return HEADER.pack(MAGIC, VERSION, 0, len(name), length, _NO_DIGEST, 0) + name
+        return _plain_header(len(name), length) + name
     fixed = HEADER.pack(MAGIC, VERSION, FLAG_META, len(name), length, _NO_DIGEST, len(meta))
     return b"".join((fixed, name, _meta_digest(name, meta), meta))
 

@@ -85,6 +85,9 @@ class _CacheStatRange(ctypes.Structure):
 
 #: ``cachestat(2)`` (Linux 6.5): how many of a file's pages the page cache holds, with no I/O.
 _NR_CACHESTAT = 451
+#: a file of up to this many pages is asked about whole (one call), a larger one by its first
+#: and last pages (``page_cache_holds`` in ``csrc/file_ops.cc``)
+_WHOLE_PROBE_PAGES = 24
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -135,14 +138,23 @@ class DirectReads:
             os.close(fd)
 
     def cached(self, fd: int, size: int) -> bool:
-        """Whether the page cache holds every page of the file (True when it cannot tell)."""
+        """Whether the page cache holds the file, as its first and last pages tell (True when
+        it cannot tell). Why two pages, not all: see ``page_cache_holds`` in
+        ``csrc/file_ops.cc``, which decides the same for the native path."""
         local = self._local
         if not hasattr(local, "stat"):
             local.stat, local.range = _CacheStat(), _CacheStatRange(0, 0)
-        if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(local.range), ctypes.byref(local.stat), 0):
-            self.disable(OSError(ctypes.get_errno(), "cachestat"))
-            return True
-        return local.stat.nr_cache * PAGE >= size
+        whole = size <= _WHOLE_PROBE_PAGES * PAGE
+        probes = [(0, 0)] if whole else [(0, PAGE), ((size - 1) // PAGE * PAGE, PAGE)]
+        for local.range.off, local.range.len in probes:
+            if _libc.syscall(
+                _NR_CACHESTAT, fd, ctypes.byref(local.range), ctypes.byref(local.stat), 0
+            ):
+                self.disable(OSError(ctypes.get_errno(), "cachestat"))
+                return True
+            if local.stat.nr_cache * PAGE < (size if whole else 1):
+                return False
+        return True
 
     def counted(self, reads: int = 1) -> None:
         if reads:

@@ -8,6 +8,7 @@ import os
 import pytest
 from kv_file.objfile import HEADER, PAGE
 from kv_file_testutil import (
+    LAYOUT,
     cache_first_page,
     cached_pages,
     direct_reads_work,
@@ -19,11 +20,16 @@ from kv_file_testutil import (
     write,
 )
 
+from kvcore.schemas import CacheLayout
+
 #: every test here runs on both I/O paths: native (kvcore.fileio) and Python
 pytestmark = pytest.mark.usefixtures("io_path")
 
 KEYS = [f"d{i}" for i in range(6)]
 PARTS = 2
+#: objects of 129 pages: asked about by their first and last pages (LAYOUT's, of 17 pages,
+#: are asked about whole)
+LARGE = CacheLayout(num_layers=4, num_heads=8, block_size=64, head_dim=128)
 
 
 @pytest.fixture
@@ -46,8 +52,9 @@ def test_cold_objects_are_read_direct_and_verified(root) -> None:
     _every_object_reads_direct(store)
 
 
-def test_a_partly_cached_object_is_read_whole(root) -> None:
-    store = open_store(root)
+@pytest.mark.parametrize("layout", [LAYOUT, LARGE], ids=["small", "large"])
+def test_a_partly_cached_object_is_read_whole(root, layout: CacheLayout) -> None:
+    store = open_store(root, layout)
     assert write(store, KEYS) == len(KEYS)
     files = object_files(root)
     drop_cached_pages(files)
@@ -55,6 +62,35 @@ def test_a_partly_cached_object_is_read_whole(root) -> None:
         cache_first_page(path)
         assert 0 < cached_pages(path) < os.path.getsize(path) // PAGE
     _every_object_reads_direct(store)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, LARGE], ids=["small", "large"])
+def test_an_object_that_lost_its_last_pages_is_read_direct(root, layout: CacheLayout) -> None:
+    store = open_store(root, layout)
+    assert write(store, KEYS) == len(KEYS)
+    files = object_files(root)
+    for path in files:
+        drop_cached_pages([path], os.path.getsize(path) - 2 * PAGE)
+        assert 0 < cached_pages(path) < os.path.getsize(path) // PAGE
+    _every_object_reads_direct(store)
+
+
+def test_a_large_object_missing_only_middle_pages_reads_through_the_cache(root) -> None:
+    """Its first and last pages are what is asked (a file leaves the cache oldest pages
+    first): one with a hole in the middle reads buffered, the same bytes."""
+    store = open_store(root, LARGE)
+    assert write(store, KEYS) == len(KEYS)
+    files = object_files(root)
+    drop_cached_pages(files)
+    for path in files:
+        cache_first_page(path)
+        with open(path, "rb", buffering=0) as f:  # and the last page (no readahead: RANDOM)
+            f.seek(os.path.getsize(path) - PAGE)
+            f.read(PAGE)
+        assert 2 <= cached_pages(path) < os.path.getsize(path) // PAGE
+    assert read_verified(store, KEYS) == len(KEYS)
+    assert _direct(store) == 0
+    store.close()
 
 
 def _every_object_reads_direct(store) -> None:

@@ -15,6 +15,8 @@ from kv_file_testutil import (
     write,
 )
 
+from kvcore.schemas import CacheLayout
+
 KEYS = [f"n{i}" for i in range(8)]
 
 
@@ -119,6 +121,31 @@ def test_compaction_keeps_the_journal_small_and_the_order(tmp_path) -> None:
     reopened = open_store(root)
     assert list(reopened.plugin._index.lru) == order
     assert read_verified(reopened, KEYS) == len(KEYS)
+    reopened.close()
+
+
+def test_a_journal_that_only_grew_is_not_rewritten(tmp_path) -> None:
+    """A rewrite holds one stored record per object: a journal of a store that only grew is
+    that already. It is rewritten once removals make it four times what it would hold."""
+    root = str(tmp_path / "s")
+    tiny = CacheLayout(num_layers=1, num_heads=1, block_size=1, head_dim=16)
+    store = open_store(root, tiny, rescan_interval_s=0)
+    catalog = store.plugin._catalog
+    keys = [f"g{i}" for i in range(2400)]
+    for start in range(0, len(keys), 200):
+        assert write(store, keys[start : start + 200]) == 200
+    assert os.path.getsize(_journal(root)) > catalog._compact_min  # past the least rewrite
+    assert store.stats().get("backend_journal_compactions", 0) == 0
+    # removals leave records about objects no longer there: then it is rewritten
+    for start in range(0, 2300, 100):
+        assert store.remove(store.request("r", keys[start : start + 100])) == 100
+    assert store.stats()["backend_journal_compactions"] >= 1
+    assert os.path.getsize(_journal(root)) < catalog._compact_min
+    store.close()
+    reopened = open_store(root, tiny)
+    assert reopened.query(reopened.request("q", keys)) == 0  # the first block was removed
+    assert reopened.query(reopened.request("q", keys[2300:])) == 100
+    assert read_verified(reopened, keys[2300:]) == 100
     reopened.close()
 
 
