@@ -179,8 +179,10 @@ class Catalog:
         """Change the index as ``records`` say, and report the changes to a watcher.
         ``blocks``: the block of each stored object's name by digest, where the caller knows
         it (the index need not parse those names)."""
-        index, token, watches = self.index, self.token, self._watches
+        index, token, watches, fits_sizes = self.index, self.token, self._watches, self._fits
+        report = None if quiet else self.report
         runs: list[tuple[str, str, list[str], list[int]]] = []  # (kind, origin, names, sizes)
+        stored = stored_bytes = 0  # (locals: this loop runs once per record of every process)
         for r in records:
             kind = r.kind
             if kind is Kind.TOUCHED:
@@ -190,24 +192,25 @@ class Catalog:
                 if r.digest in watch.digests:
                     watch.touched.add(r.digest)
             if kind is Kind.STORED:
-                name = None if r.name is None else r.name.decode("utf-8", "surrogatepass")
+                raw = r.name
+                name = None if raw is None else raw.decode("utf-8", "surrogatepass")
                 # the index learns a name only for a file of a size its part can have (another
                 # layout's object under the same name is never counted: a lookup removes it)
-                fits = r.name is not None and (
-                    self._fits is None or r.size - header_size(len(r.name)) in self._fits
+                fits = raw is not None and (
+                    fits_sizes is None or r.size - header_size(len(raw)) in fits_sizes
                 )
                 pinned = r.digest in pin and r.origin == token
                 block = Unknown.BLOCK if blocks is None else blocks.get(r.digest, Unknown.BLOCK)
                 index.add(r.digest, r.size, name if fits else None, pin=pinned, block=block)
-                self._stored_records += 1
-                self._stored_record_bytes += record_bytes(len(r.name or b""))
+                stored += 1
+                stored_bytes += record_bytes(0 if raw is None else len(raw))
                 size = r.size
             else:
                 entry = index.drop(r.digest)
                 if entry is None:
                     continue
                 name, size = entry.name, entry.size
-            if self.report is None or quiet or name is None:
+            if report is None or name is None:
                 continue
             payload = size - header_size(len(name.encode("utf-8", "surrogatepass")))
             what, origin = _EVENT_KINDS[kind], ev.LOCAL if r.origin == token else ev.PEER
@@ -216,7 +219,8 @@ class Catalog:
                 runs[-1][3].append(payload)
             else:
                 runs.append((what, origin, [name], [payload]))
-        report = self.report
+        self._stored_records += stored
+        self._stored_record_bytes += stored_bytes
         if report is not None:
             for what, origin, names, sizes in runs:
                 report(what, names, sizes, origin)
