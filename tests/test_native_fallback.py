@@ -210,3 +210,13 @@ def test_without_the_extensions_the_cli_says_so_and_kv_file_passes_the_kit(tmp_p
                               "--turns", "2")  # fmt: skip
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
     assert "OK: every restored byte matched" in demo.stdout
+
+
+def test_the_file_codes_spelled_out_in_python_are_the_extensions() -> None:
+    """kvcore.fileio spells the extension's codes out (so they exist without it): they must not
+    drift from csrc/file_ops.h."""
+    from kvcore import _fileio, fileio
+
+    for member in fileio.FileRead:
+        assert getattr(_fileio, member.name) == member.value, member
+    assert (_fileio.BATCH_READ, _fileio.BATCH_WRITE) == (fileio._BATCH_READ, fileio._BATCH_WRITE)
