@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -476,20 +477,20 @@ def run_in_subprocess(
     spec_path = workdir / f"{label}.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{label}.log"
+    # results go to a file of their own: on stdout, a line of vLLM's engine process (which
+    # shares the pipe) once landed inside a result line
+    results_path = workdir / f"{label}.results.jsonl"
+    results_path.unlink(missing_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "kvcore_vllm.session", str(spec_path)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
+            [sys.executable, "-m", "kvcore_vllm.session", str(spec_path), str(results_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
             timeout=timeout_s,
             cwd=str(workdir),
         )
-    lines = proc.stdout.splitlines()
-    results = [json.loads(line[len(MARKER) :]) for line in lines if line.startswith(MARKER)]
-    # vLLM logs to stdout: keep it with stderr, without the result lines
-    with open(log_path, "a") as log:
-        log.write("\n".join(line for line in lines if not line.startswith(MARKER)) + "\n")
+    lines = results_path.read_text().splitlines() if results_path.exists() else []
+    results = [json.loads(line) for line in lines if line]
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         tail = "\n".join(text.splitlines()[-40:])
@@ -501,15 +502,27 @@ def _print(result: dict[str, Any]) -> None:
     print(MARKER + json.dumps(result), flush=True)
 
 
+def _appender(path: str) -> Callable[[dict[str, Any]], None]:
+    """Each result as one line of ``path``, written whole before the next step runs."""
+
+    def emit(result: dict[str, Any]) -> None:
+        with open(path, "a") as out:
+            out.write(json.dumps(result) + "\n")
+
+    return emit
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcore_vllm.session SPEC.json [RESULTS.jsonl]``: the results as lines of
+    RESULTS.jsonl, or (without it) as lines of stdout after :data:`MARKER`."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m kvcore_vllm.session SPEC.json", file=sys.stderr)
+    if len(args) not in (1, 2):
+        print("usage: python -m kvcore_vllm.session SPEC.json [RESULTS.jsonl]", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())
     for path in spec.get("sys_path", []):
         sys.path.insert(0, path)
-    run_session(spec, emit=_print)
+    run_session(spec, emit=_appender(args[1]) if len(args) == 2 else _print)
     return 0
 
 
