@@ -34,8 +34,11 @@ BASE_DEPS = [
 ]
 
 
+_YES, _NO = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
 def _cuda_requested() -> bool:
-    return os.environ.get("KVCORE_CUDA", "").strip().lower() in {"1", "true", "yes", "on"}
+    return os.environ.get("KVCORE_CUDA", "").strip().lower() in _YES
 
 
 def _nvcc() -> str | None:
@@ -66,11 +69,7 @@ def _native_choice() -> str:
     """KVCORE_NATIVE (kvcore.native.NATIVE_ENV): "1" requires the extensions, "0" builds
     none, anything else builds them where a compiler is found."""
     choice = os.environ.get("KVCORE_NATIVE", "").strip().lower()
-    if choice in {"1", "true", "yes", "on"}:
-        return "require"
-    if choice in {"0", "false", "no", "off"}:
-        return "none"
-    return "auto"
+    return "require" if choice in _YES else "none" if choice in _NO else "auto"
 
 
 def _compilers_missing() -> str | None:
@@ -90,7 +89,11 @@ class BuildExtWithCuda(build_ext):
 
     def run(self) -> None:
         choice = _native_choice()
-        missing = "KVCORE_NATIVE=0" if choice == "none" else _compilers_missing()
+        if choice == "none":  # kvcore.native finds no extension and takes the Python path
+            print("kvcore: KVCORE_NATIVE=0: installing without the native extensions (the swap "
+                  "ops and file I/O run in Python)", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        missing = _compilers_missing()
         if missing and choice == "require":
             sys.exit(NO_COMPILER.format(what=missing))
         if missing:

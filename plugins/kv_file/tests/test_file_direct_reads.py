@@ -4,6 +4,7 @@ everything else (cached objects, unaligned buffers, direct reads off) reads thro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 from kv_file.objfile import HEADER, PAGE
@@ -52,42 +53,47 @@ def test_cold_objects_are_read_direct_and_verified(root) -> None:
     _every_object_reads_direct(store)
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, LARGE], ids=["small", "large"])
-def test_a_partly_cached_object_is_read_whole(root, layout: CacheLayout) -> None:
+def _partly_cached_store(root: str, layout: CacheLayout, leave: Callable[[str], None]):
+    """A store of KEYS whose files the page cache holds only in part, as ``leave`` leaves
+    each one."""
     store = open_store(root, layout)
     assert write(store, KEYS) == len(KEYS)
-    files = object_files(root)
-    drop_cached_pages(files)
-    for path in files:
-        cache_first_page(path)
+    for path in object_files(root):
+        leave(path)
         assert 0 < cached_pages(path) < os.path.getsize(path) // PAGE
-    _every_object_reads_direct(store)
+    return store
+
+
+def _first_page_only(path: str) -> None:
+    drop_cached_pages([path])
+    cache_first_page(path)
+
+
+def _all_but_the_last_pages(path: str) -> None:
+    drop_cached_pages([path], os.path.getsize(path) - 2 * PAGE)
+
+
+def _first_and_last_pages_only(path: str) -> None:
+    _first_page_only(path)
+    with open(path, "rb", buffering=0) as f:  # the last page too (no readahead: RANDOM)
+        f.seek(os.path.getsize(path) - PAGE)
+        f.read(PAGE)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, LARGE], ids=["small", "large"])
+def test_a_partly_cached_object_is_read_whole(root, layout: CacheLayout) -> None:
+    _every_object_reads_direct(_partly_cached_store(root, layout, _first_page_only))
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, LARGE], ids=["small", "large"])
 def test_an_object_that_lost_its_last_pages_is_read_direct(root, layout: CacheLayout) -> None:
-    store = open_store(root, layout)
-    assert write(store, KEYS) == len(KEYS)
-    files = object_files(root)
-    for path in files:
-        drop_cached_pages([path], os.path.getsize(path) - 2 * PAGE)
-        assert 0 < cached_pages(path) < os.path.getsize(path) // PAGE
-    _every_object_reads_direct(store)
+    _every_object_reads_direct(_partly_cached_store(root, layout, _all_but_the_last_pages))
 
 
 def test_a_large_object_missing_only_middle_pages_reads_through_the_cache(root) -> None:
     """Its first and last pages are what is asked (a file leaves the cache oldest pages
     first): one with a hole in the middle reads buffered, the same bytes."""
-    store = open_store(root, LARGE)
-    assert write(store, KEYS) == len(KEYS)
-    files = object_files(root)
-    drop_cached_pages(files)
-    for path in files:
-        cache_first_page(path)
-        with open(path, "rb", buffering=0) as f:  # and the last page (no readahead: RANDOM)
-            f.seek(os.path.getsize(path) - PAGE)
-            f.read(PAGE)
-        assert 2 <= cached_pages(path) < os.path.getsize(path) // PAGE
+    store = _partly_cached_store(root, LARGE, _first_and_last_pages_only)
     assert read_verified(store, KEYS) == len(KEYS)
     assert _direct(store) == 0
     store.close()
