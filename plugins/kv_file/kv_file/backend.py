@@ -101,7 +101,7 @@ class FileBackend:
         self._sync_dirs = config.fsync == "data_and_dir"
         self._counters = kvcore.Counters()
         self._failures = kvcore.OnceLogger(log)
-        self._direct = DirectReads(config.direct_reads)
+        self._direct = DirectReads(config.direct_reads, self._dir.path)
         self._cpus = usable_cpus()
         self._counters.add("temps_removed", self._dir.remove_stale_temps())
         # payload sizes an object of this layout can have (a file of any other is never named)

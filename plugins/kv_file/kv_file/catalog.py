@@ -182,31 +182,44 @@ class Catalog:
         index, token, watches, fits_sizes = self.index, self.token, self._watches, self._fits
         report = None if quiet else self.report
         runs: list[tuple[str, str, list[str], list[int]]] = []  # (kind, origin, names, sizes)
+        # consecutive stored and touched records go to the index as one call each (one lock
+        # per run, not per record); a record of another kind applies them first, in order
+        adds: list[tuple[int, int, str | None, bool, BlockId | Unknown | None]] = []
+        touches: list[int] = []
+        unknown = Unknown.BLOCK
         stored = stored_bytes = 0  # (locals: this loop runs once per record of every process)
         for r in records:
-            kind = r.kind
+            kind, digest = r.kind, r.digest
             if kind is Kind.TOUCHED:
-                index.touch(r.digest)
+                if adds:
+                    index.add_many(adds)
+                    adds = []
+                touches.append(digest)
                 continue
+            if touches:
+                index.touch_each(touches)
+                touches = []
             for watch in watches:
-                if r.digest in watch.digests:
-                    watch.touched.add(r.digest)
+                if digest in watch.digests:
+                    watch.touched.add(digest)
             if kind is Kind.STORED:
-                raw = r.name
+                raw, size = r.name, r.size
                 name = None if raw is None else raw.decode("utf-8", "surrogatepass")
                 # the index learns a name only for a file of a size its part can have (another
                 # layout's object under the same name is never counted: a lookup removes it)
                 fits = raw is not None and (
-                    fits_sizes is None or r.size - header_size(len(raw)) in fits_sizes
+                    fits_sizes is None or size - header_size(len(raw)) in fits_sizes
                 )
-                pinned = r.digest in pin and r.origin == token
-                block = Unknown.BLOCK if blocks is None else blocks.get(r.digest, Unknown.BLOCK)
-                index.add(r.digest, r.size, name if fits else None, pin=pinned, block=block)
+                pinned = digest in pin and r.origin == token
+                block = unknown if blocks is None else blocks.get(digest, unknown)
+                adds.append((digest, size, name if fits else None, pinned, block))
                 stored += 1
                 stored_bytes += record_bytes(0 if raw is None else len(raw))
-                size = r.size
             else:
-                entry = index.drop(r.digest)
+                if adds:
+                    index.add_many(adds)
+                    adds = []
+                entry = index.drop(digest)
                 if entry is None:
                     continue
                 name, size = entry.name, entry.size
@@ -219,6 +232,10 @@ class Catalog:
                 runs[-1][3].append(payload)
             else:
                 runs.append((what, origin, [name], [payload]))
+        if adds:
+            index.add_many(adds)
+        if touches:
+            index.touch_each(touches)
         self._stored_records += stored
         self._stored_record_bytes += stored_bytes
         if report is not None:

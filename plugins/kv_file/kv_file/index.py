@@ -138,34 +138,56 @@ class Index:
 
     # -- changes (as the journal's records say) ---------------------------------------------
 
-    def add(
-        self,
-        digest: int,
-        size: int,
-        name: str | None,
-        *,
-        pin: bool = False,
-        block: BlockId | Unknown | None = Unknown.BLOCK,
-    ) -> Entry | None:
-        """Index a file now in place (replacing what was at its digest, which is returned);
-        ``pin``: also pin it (see :meth:`hold`), atomically, so no eviction comes between.
-        ``block``: :func:`block_of` the name, when the caller knows it (else it is parsed)."""
+    def add_many(
+        self, files: Iterable[tuple[int, int, str | None, bool, BlockId | Unknown | None]]
+    ) -> None:
+        """Index files now in place, each ``(digest, size, name, pin, block)`` in order under
+        one lock, replacing what was at its digest. ``pin``: also pin it (see :meth:`hold`),
+        atomically, so no eviction comes between. ``block``: :func:`block_of` the name, when
+        the caller knows it (else it is parsed)."""
         with self.lock:
-            old = self.lru.pop(digest, None)
-            if old is not None:  # replaced in place (a concurrent writer of the same name)
-                self.files_bytes -= old.size
-                self._unblock(digest, old)
-                if old.name is not None and old.name != name:
-                    self.by_name.pop(old.name, None)
-                if name is None:
-                    name = old.name
-            entry = self.lru[digest] = Entry(size, None, self.stamp())
-            self.files_bytes += size
-            if name is not None:
-                self._name(entry, digest, name, block)
-            if pin:
-                self._pinned[digest] += 1
-            return old
+            lru, by_name, blocks, pinned, stamps = (
+                self.lru, self.by_name, self.blocks, self._pinned, self._stamps
+            )  # fmt: skip
+            added = 0
+            for digest, size, name, pin, block in files:
+                if name is None or digest in lru:  # unnamed, or replacing a file: the long way
+                    self._add(digest, size, name, pin, block)
+                    continue
+                # a named file at a free digest (every object a write stores), inline
+                entry = lru[digest] = Entry(size, name, next(stamps))
+                added += size
+                by_name[name] = digest
+                entry.block = block = block_of(name) if block is Unknown.BLOCK else block
+                if block is not None:
+                    siblings = blocks.get(block)
+                    if siblings is None:
+                        blocks[block] = {digest}
+                    else:
+                        siblings.add(digest)
+                if pin:
+                    pinned[digest] += 1
+            self.files_bytes += added
+
+    def _add(
+        self, digest: int, size: int, name: str | None, pin: bool, block: BlockId | Unknown | None
+    ) -> Entry | None:
+        """One file of :meth:`add_many` (lock held); returns what was at its digest."""
+        old = self.lru.pop(digest, None)
+        if old is not None:  # replaced in place (a concurrent writer of the same name)
+            self.files_bytes -= old.size
+            self._unblock(digest, old)
+            if old.name is not None and old.name != name:
+                self.by_name.pop(old.name, None)
+            if name is None:
+                name = old.name
+        entry = self.lru[digest] = Entry(size, None, next(self._stamps))
+        self.files_bytes += size
+        if name is not None:
+            self._name(entry, digest, name, block)
+        if pin:
+            self._pinned[digest] += 1
+        return old
 
     def drop(self, digest: int) -> Entry | None:
         """Forget a file that is gone; returns its entry (None if it was not indexed)."""
@@ -180,11 +202,13 @@ class Index:
                 self.by_name.pop(entry.name, None)
             return entry
 
-    def touch(self, digest: int) -> None:
-        """Most recently used now (another process's read, as its record says)."""
+    def touch_each(self, digests: Iterable[int]) -> None:
+        """Most recently used now, in order (other processes' reads, as their records say)."""
         with self.lock:
-            if digest in self.lru:
-                self.lru.move_to_end(digest)
+            lru = self.lru
+            for digest in digests:
+                if digest in lru:
+                    lru.move_to_end(digest)
 
     def touch_many(self, digests: Iterable[int], now_ns: int) -> None:
         """Read hits of this process at ``now_ns``, in order, under one lock: most recently
@@ -237,7 +261,7 @@ class Index:
             return True
 
     def unpin(self, digests: Iterable[int]) -> None:
-        """Let objects pinned by :meth:`add` or :meth:`hold` be evicted again."""
+        """Let objects pinned by :meth:`add_many` or :meth:`hold` be evicted again."""
         with self.lock:
             for digest in digests:
                 left = self._pinned[digest] - 1

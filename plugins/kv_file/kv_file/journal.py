@@ -94,19 +94,26 @@ class Record:
     origin: int = 0
 
     def encode(self) -> bytes:
-        name = self.name or b""
-        length = record_bytes(len(name))
-        head = _REC.pack(
-            length,
-            self.kind,
-            0,
-            self.digest & _MASK64,
-            self.digest >> 64,
-            self.size,
-            self.origin,
-            len(name),
-        )
-        return head + name + b"\0" * (length - _REC.size - len(name))
+        return encode_records((self,))
+
+
+_PADDING = [bytes(n) for n in range(8)]
+
+
+def encode_records(records: Iterable[Record]) -> bytes:
+    """``records`` as the journal holds them, one after another (a batch's records in one
+    call: this runs once per object a write stores)."""
+    pack, head = _REC.pack, _REC.size
+    parts: list[bytes] = []
+    append = parts.append
+    for r in records:
+        name = r.name or b""
+        digest, n = r.digest, len(name)
+        length = (head + n + 7) & ~7  # record_bytes(n)
+        append(pack(length, r.kind, 0, digest & _MASK64, digest >> 64, r.size, r.origin, n))
+        append(name)
+        append(_PADDING[length - head - n])
+    return b"".join(parts)
 
 
 class JournalError(Exception):
@@ -255,7 +262,7 @@ class Journal:
 
     def append(self, records: Iterable[Record]) -> None:
         """Commit ``records`` after everything read (call :meth:`read_new` first)."""
-        data = b"".join(r.encode() for r in records)
+        data = encode_records(records)
         if not data:
             return
         assert not self.behind(), "append without reading the journal first"
@@ -265,7 +272,7 @@ class Journal:
 
     def replace(self, records: Iterable[Record]) -> None:
         """Start a new generation holding exactly ``records`` (a compaction or a rebuild)."""
-        data = b"".join(r.encode() for r in records)
+        data = encode_records(records)
         if self._private is not None:
             self._private[:] = data
         else:

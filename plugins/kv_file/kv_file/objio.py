@@ -89,6 +89,19 @@ _NR_CACHESTAT = 451
 #: and last pages (``page_cache_holds`` in ``csrc/file_ops.cc``)
 _WHOLE_PROBE_PAGES = 24
 _libc = ctypes.CDLL(None, use_errno=True)
+#: ``statfs(2)``'s ``f_type`` of file systems whose files live in the page cache only
+_MEMORY_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_file_system(path: str) -> str | None:
+    """The name of the memory-backed file system ``path`` is on (tmpfs, ramfs), else None
+    (also when it cannot tell)."""
+    if sys.platform != "linux":
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes, f_type first (a long)
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return _MEMORY_FILE_SYSTEMS.get(ctypes.c_ulong.from_buffer(buf).value)
 
 
 class DirectReads:
@@ -103,10 +116,18 @@ class DirectReads:
     ``preadv2(RWF_NOWAIT)`` instead would start the very readahead this avoids. Direct I/O needs
     page-aligned buffers of page-multiple length; other buffers, kernels without
     ``cachestat`` and file systems that refuse ``O_DIRECT`` (found on first use) read buffered.
+    A store on a memory-backed file system (tmpfs) reads buffered from the start: its files
+    are the page cache, so there is nothing to go around, and asking ``cachestat`` about each
+    object would be pure cost (0.6 µs of 7 per 64 KiB object, measured).
     """
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, root: str | None = None) -> None:
         self.enabled = enabled and hasattr(os, "O_DIRECT") and sys.platform == "linux"
+        in_memory = None if root is None or not self.enabled else memory_file_system(root)
+        if in_memory is not None:
+            self.enabled = False
+            log.info("kv_file: %s is on %s: direct reads off (its files are memory)", root,
+                     in_memory)  # fmt: skip
         self.count = 0  # reads that went around the page cache
         self._lock = threading.Lock()
         self._local = threading.local()

@@ -4,9 +4,12 @@ a damaged journal or none at all is rebuilt from the files, and compaction keeps
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from kv_file.journal import Journal, JournalError, Kind, Record, decode
+from kv_file.objfile import header_size
 from kv_file_testutil import (
+    LAYOUT,
     forget_journal,
     object_files,
     open_store,
@@ -15,6 +18,7 @@ from kv_file_testutil import (
     write,
 )
 
+from kvcore.keys import object_names
 from kvcore.schemas import CacheLayout
 
 KEYS = [f"n{i}" for i in range(8)]
@@ -184,3 +188,54 @@ def test_a_dead_process_reservation_is_freed_by_a_scan(tmp_path) -> None:
         assert journal.reap() == 777
         assert journal.reserved() == 1000
     journal.close()
+
+
+def test_records_applied_together_leave_the_index_they_leave_one_at_a_time(tmp_path) -> None:
+    """A batch's consecutive stored and touched records reach the index in one call each; a
+    record of another kind between them keeps its place: the index ends the same as when
+    every record is applied alone (LRU order, names, blocks, bytes, pins)."""
+    names = [n for block in object_names(["b0", "b1", "b2"], ["k", "v"], namespace="default",
+                                         rank=0, world_size=1) for n in block]  # fmt: skip
+    size = header_size(len(names[0])) + LAYOUT.part_bytes("k")
+    d = [1000 + i for i in range(len(names))]
+    stored = [Record(Kind.STORED, d[i], size, n.encode(), 1) for i, n in enumerate(names)]
+    records = [
+        *stored[:4],
+        Record(Kind.TOUCHED, d[0]),
+        Record(Kind.TOUCHED, 77),  # not indexed: nothing happens
+        stored[4],
+        Record(Kind.GONE, d[4]),  # stored and gone within one batch
+        Record(Kind.EVICTED, d[1]),
+        Record(Kind.STORED, d[1], size, names[1].encode(), 1),  # back, most recent
+        Record(Kind.TOUCHED, d[2]),
+        Record(Kind.REMOVED, d[3]),
+        stored[5],
+        Record(Kind.STORED, d[0], size, None, 2),  # replaced in place: keeps its name
+        Record(Kind.STORED, 5, size + 1, b"other", 1),  # another size: never named
+    ]
+
+    def index_after(apply) -> tuple:
+        store = open_store(str(tmp_path / f"s{len(os.listdir(tmp_path))}"))
+        catalog = store.plugin._catalog
+        # origin 1: this store's own records (pinned when in ``pin``); 2: another process's
+        apply(catalog, [replace(r, origin=catalog.token) if r.origin == 1 else r for r in records])
+        index = catalog.index
+        state = (
+            [(k, e.size, e.name, e.block) for k, e in index.lru.items()],
+            dict(index.by_name),
+            {b: sorted(ds) for b, ds in index.blocks.items()},
+            index.files_bytes,
+            dict(index._pinned),
+        )
+        store.close()
+        return state
+
+    pin = frozenset({d[5], d[1]})
+    together = index_after(lambda c, rs: c._apply(rs, pin=pin))
+    alone = index_after(lambda c, rs: [c._apply([r], pin=pin) for r in rs])
+    assert together == alone
+    lru, by_name, blocks, _, pinned = together
+    assert [k for k, *_ in lru] == [d[1], d[2], d[5], d[0], 5]
+    assert by_name[names[0]] == d[0] and names[3] not in by_name and b"other" not in by_name
+    assert sorted(blocks.values()) == [[d[0], d[1]], [d[2]], [d[5]]]
+    assert pinned == {d[1]: 2, d[5]: 1}  # each own record pins (d1 twice); peers never
