@@ -32,6 +32,10 @@ def test_bench_vllm_tier_reports_median_and_spread(tmp_path: Path) -> None:
     # both tiers' loads against the device's limit, measured on the same files in the run
     assert {"fs_load_cold_vs_limit", "kvcore_load_cold_vs_limit"} <= set(report["limits"])
     assert report["figures"]["limit_load_cold_gbps"]["n"] == 2
+    # and the kvcore tier's against the limit on its own objects, measured next to its load
+    assert "kvcore_load_cold_vs_own_limit" in report["limits"]
+    assert report["goals"]["kvcore_load_cold_vs_own_limit"] == ">= 0.98"
+    assert report["figures"]["kvcore_files_limit_load_cold_gbps"]["n"] == 2
 
 
 def test_bench_vllm_decode_ab_carries_its_aa_control(tmp_path: Path) -> None:
