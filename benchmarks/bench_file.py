@@ -38,6 +38,12 @@ objects per process, 4 blocks per write). Reported beside it without a goal, 64 
 microseconds per object) is then a large share of each object's write, and four processes on
 two cores queue for the lock.
 
+**Ceiling** (``--only ceiling``, RAM-backed): kv_file's own native batches (header check and
+xxh3-128) against the same batches without them, on the same files and threads, with no Python
+per object on either side. Their ratio is the checksum's cost alone: the most kv_file / raw can
+reach for warm reads and unsynced writes on the machine (both cores are busy copying, so
+nothing hides the hash). Each pair runs in both orders, at least 9 repetitions.
+
 Beside each rate, the CPU time it cost: user plus system seconds of every thread of the process
 per GB moved (``*_cpu_s_per_gb``, and ``*_cpu_vs_raw``), for kv_file and the raw contender.
 One JSON object with ``--json``: figures and ratios with median, min and max over ``--reps``.
@@ -62,6 +68,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from benchutil import Report, add_layout_args, emit
+from kv_file import objbatch
+from kv_file.objfile import head_fields, header_size
 
 import kvcore
 from kvcore import CacheLayout, HostBuffers, fileio
@@ -423,6 +431,92 @@ class Bench:
             self.cpu.setdefault(f"{who}_read_{kind}", []).append((cpu_seconds() - c0) / gb)
             assert np.array_equal(dst, src), f"{who} read back other bytes"
 
+    def ceilings(self, report: Report) -> None:
+        """kv_file's own native batches (``kv_file.objbatch``: header check and xxh3-128)
+        against the same batches without the checksum and the header check: the same files,
+        threads and system calls, and no Python per object on either side. What separates
+        them is the checksum's cost alone, so their ratio is the most kv_file / raw can reach
+        for warm reads and unsynced writes on this machine (``--only ceiling``, RAM-backed)."""
+        threads = min(self.io_threads, self.cpus)
+        count, gb = 2 * self.n, self.total / 1e9
+        src_rows, starts = self.host(self._src).iovecs()
+        dst_rows, _ = self.host(self._dst).iovecs()
+        blocks = np.arange(count, dtype=np.int64) // 2
+        root = os.path.join(self.ram_work, "ceiling-store")
+        backend = self.open(root)
+        keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
+        req = backend.request("w", keys, host=self.host(self._src), timeout_s=600)
+        assert backend.write(req) == self.n
+        _, names, digests = backend.plugin._transfers._locate_all(req)
+        paths = backend.plugin._dir.object_paths(digests)
+        lengths = [self.part] * count
+        head_lens = np.array([header_size(len(n)) for n in names], dtype=np.int64)
+        heads = [head_fields(n, self.part) for n in names]
+
+        def run(batch: fileio.FileBatch) -> tuple[float, float]:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            helpers = [self.cpu_pool.submit(batch.run) for _ in range(threads - 1)]
+            batch.run()
+            for helper in helpers:
+                helper.result()
+            seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+            codes = batch.results()[0]
+            assert (codes == fileio.FileRead.OK).all(), f"codes {np.unique(codes)}"
+            return gb / seconds, cpu / gb
+
+        def tree(tag: str) -> tuple[list[str], list[str]]:
+            """Fresh paths for a write, in a fan-out tree of its own."""
+            base = os.path.join(self.ram_work, f"ceiling-{tag}")
+            for i in range(FANOUT):
+                os.makedirs(os.path.join(base, f"{i:02x}"))
+            out = [os.path.join(base, f"{d >> 120:02x}", f"{d:032x}.kv") for d in digests]
+            return [f"{p}.tmp" for p in out], out
+
+        contenders = {
+            "read_kv": lambda: objbatch.read_objects(
+                paths, names, lengths, objbatch.Rows(dst_rows, starts), blocks,
+                deadline=time.monotonic() + 600, direct=None,
+            ),
+            "read_no_checksum": lambda: fileio.read_batch(
+                paths, [b""] * count, head_lens, dst_rows, starts,
+                digest_prefixes=[b""] * count, digest_offset=None,
+            ),
+            "write_kv": lambda: objbatch.write_objects(
+                *tree("kv"), names, lengths, [None] * count, objbatch.Rows(src_rows, starts),
+                blocks, deadline=time.monotonic() + 600, sync=False,
+            ),
+            "write_no_checksum": lambda: fileio.write_batch(
+                *tree("plain"), heads, head_lens, src_rows, starts,
+                digest_prefixes=[b""] * count, digest_offset=None,
+            ),
+        }  # fmt: skip
+        rates: dict[str, list[float]] = {name: [] for name in contenders}
+        cpu: dict[str, list[float]] = {name: [] for name in contenders}
+        order = list(contenders)
+        try:
+            warm(paths)
+            np.frombuffer(self._dst, dtype=np.uint8)[:] = 0  # no first-touch faults in a read
+            for r in range(max(self.args.reps, 9)):
+                for name in order[r % 2 :] + order[: r % 2]:  # each pair in both orders
+                    rate, per_gb = run(contenders[name]())
+                    rates[name].append(rate)
+                    cpu[name].append(per_gb)
+                    for tag in ("kv", "plain"):
+                        shutil.rmtree(os.path.join(self.ram_work, f"ceiling-{tag}"), True)
+        finally:
+            backend.close()
+            shutil.rmtree(root, ignore_errors=True)
+        for name in contenders:
+            report.figure(f"ceiling_{name}_gbps", rates[name], "GB/s")
+            report.figure(f"ceiling_{name}_cpu_s_per_gb", cpu[name], "CPU s/GB")
+        for op in ("read", "write"):
+            # the checksum's share: the most kv_file / raw can reach here (RAM-backed, 2 threads
+            # per core count, both cores busy)
+            report.ratio(f"ceiling_{op}_vs_no_checksum", rates[f"{op}_kv"],
+                         rates[f"{op}_no_checksum"])  # fmt: skip
+            report.ratio(f"ceiling_{op}_cpu_vs_no_checksum", cpu[f"{op}_kv"],
+                         cpu[f"{op}_no_checksum"])  # fmt: skip
+
     def queries(self, report: Report) -> None:
         n = self.args.query_keys
         tiny = CacheLayout(num_layers=1, num_heads=1, block_size=1, head_dim=16)
@@ -625,7 +719,10 @@ def main() -> None:
         "--shared-blocks", type=int, default=512,
         help="blocks per writer process, shared root, 64 KiB parts",
     )  # fmt: skip
-    ap.add_argument("--only", default="io,query,shared", help="io, query, shared (comma-separated)")
+    ap.add_argument(
+        "--only", default="io,query,shared",
+        help="io, query, shared, ceiling (comma-separated)",
+    )  # fmt: skip
     ap.add_argument("--dir", default=None, help="disk scratch directory (default: the temp dir)")
     ap.add_argument(
         "--ram-dir",
@@ -652,6 +749,8 @@ def main() -> None:
             bench.run(report)
         if "query" in parts:
             bench.queries(report)
+        if "ceiling" in parts:
+            bench.ceilings(report)
     finally:
         bench.close()
     if "shared" in parts:

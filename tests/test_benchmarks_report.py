@@ -55,6 +55,30 @@ def test_benchmark_reports_median_and_spread(name: str, tmp_path: Path) -> None:
     assert report["goals"], f"{name}: no goals"
 
 
+def test_bench_file_measures_its_native_ceiling(tmp_path: Path) -> None:
+    """``--only ceiling``: kv_file's native batches against the same without the checksum,
+    reads and writes, rates and CPU per GB: every repetition checked to have read and written
+    every object."""
+    args = [
+        *TINY_LAYOUT,
+        "--blocks",
+        "4",
+        "--reps",
+        "2",
+        "--only",
+        "ceiling",
+        "--dir",
+        str(tmp_path),
+    ]
+    report = run_bench("bench_file", args, tmp_path)
+    check_report(report)
+    for op in ("read", "write"):
+        assert report["ratios"][f"ceiling_{op}_vs_no_checksum"]["n"] == 9  # at least 9 reps
+        assert report["ratios"][f"ceiling_{op}_cpu_vs_no_checksum"]["median"] > 0
+        for who in ("kv", "no_checksum"):
+            assert report["figures"][f"ceiling_{op}_{who}_gbps"]["median"] > 0
+
+
 def test_bench_mooncake_reports_median_and_spread(tmp_path: Path) -> None:
     # the README's test command installs kv_mooncake and Mooncake's wheel: no skip there
     pytest.importorskip("kv_mooncake.testing", reason="kv_mooncake is not installed")
