@@ -146,33 +146,14 @@ class Index:
         atomically, so no eviction comes between. ``block``: :func:`block_of` the name, when
         the caller knows it (else it is parsed)."""
         with self.lock:
-            lru, by_name, blocks, pinned, stamps = (
-                self.lru, self.by_name, self.blocks, self._pinned, self._stamps
-            )  # fmt: skip
-            added = 0
+            add = self._add
             for digest, size, name, pin, block in files:
-                if name is None or digest in lru:  # unnamed, or replacing a file: the long way
-                    self._add(digest, size, name, pin, block)
-                    continue
-                # a named file at a free digest (every object a write stores), inline
-                entry = lru[digest] = Entry(size, name, next(stamps))
-                added += size
-                by_name[name] = digest
-                entry.block = block = block_of(name) if block is Unknown.BLOCK else block
-                if block is not None:
-                    siblings = blocks.get(block)
-                    if siblings is None:
-                        blocks[block] = {digest}
-                    else:
-                        siblings.add(digest)
-                if pin:
-                    pinned[digest] += 1
-            self.files_bytes += added
+                add(digest, size, name, pin, block)
 
     def _add(
         self, digest: int, size: int, name: str | None, pin: bool, block: BlockId | Unknown | None
-    ) -> Entry | None:
-        """One file of :meth:`add_many` (lock held); returns what was at its digest."""
+    ) -> None:
+        """One file of :meth:`add_many` (lock held)."""
         old = self.lru.pop(digest, None)
         if old is not None:  # replaced in place (a concurrent writer of the same name)
             self.files_bytes -= old.size
@@ -187,7 +168,6 @@ class Index:
             self._name(entry, digest, name, block)
         if pin:
             self._pinned[digest] += 1
-        return old
 
     def drop(self, digest: int) -> Entry | None:
         """Forget a file that is gone; returns its entry (None if it was not indexed)."""

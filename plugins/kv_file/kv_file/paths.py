@@ -31,7 +31,7 @@ _HOST = xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
 
 def _hex(digest: int) -> str:
     """A digest as its file's 32 hex digits (``bytes.hex`` takes half of what ``format``
-    takes: a batch names thousands of files; the batch methods inline it)."""
+    takes: a batch names thousands of files)."""
     return digest.to_bytes(16, "big").hex()
 
 
@@ -92,14 +92,13 @@ class StoreDir:
         tag = f"{_HOST}.{os.getpid()}.{threading.get_native_id()}.{self._seq}x"
         subdirs = self._subdirs
         return [
-            f"{subdirs[d >> 120]}/{d.to_bytes(16, 'big').hex()}.{tag}{k}{TMP_SUFFIX}"
-            for k, d in enumerate(digests)
+            f"{subdirs[d >> 120]}/{_hex(d)}.{tag}{k}{TMP_SUFFIX}" for k, d in enumerate(digests)
         ]
 
     def object_paths(self, digests: list[int]) -> list[str]:
         """:meth:`object_path` of each digest."""
         subdirs = self._subdirs
-        return [f"{subdirs[d >> 120]}/{d.to_bytes(16, 'big').hex()}{SUFFIX}" for d in digests]
+        return [f"{subdirs[d >> 120]}/{_hex(d)}{SUFFIX}" for d in digests]
 
     def _temp(self, directory: str, stem: str) -> str:
         """``<stem>.<host>.<pid>.<thread>.<seq>.tmp``: what remove_stale_temps parses (a batch's
