@@ -153,7 +153,7 @@ class Backend:
         that keep it (``Capabilities.block_meta``), for :meth:`describe` (one ``bytes`` per
         block, each at most :data:`kvcore.MAX_BLOCK_META_BYTES`).
 
-        .. versionchanged:: 0.4 ``block_meta``.
+        .. versionchanged:: 0.3 ``block_meta``.
         """
         ctx = self.context
         if deadline is None:
@@ -194,7 +194,7 @@ class Backend:
         opener's changes (and what the backend reports besides, its evictions).
         False while nobody subscribes (the backend has not been asked to report).
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         return self.capabilities.shared and {ev.STORED, ev.REMOVED} <= self._reported_by_backend
 
@@ -230,7 +230,7 @@ class Backend:
         digest). One backend call where the backend implements ``kvcore_contains``; else one
         leading-run query per gap, each counted as a query.
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         n = request.num_blocks
         if n == 0:
@@ -269,7 +269,7 @@ class Backend:
         verification, a backend that keeps none). A failure makes every block None, counted
         and logged like any other (strict mode raises).
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         n = request.num_blocks
         if self._describe is None or n == 0:
@@ -290,7 +290,7 @@ class Backend:
         snapshot; empty for a backend that cannot list, or on a failure (counted and logged,
         strict mode raises). Subscribe to :attr:`events` first to miss no change after it.
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         if self._names is None:
             return []

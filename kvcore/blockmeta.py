@@ -1,7 +1,7 @@
 """What a block may say of itself (:attr:`kvcore.BlockRequest.block_meta`), and the one check of
 it, used wherever it enters kvcore (a :class:`kvcore.WriteTask`, :meth:`kvcore.Backend.request`).
 
-.. versionadded:: 0.4
+.. versionadded:: 0.3
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class StoreEvent:
     :param objects: each name's identity (:class:`kvcore.keys.ObjectName`; None for names
         kvcore did not build), so a consumer never reads fields back from a name.
 
-    .. versionchanged:: 0.4 ``objects``.
+    .. versionchanged:: 0.3 ``objects``.
     """
 
     seq: int
@@ -275,7 +275,7 @@ class EventStream:
         :param objects: each name's identity where the publisher has it (a request's
             :class:`kvcore.keys.NameRows`); None: the names are read once, here.
 
-        .. versionchanged:: 0.4 ``objects``.
+        .. versionchanged:: 0.3 ``objects``.
         """
         if not self._subs:
             return
@@ -414,7 +414,7 @@ class RankBlocks:
     ``max_partial`` half-stored blocks are remembered, oldest forgotten first.
 
     .. versionadded:: 0.3
-    .. versionchanged:: 0.4 ``weight_version``.
+    .. versionchanged:: 0.3 ``weight_version``.
     """
 
     def __init__(
@@ -481,7 +481,7 @@ class Announced(Generic[K, V]):
     ``value`` is what the publisher named the block in its events (an engine's hash); never
     None. Not thread-safe: the publisher holds its own lock.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
     __slots__ = ("_items", "limit")

@@ -28,14 +28,14 @@ def sink_caller(sink: Callable[..., Collection[str] | None]) -> EvictionSink:
 
     A sink whose signature takes a second argument (or ``deadline``) gets the deadline, a
     ``time.monotonic()`` instant by which it should return (None: no deadline); a return of
-    None means every object was stored (0.3).
+    None means every object was stored (the first draft).
     """
     takes_deadline = True
     try:
         inspect.signature(sink).bind([], None)
     except TypeError:
         takes_deadline = False
-    except ValueError:  # no signature to inspect (a builtin): call it the 0.4 way
+    except ValueError:  # no signature to inspect (a builtin): call it with the deadline
         pass
 
     def call(objects: Objects, deadline: float | None) -> Collection[str]:

@@ -24,7 +24,7 @@ code: :func:`enabled` is False, so backends take their own Python path, and the 
 raise :class:`NativeIOMissing`.
 
 .. versionadded:: 0.3
-.. versionchanged:: 0.4 batches: :func:`read_batch`, :func:`write_batch`, :class:`FileBatch`;
+.. versionchanged:: 0.3 batches: :func:`read_batch`, :func:`write_batch`, :class:`FileBatch`;
    the extension may be absent (:data:`AVAILABLE`).
 """
 
@@ -60,7 +60,7 @@ __all__ = [
 #: Whether this install has the native file I/O (``kvcore._fileio``; False where kvcore was
 #: built without a C++ compiler).
 #:
-#: .. versionadded:: 0.4
+#: .. versionadded:: 0.3
 AVAILABLE: bool = file_ops is not None
 #: Whether the native reads compute the xxh3-128 digest (False when kvcore was built without
 #: xxhash's header, or without the extension: the caller then hashes the pieces itself).
@@ -69,7 +69,7 @@ NATIVE_DIGESTS: bool = bool(file_ops is not None and file_ops.HAVE_DIGEST)
 #: else ``"baseline"`` (what the build targets: SSE2 on x86-64); ``"none"`` without digests.
 #: Every kernel gives the same digest.
 #:
-#: .. versionadded:: 0.4
+#: .. versionadded:: 0.3
 DIGEST_KERNEL: str = "none" if file_ops is None else file_ops.DIGEST_KERNEL
 
 
@@ -82,7 +82,7 @@ class NativeIOMissing(RuntimeError):
     """This install has no native file I/O (built without a C++ compiler): check
     :func:`enabled` before calling the I/O functions.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
 

@@ -75,7 +75,7 @@ class BackendHandle:
         event subscription); if it raises, the open failed (and :meth:`get` tries again
         later).
 
-    .. versionchanged:: 0.4 ``on_open``; :attr:`opened`.
+    .. versionchanged:: 0.3 ``on_open``; :attr:`opened`.
     """
 
     def __init__(
@@ -181,7 +181,7 @@ class BackendHandle:
         its caller's handle). What ``hook`` raises for the backend already open reaches the
         caller here.
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         with self._lock:
             self._open_hooks.append(hook)

@@ -112,7 +112,7 @@ def kvcore_contains(request: BlockRequest) -> Sequence[bool]:
     Optional: without it, kvcore answers with one leading-run :func:`kvcore_query` per gap.
     ``firstresult``: the backend's answer is the result.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
 
@@ -136,7 +136,7 @@ def kvcore_describe(request: BlockRequest) -> Sequence[bytes | None]:
     Optional (only with ``Capabilities(block_meta=True)``): without it every block is None.
     ``firstresult``: the backend's answer is the result.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
 
@@ -155,7 +155,7 @@ def kvcore_names() -> Iterable[str]:
     Optional: without it kvcore knows of no listing (``Backend.names`` returns nothing).
     ``firstresult``: the backend's answer is the result.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
 
@@ -202,7 +202,7 @@ def kvcore_write(request: BlockRequest) -> int:
     .. versionadded:: 0.1
     .. versionchanged:: 0.2 segmented host buffers as for :func:`kvcore_read`; may return
        :class:`kvcore.Outcome` (e.g. ``Outcome(i, "disk full")``).
-    .. versionchanged:: 0.4 ``request.block_meta``.
+    .. versionchanged:: 0.3 ``request.block_meta``.
     """
 
 

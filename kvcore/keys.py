@@ -239,7 +239,7 @@ class NameRows(Sequence[tuple[str, ...]]):
         """The identity of ``self[block][part]``, without reading the name; None for names
         built otherwise (see :meth:`ObjectName.parse`).
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         origin, keys = self._origin, self._keys
         if origin is None or keys is None:
@@ -257,7 +257,7 @@ class NameRows(Sequence[tuple[str, ...]]):
         """Each row's block (what :attr:`ObjectName.block` gives for any of its names),
         without reading the names; None for names built otherwise.
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         origin, keys = self._origin, self._keys
         if origin is None or keys is None:
@@ -271,7 +271,7 @@ class NameRows(Sequence[tuple[str, ...]]):
         """The same blocks' names of other ``parts`` (e.g. their digests); None for names
         that do not carry their identity.
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         origin, keys = self._origin, self._keys
         if origin is None or keys is None:
@@ -290,7 +290,7 @@ def identities(names: Sequence[Sequence[str]], first: int | None = None) -> list
     """The identity of every object of the first ``first`` rows of ``names`` (all: None), row
     by row: carried by :class:`NameRows` that kvcore built, read from the text otherwise.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
     rows = names if first is None else names[:first]
     if isinstance(rows, NameRows) and rows.typed:
@@ -368,7 +368,7 @@ def names_in_scope(
 class BlockId(NamedTuple):
     """One block of one rank, as its objects' names say: every part of it shares this.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
     namespace: str
@@ -388,7 +388,7 @@ class ObjectName(NamedTuple):
     text: a backend's own reports, a store's journal, the hook contract's plain rows.
 
     .. versionadded:: 0.3
-    .. versionchanged:: 0.4 :meth:`parse`, :meth:`format`, :attr:`block`, :meth:`with_part`.
+    .. versionchanged:: 0.3 :meth:`parse`, :meth:`format`, :attr:`block`, :meth:`with_part`.
     """
 
     namespace: str
@@ -447,6 +447,6 @@ def parse_object_name(name: str) -> ObjectName | None:
     """The fields of ``name`` if kvcore built it, else None.
 
     .. versionadded:: 0.3
-    .. deprecated:: 0.4 use :meth:`ObjectName.parse` (kept until 0.5).
+    .. deprecated:: 0.3 use :meth:`ObjectName.parse` (kept until 0.4).
     """
     return ObjectName.parse(name)

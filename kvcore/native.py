@@ -9,7 +9,7 @@ rest of kvcore imports them through, so that choice is made once; :func:`describ
 An extension that is there but fails to load (a broken build, a missing library) is an error,
 never a silent fallback.
 
-.. versionadded:: 0.4
+.. versionadded:: 0.3
 """
 
 from __future__ import annotations

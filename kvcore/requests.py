@@ -103,7 +103,7 @@ class Presence:
     for :class:`Outcome`: set when something failed (the blocks it left unknown are False),
     None when the answer is clean.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
     found: tuple[bool, ...]
@@ -187,7 +187,7 @@ class HostBuffers:
         and :func:`~kvcore.fileio.write_batch` take: one array for a whole batch, built
         without a Python step per object.
 
-        .. versionadded:: 0.4
+        .. versionadded:: 0.3
         """
         blocks = self.num_blocks
         if self.layer_ptrs is None:
@@ -284,7 +284,7 @@ class BlockRequest:
 
     .. versionchanged:: 0.2 ``num_blocks`` is a field (token-only requests carry no fake keys);
        ``part_nbytes``; :meth:`slice`.
-    .. versionchanged:: 0.4 ``block_meta``.
+    .. versionchanged:: 0.3 ``block_meta``.
     """
 
     task_id: str

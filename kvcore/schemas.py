@@ -229,7 +229,7 @@ class Capabilities(StrictModel):
     with its objects and returns it from ``kvcore_describe``, to any process.
 
     .. versionchanged:: 0.2 ``segmented_host``, ``checksums``.
-    .. versionchanged:: 0.4 ``block_meta``.
+    .. versionchanged:: 0.3 ``block_meta``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -253,7 +253,7 @@ BackendRole = Literal["data", "lookup"]
 class BackendContext(StrictModel):
     """Facts about the engine a backend is opened for, passed to its constructor.
 
-    .. versionchanged:: 0.4 ``role``: ``"lookup"`` opens a backend that only answers
+    .. versionchanged:: 0.3 ``role``: ``"lookup"`` opens a backend that only answers
        queries (an engine's scheduler, which moves no data). Such a backend may leave out
        what moving data needs (Mooncake: no memory segment, no copy buffer); kvcore refuses
        reads and writes through it. Backends written for 0.3 ignore the field.

@@ -41,7 +41,7 @@ class _SliceFields(StrictModel):
     depend on the tensor-parallel degree (slice ``h`` of the model's ``H`` KV heads), or a
     cache every rank holds whole (MLA's latent: rank 0 of 1). Both or neither.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
 
     rank: int | None = Field(default=None, ge=0)
@@ -64,7 +64,7 @@ class QueryTask(_TaskBase, _SliceFields):
 
     .. versionadded:: 0.2 (0.1 queried with a :class:`ReadTask`; its ``device_block_ids`` are
        still accepted here, and ignored, for one release)
-    .. versionchanged:: 0.4 ``rank`` and ``world_size`` (:class:`_SliceFields`).
+    .. versionchanged:: 0.3 ``rank`` and ``world_size`` (:class:`_SliceFields`).
     """
 
     keys: list[str]
@@ -91,7 +91,7 @@ class _BlockTask(_TaskBase, _SliceFields):
     ``device_block_ids[i]``; ``token_ids`` is the full token path from the root (required by
     token-addressed backends).
 
-    .. versionchanged:: 0.4 ``rank`` and ``world_size`` (:class:`_SliceFields`).
+    .. versionchanged:: 0.3 ``rank`` and ``world_size`` (:class:`_SliceFields`).
     """
 
     keys: list[str]
@@ -117,7 +117,7 @@ class WriteTask(_BlockTask):
     store it.
 
     .. versionchanged:: 0.2 a sibling of :class:`ReadTask`, no longer its subclass.
-    .. versionchanged:: 0.4 ``block_meta``.
+    .. versionchanged:: 0.3 ``block_meta``.
     """
 
     block_meta: list[bytes] | None = None

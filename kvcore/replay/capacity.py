@@ -20,7 +20,7 @@ def capacity_holding(open_at: Callable[[int], Backend], objects_bytes: int) -> i
     the file system: measured on stores ``open_at(capacity)`` opens (and this closes) until
     the two agree. A store without that stat: ``objects_bytes``.
 
-    .. versionadded:: 0.4
+    .. versionadded:: 0.3
     """
     capacity = objects_bytes
     for _ in range(4):  # settles at once unless the own files' size steps with the capacity
