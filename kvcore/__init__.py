@@ -32,6 +32,7 @@ from kvcore.requests import (
     Presence,
     leading_run,
 )
+from kvcore.runner import HostResult, HostRunner
 from kvcore.schemas import BackendContext, ByteSize, CacheDType, CacheLayout, Capabilities
 from kvcore.tasks import FlushTask, QueryTask, ReadTask, SwapTask, TaskResult, WriteTask
 from kvcore.versions import installed_version as _installed_version
@@ -58,6 +59,8 @@ __all__ = [
     "FailureKind",
     "FlushTask",
     "HostBuffers",
+    "HostResult",
+    "HostRunner",
     "KVCoreError",
     "KeyScope",
     "OnceLogger",

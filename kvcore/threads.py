@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,8 @@ from kvcore.errors import ConfigError
 
 __all__ = [
     "IO_CPUS_ENV",
+    "QueueFullError",
+    "WorkerPool",
     "io_affinity",
     "io_cpus",
     "move_to_io_cpus",
@@ -182,3 +185,70 @@ def thread_pool(max_workers: int, thread_name_prefix: str) -> ThreadPoolExecutor
     return ThreadPoolExecutor(
         max_workers, thread_name_prefix=thread_name_prefix, initializer=move_to_io_cpus
     )
+
+
+class QueueFullError(RuntimeError):
+    """The pool's queue stayed full for the whole wait (back-pressure)."""
+
+
+_STOP = object()
+
+
+class WorkerPool:
+    """A fixed set of threads fed by a bounded queue.
+
+    ``submit`` waits up to ``wait_s`` for room in the queue and then raises
+    :class:`QueueFullError`: the engine decides what a rejected task means (a miss).
+    """
+
+    def __init__(self, name: str, workers: int, queue_depth: int) -> None:
+        self.name = name
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._threads = [start_thread(self._run, f"kvcore-{name}-{i}") for i in range(workers)]
+
+    def submit(self, fn: Callable[[], None], wait_s: float) -> None:
+        with self._idle:
+            self._inflight += 1
+        try:
+            self._queue.put(fn, block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
+        except queue.Full:
+            self._done_one()
+            raise QueueFullError(
+                f"{self.name} queue is full ({self._queue.maxsize} tasks)"
+            ) from None
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is _STOP:
+                return
+            try:
+                fn()
+            except BaseException:  # a task's own error handling failed: keep the worker alive
+                log.exception("kvcore %s worker: unhandled error", self.name)
+            finally:
+                self._done_one()
+
+    def _done_one(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted task has finished; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout_s)
+
+    def shutdown(self, timeout_s: float | None = 5.0) -> None:
+        """Stop the threads once the tasks queued before this call have run; wait for each up
+        to ``timeout_s`` (None: until it ends)."""
+        for _ in self._threads:
+            try:
+                self._queue.put(_STOP, timeout=timeout_s)
+            except queue.Full:
+                break
+        for t in self._threads:
+            t.join(timeout=timeout_s)

@@ -31,6 +31,7 @@ SDK_MODULES = (
     "kvcore.registry",
     "kvcore.replay",
     "kvcore.requests",
+    "kvcore.runner",
     "kvcore.schemas",
     "kvcore.tasks",
     "kvcore.testing",

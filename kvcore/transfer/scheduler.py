@@ -16,7 +16,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from typing import Any, get_args
 from kvcore.metrics import Metrics
 from kvcore.requests import FailureKind
 from kvcore.tasks import TaskOp, TaskOutcome, TaskResult
-from kvcore.threads import start_thread
+from kvcore.threads import QueueFullError, WorkerPool, start_thread
 
 __all__ = [
     "DeadlineWatchdog",
@@ -46,10 +45,6 @@ _TASK_OUTCOMES = frozenset(get_args(TaskOutcome))
 #: The watchdog never sleeps longer than this at once, whatever the deadlines: a bounded wait
 #: cannot overflow, and a stopped or repaired heap is noticed within the hour at worst.
 _MAX_WAIT_S = 3600.0
-
-
-class QueueFullError(RuntimeError):
-    """The pool's queue stayed full for the whole wait (back-pressure)."""
 
 
 @dataclass
@@ -233,67 +228,6 @@ class DeadlineWatchdog:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=5)
-
-
-_STOP = object()
-
-
-class WorkerPool:
-    """A fixed set of threads fed by a bounded queue.
-
-    ``submit`` waits up to ``wait_s`` for room in the queue and then raises
-    :class:`QueueFullError`: the engine decides what a rejected task means (a miss).
-    """
-
-    def __init__(self, name: str, workers: int, queue_depth: int) -> None:
-        self.name = name
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_depth)
-        self._inflight = 0
-        self._idle = threading.Condition()
-        self._threads = [start_thread(self._run, f"kvcore-{name}-{i}") for i in range(workers)]
-
-    def submit(self, fn: Callable[[], None], wait_s: float) -> None:
-        with self._idle:
-            self._inflight += 1
-        try:
-            self._queue.put(fn, block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
-        except queue.Full:
-            self._done_one()
-            raise QueueFullError(
-                f"{self.name} queue is full ({self._queue.maxsize} tasks)"
-            ) from None
-
-    def _run(self) -> None:
-        while True:
-            fn = self._queue.get()
-            if fn is _STOP:
-                return
-            try:
-                fn()
-            except BaseException:  # a task's own error handling failed: keep the worker alive
-                log.exception("kvcore %s worker: unhandled error", self.name)
-            finally:
-                self._done_one()
-
-    def _done_one(self) -> None:
-        with self._idle:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.notify_all()
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted task has finished; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._inflight == 0, timeout_s)
-
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        for _ in self._threads:
-            try:
-                self._queue.put(_STOP, timeout=timeout_s)
-            except queue.Full:
-                break
-        for t in self._threads:
-            t.join(timeout=timeout_s)
 
 
 Body = Callable[[TaskFuture, Progress], TaskResult]

@@ -31,7 +31,6 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -54,7 +53,7 @@ from kvcore.keys import ObjectName
 from kvcore_lmcache.keys import block_key, key_fields, slice_of
 from kvcore_lmcache.layouts import layout_of, parse_layout
 from kvcore_lmcache.settings import AdapterSettings
-from kvcore_lmcache.store import Store, each_block
+from kvcore_lmcache.store import Store
 
 __all__ = ["PART", "KVCoreL2Adapter", "KVCoreL2AdapterConfig"]
 
@@ -100,6 +99,12 @@ class _Batch:
             runs.setdefault((size, *slice_of(key.kv_rank)), []).append(i)
         #: ((object bytes, rank, world size), indices into keys)
         self.runs = list(runs.items())
+        #: the index into keys of each block of a runner's answer (runs in order)
+        self.order = [i for _, indices in self.runs for i in indices]
+
+    def answered(self, flags: Sequence[bool]) -> list[int]:
+        """The indices into keys of the blocks a runner's answer marks (sorted)."""
+        return sorted(i for i, ok in zip(self.order, flags, strict=True) if ok)
 
 
 class KVCoreL2Adapter(L2AdapterInterface):
@@ -131,7 +136,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self._load_efd = create_event_notifier()
         self._lock = threading.Lock()
         self._task_ids = itertools.count()
-        self._stored: dict[L2TaskId, L2StoreResult] = {}
+        self._stored_tasks: dict[L2TaskId, L2StoreResult] = {}
         self._looked_up: dict[L2TaskId, Bitmap] = {}
         self._loaded: dict[L2TaskId, Bitmap] = {}
         #: bytes of each key this adapter knows to be stored (its accounting)
@@ -140,7 +145,8 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self._locks: dict[ObjectKey, int] = {}
         self._deferred_deletes: set[ObjectKey] = set()
         self._seeded: list[tuple[list[ObjectKey], list[int]]] = []
-        self._pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="kvcore-lmcache")
+        #: every lookup, load, store and delete runs here (kvcore's one host path)
+        self._runner = self._kv.runner
         backend = self._kv.backend()  # now if it can (a store that is not up: tried again)
         why = None if backend is None else self._kv.layout_unknowable(backend)
         if why is not None:
@@ -223,41 +229,62 @@ class KVCoreL2Adapter(L2AdapterInterface):
     def _guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
         return self._kv.guard(op, default, fn)
 
+    def _task_id(self) -> L2TaskId:
+        with self._lock:
+            return next(self._task_ids)
+
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"store task: {len(keys)} keys for {len(objects)} objects")
-        with self._lock:
-            task_id = next(self._task_ids)
+        task_id = self._task_id()
+        sizes = [obj.get_size() for obj in objects]
+        batch = _Batch(keys, sizes)
 
-        def work() -> None:
-            result = self._guard(
-                "store", L2StoreResult(False, 0), lambda: self._store(keys, objects)
-            )
+        def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
+            meta = [layout_of(obj) for obj in objects] if self._checks_layout(backend) else None
+            return [
+                self._request(backend, batch, run, objects, _pick(meta, run[1]))
+                for run in batch.runs
+            ]
+
+        def done(result: kvcore.HostResult) -> None:
+            stored = self._guard("store", [], partial(self._stored, batch, sizes, result))
+            written = sum(sizes[i] for i in stored)
+            # a key the store's admission policy refused is not a failed store (nothing to
+            # retry): the task succeeds when every key was stored or refused
             with self._lock:
-                self._stored[task_id] = result
+                self._stored_tasks[task_id] = L2StoreResult(result.ok, written)
             self._store_efd.notify()
 
-        self._pool.submit(work)
+        # each key on its own (LMCache's answers are per key); the store's admission first
+        self._runner.submit_write(build, blocks=len(keys), each=True, on_done=done)
         return task_id
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
-            done, self._stored = self._stored, {}
+            done, self._stored_tasks = self._stored_tasks, {}
         return done
 
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        with self._lock:
-            task_id = next(self._task_ids)
+        task_id = self._task_id()
+        batch = _Batch(keys, None)
 
-        def work() -> None:
-            found = self._guard("lookup", Bitmap(len(keys)), lambda: self._lookup(keys))
+        def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
+            return [self._request(backend, batch, run) for run in batch.runs]
+
+        def done(result: kvcore.HostResult) -> None:
+            found = Bitmap(len(keys))
             with self._lock:
+                for i in batch.answered(result.done):
+                    found.set(i)
+                    self._locks[keys[i]] = self._locks.get(keys[i], 0) + 1
                 self._looked_up[task_id] = found
             self._lookup_efd.notify()
 
-        self._pool.submit(work)
+        # each key on its own: a key missing in the middle hides none after it
+        self._runner.submit_lookup(build, blocks=len(keys), each=True, on_done=done)
         return task_id
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -277,111 +304,90 @@ class KVCoreL2Adapter(L2AdapterInterface):
                 else:
                     self._locks[key] = count - 1
         if released:
-            self._pool.submit(lambda: self._guard("delete", None, lambda: self._remove(released)))
+            self._remove(released, wait=False)
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"load task: {len(keys)} keys for {len(objects)} objects")
-        with self._lock:
-            task_id = next(self._task_ids)
+        task_id = self._task_id()
+        batch = _Batch(keys, [obj.get_size() for obj in objects])
 
-        def work() -> None:
-            loaded = self._guard("load", Bitmap(len(keys)), lambda: self._load(keys, objects))
+        def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
+            if self._kv.layout_unknowable(backend) is not None:
+                self._counters.add("load_without_layout", len(keys))
+                return []  # refused: nothing read, every key a miss
+            return [self._request(backend, batch, run, objects) for run in batch.runs]
+
+        def done(result: kvcore.HostResult) -> None:
+            hits = self._guard("load", [], partial(self._loaded_keys, batch, objects, result))
+            loaded = Bitmap(len(keys))
+            for i in hits:
+                loaded.set(i)
             with self._lock:
                 self._loaded[task_id] = loaded
             self._load_efd.notify()
 
-        self._pool.submit(work)
+        self._runner.submit_read(build, blocks=len(keys), each=True, on_done=done)
         return task_id
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
             return self._loaded.pop(task_id, None)
 
-    # -- the work, on the adapter's threads ------------------------------------------------
+    # -- what a task's answer means, on the runner's threads -------------------------------
 
-    def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
-        backend = self._backend()
-        if backend is None:
-            self._counters.add("store_unavailable", len(keys))
-            return L2StoreResult(False, 0)
-        sizes = [obj.get_size() for obj in objects]
-        batch = _Batch(keys, sizes)
-        meta = [layout_of(obj) for obj in objects] if self._checks_layout(backend) else None
-        stored: list[int] = []
-        for run in batch.runs:
-            indices = run[1]
-            run_meta = None if meta is None else [meta[i] for i in indices]
-            request = self._request(backend, batch, run, objects, run_meta)
-            done = each_block(request, backend.write)
-            stored.extend(i for i, ok in zip(indices, done, strict=True) if ok)
-        stored.sort()
-        written = sum(sizes[i] for i in stored)
-        self._counters.add("store_blocks", len(keys))
-        self._counters.add("store_blocks_done", len(stored))
-        self._account_stored([keys[i] for i in stored], [sizes[i] for i in stored])
-        return L2StoreResult(len(stored) == len(keys), written)
+    def _stored(self, batch: _Batch, sizes: list[int], result: kvcore.HostResult) -> list[int]:
+        """The keys a store task stored, reported to LMCache's listeners."""
+        stored = batch.answered(result.done)
+        self._account_stored([batch.keys[i] for i in stored], [sizes[i] for i in stored])
+        return stored
 
-    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
-        found = Bitmap(len(keys))
-        backend = self._backend()
-        if backend is None or not keys:
-            self._counters.add("lookup_unavailable", len(keys))
-            return found
-        batch = _Batch(keys, None)
-        hits: list[int] = []
-        for run in batch.runs:
-            presence = backend.contains(self._request(backend, batch, run))
-            hits.extend(i for i, ok in zip(run[1], presence.found, strict=True) if ok)
-        with self._lock:
-            for i in hits:
-                found.set(i)
-                self._locks[keys[i]] = self._locks.get(keys[i], 0) + 1
-        self._counters.add("lookup_blocks", len(keys))
-        self._counters.add("lookup_blocks_found", len(hits))
-        return found
-
-    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
-        loaded = Bitmap(len(keys))
-        backend = self._backend()
-        if backend is None or not keys:
-            self._counters.add("load_unavailable", len(keys))
-            return loaded
-        if self._kv.layout_unknowable(backend) is not None:
-            self._counters.add("load_without_layout", len(keys))
-            return loaded
-        batch = _Batch(keys, [obj.get_size() for obj in objects])
-        checks = self._checks_layout(backend)
-        hits: list[int] = []
-        for run in batch.runs:
-            request = self._request(backend, batch, run, objects)
-            done = each_block(request, backend.read)
-            if checks and any(done):
-                described = backend.describe(request)
-                for j, i in enumerate(run[1]):
-                    if done[j] and described[j] != layout_of(objects[i]):
-                        done[j] = False
-                        self._counters.add("load_layout_mismatches")
-            hits.extend(i for i, ok in zip(run[1], done, strict=True) if ok)
-        for i in hits:
-            loaded.set(i)
-        self._counters.add("load_blocks", len(keys))
-        self._counters.add("load_blocks_done", len(hits))
+    def _loaded_keys(
+        self, batch: _Batch, objects: list[MemoryObj], result: kvcore.HostResult
+    ) -> list[int]:
+        """The keys a load task read whose stored layout is the buffer's (a key LMCache
+        cannot tell apart by dtype is never loaded as another one)."""
+        done = list(result.done)
+        backend = self._kv.opened
+        if backend is not None and self._checks_layout(backend) and any(done):
+            at = 0
+            for request in result.requests:
+                n = request.num_blocks
+                if any(done[at : at + n]):
+                    described = backend.describe(request)
+                    for j in range(n):
+                        i = batch.order[at + j]
+                        if done[at + j] and described[j] != layout_of(objects[i]):
+                            done[at + j] = False
+                            self._counters.add("load_layout_mismatches")
+                at += n
+        hits = batch.answered(done)
         if hits:
-            self._notify_keys_accessed([keys[i] for i in sorted(hits)])
-        return loaded
+            self._notify_keys_accessed([batch.keys[i] for i in hits])
+        return hits
 
-    def _remove(self, keys: list[ObjectKey]) -> None:
-        backend = self._backend()
-        if backend is None or not keys:
+    def _remove(self, keys: list[ObjectKey], *, wait: bool = True) -> None:
+        """Remove ``keys`` from the store (now, or as a task of the runner's) and tell
+        LMCache's listeners they are gone."""
+        if not keys:
             return
         batch = _Batch(keys, None)
-        for run in batch.runs:
-            backend.remove(self._request(backend, batch, run))
-        with self._lock:
-            gone = [(k, self._sizes.pop(k)) for k in keys if k in self._sizes]
-        if gone:
-            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+
+        def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
+            return [self._request(backend, batch, run) for run in batch.runs]
+
+        def gone(result: kvcore.HostResult) -> None:
+            if result.failure is not None and not result.requests:
+                return  # the store is not open: nothing was removed
+            with self._lock:
+                dropped = [(k, self._sizes.pop(k)) for k in keys if k in self._sizes]
+            if dropped:
+                self._notify_keys_deleted([k for k, _ in dropped], [s for _, s in dropped])
+
+        if wait:
+            gone(self._runner.remove(build, blocks=len(keys)))
+        else:
+            self._runner.submit_remove(build, blocks=len(keys), on_done=gone)
 
     def _follow(self, subscription: Any) -> None:
         """Tell LMCache what the store's event stream reports beyond this adapter's own
@@ -544,7 +550,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
     def close(self) -> None:
         if self._kv.closed:
             return
-        self._pool.shutdown(wait=True)  # tasks in flight, deferred deletes, end first
+        self._runner.close(finish_queued=True)  # tasks queued, deferred deletes, end first
         backend = self._kv.opened
         for subscription, thread in self._followers:
             subscription.close()
@@ -575,3 +581,7 @@ def _object_key(text: str) -> ObjectKey | None:
 
 def _encoded(key: ObjectKey) -> EncodedObjectKey:
     return key.to_encoded_object_key()
+
+
+def _pick(values: Sequence[T] | None, indices: Sequence[int]) -> list[T] | None:
+    return None if values is None else [values[i] for i in indices]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 from urllib.parse import quote
@@ -36,7 +36,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 import kvcore
 from kvcore_lmcache.layouts import layout_of, parse_layout
 from kvcore_lmcache.settings import AdapterSettings
-from kvcore_lmcache.store import Store, each_block
+from kvcore_lmcache.store import Store
 
 __all__ = ["CHUNK_PART", "KVCoreStoragePlugin", "chunk_key"]
 
@@ -112,9 +112,8 @@ class KVCoreStoragePlugin(StoragePluginInterface):
         self._lock = threading.Lock()
         self._in_flight: set[CacheEngineKey] = set()
         self._pins: dict[CacheEngineKey, int] = {}
-        self._pool = ThreadPoolExecutor(
-            self.settings.io_threads, thread_name_prefix="kvcore-lmcache-plugin"
-        )
+        #: every lookup, get, put and removal runs here (kvcore's one host path)
+        self._runner = self._kv.runner
         backend = self._kv.backend()  # now if it can (a store that is not up: tried again)
         if backend is not None and not backend.capabilities.block_meta:
             self.close()
@@ -167,14 +166,13 @@ class KVCoreStoragePlugin(StoragePluginInterface):
         """Leading chunks of ``keys`` stored (one backend call); pins them when asked."""
 
         def ask() -> int:
-            backend = self._kv.backend()
-            if backend is None or not keys:
+            if not keys:
                 return 0
-            found = int(backend.query(self._request(backend, keys)))
+            found = self._runner.lookup(partial(self._request, keys=keys), blocks=len(keys))
             if pin:
-                for key in keys[:found]:
+                for key in keys[: found.leading]:
                     self.pin(key)
-            return found
+            return found.leading
 
         return self._kv.guard("contains", 0, ask)
 
@@ -191,7 +189,7 @@ class KVCoreStoragePlugin(StoragePluginInterface):
         transfer_spec: Any = None,
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> list[Future[Any]] | None:
-        """Store ``objs`` under ``keys`` on the plugin's threads (each object referenced until
+        """Store ``objs`` under ``keys`` as a task of the runner's (each object referenced until
         it is written); ``on_complete_callback(key)`` for each key stored."""
         with self._lock:
             todo = [(k, o) for k, o in zip(keys, objs, strict=True) if k not in self._in_flight]
@@ -200,42 +198,38 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             return None
         for _, obj in todo:
             obj.ref_count_up()
+        future: Future[Any] = Future()
+        keys_in = [k for k, _ in todo]
+        objs_in = [o for _, o in todo]
+        runs: dict[int, list[int]] = {}
+        for i, obj in enumerate(objs_in):  # one request per object size
+            runs.setdefault(obj.get_size(), []).append(i)
+        order = [i for indices in runs.values() for i in indices]
 
-        def work() -> None:
-            stored: list[CacheEngineKey] = []
-            try:
-                stored = self._kv.guard("put", [], partial(self._put, todo))
-            finally:
-                with self._lock:
-                    self._in_flight.difference_update(k for k, _ in todo)
-                for _, obj in todo:
-                    obj.ref_count_down()
+        def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
+            checks = self._kv.checks_layout(backend)
+            requests = []
+            for indices in runs.values():
+                objs = [objs_in[i] for i in indices]
+                meta = [layout_of(o) for o in objs] if checks else None
+                requests.append(self._request(backend, [keys_in[i] for i in indices], objs, meta))
+            return requests
+
+        def done(result: kvcore.HostResult) -> None:
+            stored = [keys_in[i] for i, ok in zip(order, result.done, strict=True) if ok]
+            with self._lock:
+                self._in_flight.difference_update(keys_in)
+            for obj in objs_in:
+                obj.ref_count_down()
             if on_complete_callback is not None:
                 callback = on_complete_callback
                 for key in stored:  # the caller's failure is logged once, never the put's
                     self._kv.guard("put_callback", None, partial(callback, key))
+            future.set_result(None)
 
-        return [self._pool.submit(work)]
-
-    def _put(self, todo: list[tuple[CacheEngineKey, MemoryObj]]) -> list[CacheEngineKey]:
-        backend = self._kv.backend()
-        if backend is None:
-            self._kv.counters.add("put_unavailable", len(todo))
-            return []
-        checks = self._kv.checks_layout(backend)
-        runs: dict[int, list[tuple[CacheEngineKey, MemoryObj]]] = {}
-        for key, obj in todo:  # one call per object size
-            runs.setdefault(obj.get_size(), []).append((key, obj))
-        stored: list[CacheEngineKey] = []
-        for run in runs.values():
-            keys = [k for k, _ in run]
-            objs = [o for _, o in run]
-            meta = [layout_of(o) for o in objs] if checks else None
-            done = each_block(self._request(backend, keys, objs, meta), backend.write)
-            stored.extend(k for k, ok in zip(keys, done, strict=True) if ok)
-        self._kv.counters.add("put_chunks", len(todo))
-        self._kv.counters.add("put_chunks_done", len(stored))
-        return stored
+        # each chunk on its own, the store's admission first (a refused chunk is not written)
+        self._runner.submit_write(build, blocks=len(todo), each=True, on_done=done)
+        return [future]
 
     # -- gets --------------------------------------------------------------------------------
 
@@ -282,10 +276,9 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             obj.ref_count_down()
             self._kv.counters.add("get_layout_mismatches")
             return None
-        if int(backend.read(self._request(backend, [key], [obj]))) != 1:
+        if self._runner.read(self._request(backend, [key], [obj])).count != 1:
             obj.ref_count_down()
             return None
-        self._kv.counters.add("get_chunks_done")
         return obj
 
     # -- pins, removal, close -----------------------------------------------------------------
@@ -311,13 +304,8 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             if self._pins.get(key) and not force:
                 return False
 
-        def drop() -> bool:
-            backend = self._kv.backend()
-            if backend is None:
-                return False
-            return int(backend.remove(self._request(backend, [key]))) == 1
-
-        return self._kv.guard("remove", False, drop)
+        removed = self._runner.remove(partial(self._request, keys=[key]), blocks=1)
+        return removed.count == 1
 
     def get_allocator_backend(self) -> Any:
         if self.local_cpu_backend is None:
@@ -330,5 +318,5 @@ class KVCoreStoragePlugin(StoragePluginInterface):
     def close(self) -> None:
         if self._kv.closed:
             return
-        self._pool.shutdown(wait=True)
+        self._runner.close(finish_queued=True)  # every put queued is stored first
         self._kv.close()

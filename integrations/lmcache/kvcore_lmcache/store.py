@@ -1,6 +1,7 @@
 """The kvcore store behind both LMCache adapters (the MP L2 adapter and the in-process storage
-plugin): opening the backend, answering failures as misses, and reading or writing each block
-on its own.
+plugin): opening the backend, the one runner their lookups, loads and stores go through
+(:class:`kvcore.HostRunner`: its threads, the store's admission, deadlines, counters, per-key
+answers), and answering any other failure as a miss.
 
 Importing this module imports neither LMCache nor torch.
 """
@@ -15,7 +16,7 @@ import kvcore
 from kvcore.registry import load_backend_class
 from kvcore_lmcache.settings import AdapterSettings
 
-__all__ = ["Store", "each_block"]
+__all__ = ["Store"]
 
 log = logging.getLogger("kvcore_lmcache")
 
@@ -44,6 +45,15 @@ class Store:
             requires={"io": "host", "addressing": "key"},
             retry_s=settings.reopen_interval_s,
             on_open=on_open,
+        )
+        #: every lookup, load, store and removal of LMCache's objects, synchronous or as a
+        #: task on its threads (``io_threads`` for lookups and loads, as many for stores)
+        self.runner = kvcore.HostRunner(
+            self.handle,
+            name="lmcache",
+            read_workers=settings.io_threads,
+            write_workers=settings.io_threads,
+            timeout_s=settings.timeout_s,
         )
 
     def backend(self) -> kvcore.Backend | None:
@@ -89,13 +99,16 @@ class Store:
             return default
 
     def status(self) -> dict[str, Any]:
-        """The adapter's counters and the backend's (``kvcore_*``), and whether it is open."""
+        """The runner's counters (``<name>.<op>``, kvcore's one vocabulary: ``blocks_done.read``,
+        ``blocks_refused.write``, ...), the adapter's own, the backend's (``kvcore_*``), and
+        whether it is open."""
         backend = self.opened
         out: dict[str, Any] = {
             "is_healthy": backend is not None,
             "backend": self.settings.backend,
             "namespace": self.settings.namespace,
             "open_failures": self.handle.open_failures,
+            **self.runner.stats(),
             **self.counters.snapshot(),
         }
         if backend is not None:
@@ -103,25 +116,8 @@ class Store:
         return out
 
     def close(self) -> None:
+        """End the runner's tasks (queued ones answered as misses; running ones end by their
+        deadline) and close the backend."""
         self.closed = True
+        self.runner.close()
         self.handle.close()
-
-
-def each_block(
-    request: kvcore.BlockRequest, call: Callable[[kvcore.BlockRequest], kvcore.Outcome]
-) -> list[bool]:
-    """Which blocks ``call`` (a leading-run read or write) did, each on its own: after a
-    short count the block it stopped at is skipped and the call goes on from the next one,
-    until the request's deadline has passed."""
-    n = request.num_blocks
-    done: list[bool] = []
-    while len(done) < n:
-        lo = len(done)
-        host = None if request.host is None else request.host.slice(lo, n)
-        got = call(request.slice(lo, n, host=host))
-        done.extend([True] * int(got))
-        if len(done) < n:
-            done.append(False)
-            if got.kind == kvcore.FailureKind.DEADLINE:
-                done.extend([False] * (n - len(done)))
-    return done

@@ -51,7 +51,7 @@ def test_stored_objects_load_back_byte_for_byte_and_each_key_answers_alone(open_
         assert torch.equal(dst[i].tensor, objs[i].tensor)
     assert torch.count_nonzero(dst[2].tensor) == 0
     status = adapter.report_status()
-    assert status["is_healthy"] and status["load_blocks_done"] == 4
+    assert status["is_healthy"] and status["blocks_done.read"] == 4
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def test_a_failing_store_is_a_counted_miss_never_an_error(open_adapter, root):
     assert load(adapter, keys, dst) == []
     assert all(torch.count_nonzero(d.tensor) == 0 for d in dst)
     status = adapter.report_status()
-    assert status["store_blocks_done"] == 3 and status["load_blocks_done"] == 0
+    assert status["blocks_done.write"] == 3 and status["blocks_done.read"] == 0
     assert status["is_healthy"]  # the adapter itself goes on
 
 
@@ -375,3 +375,29 @@ def test_a_backend_that_keeps_no_layout_is_refused_unless_told_to_trust(no_meta_
         assert torch.equal(dst.tensor, obj.tensor)
     finally:
         trusting.close()
+
+
+def test_the_stores_admission_policy_is_honoured(open_adapter, root):
+    """kv_file's ``admission: second-hit``: a key offered once is not written (a refusal, not
+    a failed store), offered again it is; LMCache's listeners hear of the stored keys only."""
+    config = {"root": str(root), "admission": "second-hit", "capacity_bytes": 4 << 20}
+    adapter = open_adapter(backend_config=config)
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    keys = [key(i) for i in range(3)]
+    objs = [random_obj(i) for i in range(3)]
+    first = store(adapter, keys, objs)
+    assert first.is_successful() and first.bytes_transferred() == 0
+    assert lookup(adapter, keys) == []
+    assert recorder.stored == []
+    assert adapter.backend.names() == []  # nothing of them on disk
+    second = store(adapter, keys, objs)
+    assert second.is_successful() and second.bytes_transferred() == 3 * 2048
+    assert lookup(adapter, keys) == [0, 1, 2]
+    assert [k for k, _ in recorder.stored] == keys
+    dst = [memory_obj(n=1024) for _ in keys]
+    assert load(adapter, keys, dst) == [0, 1, 2]
+    assert all(torch.equal(d.tensor, o.tensor) for d, o in zip(dst, objs, strict=True))
+    status = adapter.report_status()
+    assert status["blocks_refused.write"] == 3 and status["blocks_done.write"] == 3
+    assert status["kvcore_backend_admission_refused"] == 3

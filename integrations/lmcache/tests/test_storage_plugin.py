@@ -197,3 +197,32 @@ def test_a_backend_that_keeps_no_layout_is_refused_at_start(tmp_path, no_meta_ba
     config.extra_config["storage_plugin.kvcore.backend_config"] = {}
     with pytest.raises(ValueError, match="keeps no block metadata"):
         KVCoreStoragePlugin(config=config, metadata=metadata())
+
+
+def test_the_stores_admission_policy_is_honoured(managers, tmp_path):
+    """kv_file's ``admission: second-hit``: a chunk put once is not written, put again it is
+    (and reads back byte for byte)."""
+    config = {
+        "root": str(tmp_path / "store"),
+        "admission": "second-hit",
+        "capacity_bytes": 64 << 20,
+    }
+    manager = managers(**{"storage_plugin.kvcore.backend_config": config})
+    plugin = plugin_of(manager)
+    keys = [key(i) for i in range(2)]
+    objs = [chunk(manager, 40 + i) for i in range(2)]
+    stored: list[CacheEngineKey] = []
+    for _ in range(2):
+        futures = plugin.batched_submit_put_task(keys, objs, on_complete_callback=stored.append)
+        for future in futures or []:
+            future.result(timeout=60)
+        if not stored:
+            assert plugin.batched_contains(keys) == 0  # offered once: refused, not written
+    assert stored == keys
+    assert plugin.batched_contains(keys) == 2
+    for k, obj in zip(keys, objs, strict=True):
+        got = plugin.get_blocking(k)
+        assert got is not None and torch.equal(got.tensor, obj.tensor)
+        got.ref_count_down()
+    status = plugin.report_status()
+    assert status["blocks_refused.write"] == 2 and status["blocks_done.write"] == 2

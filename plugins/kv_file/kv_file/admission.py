@@ -11,7 +11,7 @@ offer (and count as references the policy sees, as read hits do).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kv_file.index import Index
 from kv_file.objfile import encode_name, header_size
@@ -107,12 +107,20 @@ class StoreAdmission:
         return max(0, free // self._block_bytes)
 
     def _size_from(self, request: BlockRequest) -> None:
-        """Learn a block's size in files (from the layout, or the objects indexed) and size
-        the policy for the capacity between the watermarks (where a full store sits)."""
+        """Learn a block's size in files (from the layout, from the sizes a request names for
+        its own parts, or from the objects indexed) and size the policy for the capacity
+        between the watermarks (where a full store sits). A layout-less store that waited for
+        indexed objects would size a second-hit doorkeeper for one block until something is
+        stored, and refuse every offer of more than two blocks: nothing would ever be."""
+        payload: Sequence[int] | None = None
         if self._payload is not None:
+            payload = [self._payload.get(p, 0) for p in request.parts]
+        elif request.part_nbytes is not None:
+            payload = request.part_nbytes
+        if payload is not None:
             size = sum(
-                header_size(len(encode_name(n))) + self._payload.get(p, 0)
-                for n, p in zip(request.object_names[0], request.parts, strict=True)
+                header_size(len(encode_name(n))) + nbytes
+                for n, nbytes in zip(request.object_names[0], payload, strict=True)
             )
         else:
             index = self._index

@@ -146,3 +146,28 @@ def test_an_unknown_policy_is_refused_naming_the_setting(tmp_path) -> None:
         open_store(str(tmp_path / "s"), admission="lfu")
     with pytest.raises(kvcore.ConfigError, match="admission_sample_rate"):
         open_store(str(tmp_path / "s"), admission_sample_rate=0)
+
+
+def test_a_layout_less_store_sizes_its_policy_from_the_parts_a_request_names(tmp_path) -> None:
+    """An engine whose objects are its own (LMCache's, vLLM's tier chunks) opens kv_file with
+    no layout and names its parts' sizes in each request: second-hit's doorkeeper is sized
+    from those before anything is stored (sized for one block, it forgot all but the last two
+    offers, and a first write of three blocks was refused at every offer)."""
+    store = kvcore.open_backend(
+        "file",
+        {"root": str(tmp_path / "s"), "admission": "second-hit", "capacity_bytes": 1 << 20},
+        context={"layout": None},
+    )
+    try:
+        keys = [f"c{i}" for i in range(8)]
+
+        def offer() -> int:
+            request = store.request("t", keys, parts=("obj",), part_bytes=(2048,))
+            return int(store.admit(request))
+
+        assert offer() == 0
+        assert offer() == len(keys)
+        # about (high + low) / 2 of 1 MiB over a block of 2 KiB and a header
+        assert store.stats()["backend_admission_capacity_blocks"] > 100
+    finally:
+        store.close()
