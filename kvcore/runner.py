@@ -18,7 +18,9 @@ once rebuilt lives once:
 - **deadlines**: a job still queued at its deadline is never started, and a short answer at
   the deadline is the facade's ``deadline`` (:class:`kvcore.FailureKind`): both counted misses;
 - **a store that is not open** (a :class:`kvcore.BackendHandle` retrying on its schedule): a
-  counted miss, never an exception;
+  counted miss, never an exception; nor is a backend's failure. What the caller itself got
+  wrong (a request the facade's door refuses, a ``fill`` or a request builder that raises) is
+  raised to a synchronous caller, and a counted error (``errors``) of a job;
 - **one counter vocabulary** for every adapter (:data:`COUNTERS`, per op);
 - **per-block answers** (``each=True``) for engines that ask about every block on its own
   (LMCache's bitmaps): after a block that failed, the run goes on from the next one.
@@ -423,10 +425,14 @@ class HostRunner:
             job.cancelled = True
             return True
 
-    def stats(self) -> dict[str, float]:
-        """The runner's counters (``<name>.<op>``, :data:`COUNTERS`), latencies
-        (``latency_count.<op>``, ``latency_sum_s.<op>``) and ``pending`` jobs."""
-        return {**self.metrics.snapshot(), "pending": float(self.pending)}
+    def stats(self, prefix: str = "host.") -> dict[str, float]:
+        """The runner's counters (``<prefix><name>.<op>``, :data:`COUNTERS`), latencies
+        (``latency_count.<op>``, ``latency_sum_s.<op>``) and ``pending`` jobs. The prefix
+        keeps them apart from the facade's per-call counters of the same names (an
+        adapter's stats hold both): every adapter reports ``host.blocks_refused.write``."""
+        out = {f"{prefix}{name}": value for name, value in self.metrics.snapshot().items()}
+        out[f"{prefix}pending"] = float(self.pending)
+        return out
 
     def close(self, timeout_s: float | None = None, *, finish_queued: bool = False) -> None:
         """Take no more jobs, answer those still queued as cancelled (``finish_queued``: run
@@ -551,8 +557,8 @@ class HostRunner:
         try:
             requests = self._requests(job, backend)
         except Exception as exc:
-            if backend.strict:
-                raise  # strict mode (tests): the caller's bug surfaces
+            if job.sync or backend.strict:
+                raise  # the caller's own input: its error is the caller's to see
             self._failures.warning(
                 (job.op, "build", type(exc)),
                 "kvcore runner %r: a %s job's requests could not be built: %s (further errors "
@@ -568,8 +574,8 @@ class HostRunner:
             try:
                 parts.append(self._one(backend, job, request))
             except Exception as exc:  # a door check (a malformed request), a fill that raised
-                if backend.strict:
-                    raise
+                if job.sync or backend.strict:
+                    raise  # the caller's own input: its error is the caller's to see
                 n = request.num_blocks
                 self._failures.warning(
                     (job.op, "call", type(exc)),

@@ -131,9 +131,9 @@ def test_a_write_asks_admission_once_and_writes_only_what_it_admits(backend) -> 
     assert second.done == (True,) * 4 and second.refused == (False,) * 4
     assert _plugin(backend).offers == [keys, keys]  # once per write, never twice
     stats = runner.stats()
-    assert stats["blocks_refused.write"] == 4
-    assert stats["blocks_done.write"] == 4
-    assert stats["jobs.write"] == 2 and stats["bytes.write"] == 4 * SIZE
+    assert stats["host.blocks_refused.write"] == 4
+    assert stats["host.blocks_done.write"] == 4
+    assert stats["host.jobs.write"] == 2 and stats["host.bytes.write"] == 4 * SIZE
     # a caller that asked already writes without a second offer
     third = runner.write(_request(backend, _keys(2, "x"), _Buffers(2)), admit=False)
     assert third.count == 2 and len(_plugin(backend).offers) == 2
@@ -173,8 +173,8 @@ def test_leading_and_per_block_answers(backend) -> None:
     assert per_block.failure == "cannot read k3"
     assert (target.data[[0, 1, 3]] == 3).all()
     stats = runner.stats()
-    assert stats["failures.read"] == 2
-    assert stats["blocks_failed.read"] == 2 + 1
+    assert stats["host.failures.read"] == 2
+    assert stats["host.blocks_failed.read"] == 2 + 1
 
 
 def test_a_per_block_write_goes_on_after_a_failed_block(backend) -> None:
@@ -228,7 +228,7 @@ def test_a_full_lane_drops_a_job_at_once_and_counts_it(backend) -> None:
         runner.submit_write(_request(backend, ["k2"], _Buffers(1)), job_id=3)  # no room
         (dropped,) = runner.get_finished()
         assert dropped.job_id == 3 and dropped.done == (False,) and "full" in dropped.failure
-        assert runner.stats()["dropped.write"] == 1
+        assert runner.stats()["host.dropped.write"] == 1
     finally:
         plugin.hold.set()
     assert runner.wait(30)
@@ -256,7 +256,7 @@ def test_a_job_still_queued_at_its_deadline_never_runs(backend) -> None:
     late = results["late"]
     assert late.done == (False,) and late.kind == kvcore.FailureKind.DEADLINE
     assert plugin.writes == [["k0"]]  # the late job never reached the backend
-    assert runner.stats()["deadline_missed.write"] == 1
+    assert runner.stats()["host.deadline_missed.write"] == 1
     runner.close()
 
 
@@ -279,7 +279,7 @@ def test_cancel_and_close_answer_queued_jobs_without_running_them(backend) -> No
     assert results["a"].count == 1
     assert results["b"].failure == "cancelled" and results["c"].failure == "cancelled"
     assert plugin.writes == [["k0"]]
-    assert runner.stats()["cancelled.write"] == 2
+    assert runner.stats()["host.cancelled.write"] == 2
     late = runner.submit_write(_request(backend, ["k1"], _Buffers(1)))
     (answer,) = runner.get_finished()
     assert answer.job_id == late and answer.failure == "the runner is closed"
@@ -303,8 +303,8 @@ def test_a_store_that_is_not_open_is_a_counted_miss() -> None:
     assert job.done == (False, False)
     assert built == []  # nothing is built for a store that is not there
     stats = runner.stats()
-    assert stats["unavailable.lookup"] == 1 and stats["unavailable.read"] == 1
-    assert stats["blocks_failed.read"] == 2
+    assert stats["host.unavailable.lookup"] == 1 and stats["host.unavailable.read"] == 1
+    assert stats["host.blocks_failed.read"] == 2
     runner.close()
     handle.close()
 
@@ -315,35 +315,35 @@ def test_a_request_that_cannot_be_built_or_a_raising_callback_is_counted(backend
     def broken(opened: kvcore.Backend) -> BlockRequest:
         raise ValueError("chunk ids outside the pool")
 
-    result = runner.read(broken, blocks=3)
-    assert result.done == (False,) * 3 and "chunk ids" in result.failure
+    with pytest.raises(ValueError, match="chunk ids"):  # a caller's own error, to the caller
+        runner.read(broken, blocks=3)
+    runner.submit_read(broken, blocks=3)  # as a job: answered, counted
     got: list[HostResult] = []
     runner.submit_lookup(_request(backend, ["a"]), on_done=lambda r: 1 / 0)
     runner.submit_lookup(_request(backend, ["b"]), on_done=got.append)
     assert runner.wait(30)
     assert len(got) == 1
+    (failed,) = runner.get_finished()
+    assert failed.done == (False,) * 3 and "chunk ids" in failed.failure
     stats = runner.stats()
-    assert stats["errors.read"] == 1 and stats["errors.lookup"] == 1
+    assert stats["host.errors.read"] == 1 and stats["host.errors.lookup"] == 1
     assert "callback raised" in caplog.text
     runner.close()
 
 
-def test_a_malformed_request_is_a_counted_failure_and_strict_mode_raises() -> None:
-    lenient = kvcore.open_backend(_Admitting, context={"namespace": "runner"})
-    strict = kvcore.open_backend(_Admitting, context={"namespace": "runner"}, strict=True)
-    try:
-        for opened in (lenient, strict):
-            _plugin(opened).seen.add("a")
-        short = HostBuffers(ptrs=(), nbytes=(SIZE,))  # no buffer for the request's block
-        bad = lenient.request("t", ["a"], host=short, parts=("obj",), part_bytes=(SIZE,))
-        result = HostRunner(lenient).write(bad)
-        assert result.done == (False,) and "host buffers hold 0 blocks" in result.failure
-        bad = strict.request("t", ["a"], host=short, parts=("obj",), part_bytes=(SIZE,))
-        with pytest.raises(ValueError, match="host buffers hold 0 blocks"):
-            HostRunner(strict).write(bad)
-    finally:
-        lenient.close()
-        strict.close()
+def test_a_malformed_request_raises_to_its_caller_and_fails_a_job(backend) -> None:
+    _plugin(backend).seen.add("a")
+    short = HostBuffers(ptrs=(), nbytes=(SIZE,))  # no buffer for the request's block
+    bad = backend.request("t", ["a"], host=short, parts=("obj",), part_bytes=(SIZE,))
+    runner = HostRunner(backend)
+    with pytest.raises(ValueError, match="host buffers hold 0 blocks"):
+        runner.write(bad)
+    runner.submit_write(bad)
+    assert runner.wait(30)
+    (result,) = runner.get_finished()
+    assert result.done == (False,) and "host buffers hold 0 blocks" in result.failure
+    assert runner.stats()["host.errors.write"] == 1
+    runner.close()
 
 
 def test_every_counter_is_of_the_vocabulary(backend) -> None:
@@ -351,6 +351,6 @@ def test_every_counter_is_of_the_vocabulary(backend) -> None:
     _plugin(backend).seen.update(["a"])
     runner.write(_request(backend, ["a", "b"], _Buffers(2)))
     runner.read(_request(backend, ["a"], _Buffers(1)))
-    names = {key.split(".")[0] for key in runner.stats()} - {"pending"}
+    names = {key.split(".")[1] for key in runner.stats()} - {"pending"}
     names -= {"latency_count", "latency_sum_s"}
     assert names <= set(COUNTERS), names - set(COUNTERS)

@@ -22,10 +22,12 @@ backend failed rather than missed; ``batch_set`` gives 0 for stored objects, els
 :data:`FAILED`. kvcore counts leading runs, so every object of a block past the first miss is
 reported as not found even if it happens to exist.
 
-``batch_set`` and ``set`` ask the store's admission policy first (kv_file's ``admission``:
-``adaptive`` by default): blocks it does not take are not written. A refused object is not a
-failure (nothing went wrong, and nothing should be retried): it is answered 0, as a stored one,
-and counted by kvcore's facade (``blocks_refused.admit`` in :meth:`KVCoreStore.stats`).
+Every call runs through kvcore's one engine-side path (:class:`kvcore.HostRunner`, on
+FastDeploy's own thread): ``batch_set`` and ``set`` write what the store's admission policy
+admits (kv_file's ``admission``: ``adaptive`` by default), so blocks it does not take are not
+written. A refused object is not a failure (nothing went wrong, and nothing should be retried):
+it is answered 0, as a stored one, and counted (``host.blocks_refused.write`` in
+:meth:`KVCoreStore.stats`, kvcore's name for it under every adapter).
 
 Failures never raise into FastDeploy: a backend error is a counted miss (kvcore's facade), and
 only malformed calls (lists of different lengths, sizes that contradict the cache layout)
@@ -134,6 +136,8 @@ class KVCoreStore:
         self.io_timeout_s = config.default_timeout_s if io_timeout_s is None else io_timeout_s
         self._owned = False
         self._counters = kvcore.Counters()
+        #: every lookup, read, write and removal (synchronous: FastDeploy's calls are)
+        self._runner = kvcore.HostRunner(backend, name="fastdeploy")
 
     @staticmethod
     def _check(backend: kvcore.Backend) -> None:
@@ -278,11 +282,7 @@ class KVCoreStore:
         parts = _PART_RUNS[len(runs)]
         columns = list(runs.values())
         names = tuple(tuple(col[i] for col in columns) for i in range(n))
-        request = self._request(names, parts, timeout_s=timeout)
-        try:
-            return int(self.backend.query(request))
-        except StoreUnavailable:
-            return self._unavailable("query", 0)
+        return self._runner.lookup(self._request(names, parts, timeout_s=timeout)).leading
 
     def batch_get(
         self,
@@ -311,15 +311,14 @@ class KVCoreStore:
     def exists(self, keys: Sequence[str]) -> dict[str, bool]:
         """Whether each object is stored (one query per run of present keys plus each miss)."""
         found: dict[str, bool] = {}
-        try:
-            backend = self.backend
-        except StoreUnavailable:
-            return self._unavailable("exists", dict.fromkeys(keys, False))
         i = 0
         while i < len(keys):
             rest = keys[i:]
             names = tuple((k,) for k in rest)
-            present = int(backend.query(self._request(names, (part_of(rest[0]),))))
+            answer = self._runner.lookup(self._request(names, (part_of(rest[0]),)))
+            if answer.failure is not None and not answer.requests:  # the store is not open
+                return dict.fromkeys(keys, False)
+            present = answer.leading
             for k in rest[:present]:
                 found[k] = True
             if i + present < len(keys):
@@ -330,10 +329,7 @@ class KVCoreStore:
     def delete(self, key: str, timeout: float | None = None) -> bool:
         """Remove one object; True when it was stored and is gone (``kvcore_remove``)."""
         request = self._request(((key,),), (part_of(key),), timeout_s=timeout)
-        try:
-            return int(self.backend.remove(request)) > 0
-        except StoreUnavailable:
-            return self._unavailable("delete", False)
+        return self._runner.remove(request).count > 0
 
     def clear(self) -> bool:
         """Drop every object of this backend's namespace; False when the backend cannot."""
@@ -356,13 +352,16 @@ class KVCoreStore:
             self._fixed.close()
 
     def stats(self) -> dict[str, float]:
-        """kvcore's counters for this backend (blocks the admission policy refused:
-        ``blocks_refused.admit``) and the adapter's own, for FastDeploy's metrics or a log
-        line. ``blocks_refused`` is the same count under its 0.1 name, until 0.2."""
+        """kvcore's counters: the runner's (``host.<name>.<op>``, every adapter's one
+        vocabulary: blocks the admission policy refused are ``host.blocks_refused.write``,
+        calls made while the store was not open ``host.unavailable.<op>``), the backend's
+        per call (``blocks_refused.admit``, ...) and the adapter's own, for FastDeploy's
+        metrics or a log line. ``blocks_refused`` is the refused count under its 0.1 name,
+        until 0.2."""
         opened = self._fixed if self._fixed is not None else self._attached
         own = opened.stats() if opened is not None else {}
-        out = {**own, **self._counters.snapshot()}
-        out["blocks_refused"] = out.get("blocks_refused.admit", 0.0)
+        out = {**own, **self._runner.stats(), **self._counters.snapshot()}
+        out["blocks_refused"] = out.get("host.blocks_refused.write", 0.0)
         if self._handle is not None:
             out["open_failures"] = float(self._handle.open_failures)
         return out
@@ -445,14 +444,9 @@ class KVCoreStore:
     def _run(self, op: str, request: BlockRequest, nbytes: Sequence[int]) -> list[int]:
         """Read, or write what the store admits; the answers per key in FastDeploy's order."""
         n = request.num_blocks
-        try:
-            backend = self.backend
-        except StoreUnavailable:
-            return self._unavailable(op, [FAILED] * (n * len(request.parts)))
         if op == "read":
-            return _read_answers(backend.read(request), n, nbytes)
-        written, admitted = backend.write_admitted(request)  # refusals counted there
-        return _write_answers(int(written), admitted, n, len(request.parts))
+            return _read_answers(self._runner.read(request).outcome, n, nbytes)
+        return _write_answers(self._runner.write(request), len(request.parts))
 
     def _parts_for(self, total: int) -> tuple[str, ...]:
         """The runs a key list holds: K and V, plus both scales when the cache has them."""
@@ -474,9 +468,9 @@ def _read_answers(done: Outcome, n: int, nbytes: Sequence[int]) -> list[int]:
     return [size if i < done else miss for size in nbytes for i in range(n)]
 
 
-def _write_answers(written: int, admitted: int, n: int, nparts: int) -> list[int]:
-    """``batch_set``'s answers in FastDeploy's key order: 0 for the ``written`` leading blocks
-    and for the blocks past ``admitted`` (refused: not a failure), :data:`FAILED` for an
-    admitted block that was not stored."""
-    row = [0 if i < written or i >= admitted else FAILED for i in range(n)]
+def _write_answers(result: kvcore.HostResult, nparts: int) -> list[int]:
+    """``batch_set``'s answers in FastDeploy's key order: 0 for a block stored or refused by
+    the store's admission (not a failure), :data:`FAILED` for an admitted block that was not
+    stored."""
+    row = [0 if ok else FAILED for ok in result.handled]
     return row * nparts

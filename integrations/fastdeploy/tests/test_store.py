@@ -307,7 +307,7 @@ def test_a_master_not_up_at_start_is_a_miss_until_it_opens() -> None:
         assert store.query(names["k"], names["v"]) == 0
         assert store.exists(keys) == dict.fromkeys(keys, False)
         stats = store.stats()
-        assert stats["unavailable.write"] == 1 and stats["open_failures"] >= 1
+        assert stats["host.unavailable.write"] == 1 and stats["open_failures"] >= 1
 
         cluster.start()
         time.sleep(0.6)  # past the reopen interval: the next call opens it

@@ -51,7 +51,7 @@ def test_stored_objects_load_back_byte_for_byte_and_each_key_answers_alone(open_
         assert torch.equal(dst[i].tensor, objs[i].tensor)
     assert torch.count_nonzero(dst[2].tensor) == 0
     status = adapter.report_status()
-    assert status["is_healthy"] and status["blocks_done.read"] == 4
+    assert status["is_healthy"] and status["host.blocks_done.read"] == 4
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def test_a_failing_store_is_a_counted_miss_never_an_error(open_adapter, root):
     assert load(adapter, keys, dst) == []
     assert all(torch.count_nonzero(d.tensor) == 0 for d in dst)
     status = adapter.report_status()
-    assert status["blocks_done.write"] == 3 and status["blocks_done.read"] == 0
+    assert status["host.blocks_done.write"] == 3 and status["host.blocks_done.read"] == 0
     assert status["is_healthy"]  # the adapter itself goes on
 
 
@@ -399,5 +399,5 @@ def test_the_stores_admission_policy_is_honoured(open_adapter, root):
     assert load(adapter, keys, dst) == [0, 1, 2]
     assert all(torch.equal(d.tensor, o.tensor) for d, o in zip(dst, objs, strict=True))
     status = adapter.report_status()
-    assert status["blocks_refused.write"] == 3 and status["blocks_done.write"] == 3
+    assert status["host.blocks_refused.write"] == 3 and status["host.blocks_done.write"] == 3
     assert status["kvcore_backend_admission_refused"] == 3

@@ -225,4 +225,4 @@ def test_the_stores_admission_policy_is_honoured(managers, tmp_path):
         assert got is not None and torch.equal(got.tensor, obj.tensor)
         got.ref_count_down()
     status = plugin.report_status()
-    assert status["blocks_refused.write"] == 2 and status["blocks_done.write"] == 2
+    assert status["host.blocks_refused.write"] == 2 and status["host.blocks_done.write"] == 2

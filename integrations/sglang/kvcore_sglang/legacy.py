@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+import kvcore
 from kvcore_sglang.pages import PageFormat, pointer_buffers, tensor_buffers
 from kvcore_sglang.tiers import Tier
 from kvcore_sglang.transfers import PageTransfers
@@ -38,12 +39,10 @@ def read_tensors(
         t if t.is_contiguous() and t.device.type == "cpu" else _flat_like(t) for t in targets
     ]
     host = tensor_buffers(fmt, landing)
-    done = io.outcome("get", tier.backend.read(io.request("get", tier, fmt, keys, host)))
+    done = tier.runner.read(io.request("get", tier, fmt, keys, host), blocks=len(keys)).leading
     for target, landed in zip(targets[:done], landing[:done], strict=True):
         if landed is not target:
             target.copy_(landed.view(target.dtype).view(target.shape))
-    io.counters.add("pages_read", len(keys))
-    io.counters.add("pages_read_ok", done)
     return [*targets[:done], *([None] * (len(keys) - done))]
 
 
@@ -54,10 +53,7 @@ def read_pointers(
     if not keys:
         return 0
     host = pointer_buffers(fmt, locations, sizes)
-    done = io.outcome("get", tier.backend.read(io.request("get", tier, fmt, keys, host)))
-    io.counters.add("pages_read", len(keys))
-    io.counters.add("pages_read_ok", done)
-    return done
+    return tier.runner.read(io.request("get", tier, fmt, keys, host), blocks=len(keys)).leading
 
 
 def write_tensors(
@@ -68,24 +64,26 @@ def write_tensors(
     values: Sequence[torch.Tensor] | None,
     writer: bool,
 ) -> bool:
-    """Store flat page tensors (the admitted leading run of them); whether every page is."""
+    """Store flat page tensors (what the store admits of them); whether every page is stored
+    or refused by the store's admission."""
     if not keys:
         return True
     if values is None or len(values) != len(keys):
         raise ValueError("batch_set needs one page tensor per key")
     if not writer:
-        return io.exists(tier, fmt, keys) == len(keys)
-    request = io.request("set", tier, fmt, keys)
-    admitted = io.admitted(tier, request)
-    if admitted == 0:
-        return True
-    keys = keys[:admitted]
-    pages = [v.contiguous().cpu() for v in values[:admitted]]  # pool views: zero-copy
-    host = tensor_buffers(fmt, pages)
-    done = io.outcome("set", tier.backend.write(request.slice(0, admitted, host=host)))
-    io.counters.add("pages_written", len(keys))
-    io.counters.add("pages_written_ok", done)
-    return done == len(keys)
+        return io.exists(tier, fmt, keys).leading == len(keys)
+    for i, value in enumerate(values):  # the caller's error raises here, before any offer
+        nbytes = value.numel() * value.element_size()
+        if nbytes != fmt.page_nbytes:
+            raise ValueError(f"page {i}: {nbytes} bytes; one page is {fmt.page_nbytes}")
+    pages: list[torch.Tensor] = []  # alive until the write returns
+
+    def fill(request: kvcore.BlockRequest, admitted: int) -> kvcore.HostBuffers:
+        pages.extend(v.contiguous().cpu() for v in values[:admitted])  # pool views: zero-copy
+        return tensor_buffers(fmt, pages)
+
+    result = tier.runner.write(io.request("set", tier, fmt, keys), blocks=len(keys), fill=fill)
+    return result.ok
 
 
 def write_pointers(
@@ -97,23 +95,17 @@ def write_pointers(
     sizes: Any,
     writer: bool,
 ) -> bool:
-    """Store pages at raw addresses (the admitted leading run of them); whether every page is."""
+    """Store pages at raw addresses (what the store admits of them); whether every page is
+    stored or refused by the store's admission."""
     if not keys:
         return True
     if not writer:
-        return io.exists(tier, fmt, keys) == len(keys)
-    request = io.request("set", tier, fmt, keys)
-    if len(locations) == len(sizes) == len(keys):  # else pointer_buffers says what is wrong
-        admitted = io.admitted(tier, request)
-        if admitted == 0:
-            return True
-        keys = keys[:admitted]
-        locations, sizes = locations[:admitted], sizes[:admitted]
-    host = pointer_buffers(fmt, locations, sizes)
-    done = io.outcome("set", tier.backend.write(request.slice(0, len(keys), host=host)))
-    io.counters.add("pages_written", len(keys))
-    io.counters.add("pages_written_ok", done)
-    return done == len(keys)
+        return io.exists(tier, fmt, keys).leading == len(keys)
+    host = pointer_buffers(fmt, locations, sizes)  # no copy: checked before any offer
+    if host.num_blocks != len(keys):
+        raise ValueError(f"{host.num_blocks} page locations for {len(keys)} keys")
+    result = tier.runner.write(io.request("set", tier, fmt, keys, host), blocks=len(keys))
+    return result.ok
 
 
 def _flat_like(tensor: torch.Tensor) -> torch.Tensor:

@@ -94,20 +94,10 @@ class SidePools:
 
 
 def present_pages(io: PageTransfers, route: Route, keys: list[str]) -> list[bool]:
-    """Which of ``keys`` the pool of ``route`` holds, from as few leading-run queries as there
-    are gaps (kvcore answers runs, not per-page flags)."""
+    """Which of ``keys`` the pool of ``route`` holds, each page on its own (one ``contains``
+    call, gaps included; a failing backend's pages count as absent)."""
     tier, fmt, _, rank, world, _ = route
-    present = [False] * len(keys)
-    i = 0
-    while i < len(keys):
-        request = io.request("exists", tier, fmt, keys[i:], rank=rank, world_size=world)
-        outcome = tier.backend.query(request)
-        run = io.outcome("exists", outcome)
-        present[i : i + run] = [True] * run
-        if outcome.failure is not None and i + run < len(keys):
-            break  # the backend is failing: the rest counts as absent
-        i += run + 1
-    return present
+    return list(io.exists(tier, fmt, keys, rank, world, each=True).done)
 
 
 def pool_hits(

@@ -48,17 +48,32 @@ class TransferMetrics:
         return lists
 
 
+#: the 0.1 names of the runner's counters (kv. and side. together), kept until 0.2
+_DEPRECATED = {
+    "pages_queried": ("blocks.lookup",),
+    "pages_found": ("blocks_done.lookup",),
+    "pages_read": ("blocks.read",),
+    "pages_read_ok": ("blocks_done.read",),
+    "pages_written": ("blocks.write", "-blocks_refused.write"),  # those admitted
+    "pages_written_ok": ("blocks_done.write",),
+    "pages_refused": ("blocks_refused.write",),
+}
+
+
 def kvcore_counters(
     counters: kvcore.Counters, tiers: Iterable[tuple[str, Tier | None]], closed: bool
 ) -> dict[str, float]:
-    """Flat counters: the adapter's (``pages_*``, ``errors.<op>``, ``failures.<op>``) and
-    each opened tier's kvcore counters under its prefix (``kv.``, ``side.``)."""
+    """Flat counters: the adapter's own (``pages_staged``, ``pages_write_skipped``,
+    ``errors.<op>``, ...), and each tier's under its prefix (``kv.``, ``side.``): its runner's
+    (``kv.host.blocks_refused.write``, ... kvcore's one vocabulary) and its backend's."""
     out = counters.snapshot()
     for prefix, tier in tiers:
         if tier is not None:
             out.update(tier.stats(prefix, closed))
-    # the 0.1 name of the facade's refusal count (kv. and side. together), until 0.2
-    out["pages_refused"] = out.get("kv.blocks_refused.admit", 0.0) + out.get(
-        "side.blocks_refused.admit", 0.0
-    )
+    for old, terms in _DEPRECATED.items():
+        total = 0.0
+        for term in terms:
+            sign, name = (-1.0, term[1:]) if term.startswith("-") else (1.0, term)
+            total += sign * sum(out.get(f"{tier}.host.{name}", 0.0) for tier in ("kv", "side"))
+        out[old] = total
     return out

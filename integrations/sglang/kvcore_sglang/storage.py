@@ -330,19 +330,6 @@ class KVCoreHiCacheStorage(HiCacheStorage):
 
     # -- internals: requests ----------------------------------------------------------------
 
-    def _request(
-        self,
-        op: str,
-        tier: Tier,
-        fmt: PageFormat,
-        keys: Sequence[str],
-        host: kvcore.HostBuffers | None = None,
-        *,
-        rank: int | None = None,
-        world_size: int | None = None,
-    ) -> kvcore.BlockRequest:
-        return self._io.request(op, tier, fmt, keys, host, rank=rank, world_size=world_size)
-
     def _guard(self, op: str, miss: T, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
@@ -363,7 +350,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
     # -- internals: v1 and legacy (the KV pool, see kvcore_sglang.transfers and .legacy) -----
 
     def _exists(self, keys: list[str]) -> int:
-        return self._io.exists(*self._kv_route(), keys)
+        return self._io.exists(*self._kv_route(), keys).leading
 
     def _read_kv_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         tier, fmt = self._kv_route()

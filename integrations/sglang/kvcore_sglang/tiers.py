@@ -45,6 +45,8 @@ class Tier:
         self.world_size = world_size
         self.layout = layout
         self.handle: kvcore.BackendHandle | None = None
+        #: every lookup, read and write of the tier's pages (kvcore's one host path)
+        self.runner: kvcore.HostRunner | None = None
         self.registered: list[int] = []
 
     @property
@@ -59,9 +61,12 @@ class Tier:
         return backend
 
     def stats(self, prefix: str, closed: bool) -> dict[str, float]:
-        """The opened backend's kvcore counters (none once ``closed``) and the handle's failed
-        opens, each under ``prefix``."""
+        """The runner's counters (``<prefix>host.*``, kvcore's vocabulary of every adapter),
+        the opened backend's per call (none once ``closed``) and the handle's failed opens,
+        each under ``prefix``."""
         out: dict[str, float] = {}
+        if self.runner is not None:
+            out.update(self.runner.stats(prefix + "host."))
         backend = self.handle.opened if self.handle else None
         if backend is not None and not closed:
             out.update({prefix + k: v for k, v in backend.stats().items()})
@@ -94,6 +99,7 @@ def open_tier(
         retry_s=settings.reopen_interval_s,
         on_open=on_open,
     )
+    tier.runner = kvcore.HostRunner(tier.handle, name="sglang")
     return tier
 
 
@@ -118,6 +124,8 @@ def register_memory(tier: Tier, backend: kvcore.Backend, pool: Any, *, enabled: 
 def close_tier(tier: Tier) -> None:
     """Unregister the host memory from the tier's backend (if open) and close its handle."""
     assert tier.handle is not None
+    if tier.runner is not None:
+        tier.runner.close()
     backend = tier.handle.opened
     if backend is not None:
         for ptr in tier.registered:

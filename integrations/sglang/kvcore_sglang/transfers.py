@@ -1,16 +1,19 @@
-"""Pages in and out of a tier: kvcore requests, their outcomes, and the v1 zero-copy I/O.
+"""Pages in and out of a tier: kvcore requests, run through the tier's runner.
 
 :class:`PageTransfers` works on whatever tier, page format and host pool it is given: the KV
 pool's for the v1 API, a side pool's for the v2 API (see :mod:`kvcore_sglang.side_pools`), the
-legacy API's flat pages and addresses through :mod:`kvcore_sglang.legacy`. It counts what it
-moves (``pages_*``, ``failures.<op>``) and records SGLang's storage metrics.
+legacy API's flat pages and addresses through :mod:`kvcore_sglang.legacy`. Every lookup, read
+and write runs through the tier's :class:`kvcore.HostRunner` (on SGLang's calling thread):
+the store's admission, a store that is not open, the counters (``<tier>.host.*``) are kvcore's.
+It counts what is SGLang's alone (``pages_staged``, ``pages_write_skipped``) and records
+SGLang's storage metrics.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,8 +38,8 @@ def leading(done: int, total: int) -> list[bool]:
 
 class PageTransfers:
     """Requests on tiers, with the storage's settings (``timeout_s``), ``counters`` and
-    ``metrics``. Every method raises on a failure that is not the backend's answer (the
-    storage's guard turns it into a miss)."""
+    ``metrics``. Every method raises on what the caller got wrong (the storage's guard turns it
+    into a miss); the store's own failures are answers."""
 
     def __init__(
         self, settings: StorageSettings, counters: kvcore.Counters, metrics: TransferMetrics
@@ -57,51 +60,45 @@ class PageTransfers:
         rank: int | None = None,
         world_size: int | None = None,
         block_meta: Sequence[bytes] | None = None,
-    ) -> kvcore.BlockRequest:
-        backend = tier.backend
+    ) -> Callable[[kvcore.Backend], kvcore.BlockRequest]:
+        """The request of ``keys`` on ``tier``, built by the runner from the opened backend."""
         task = f"sglang-{op}-{next(self._tasks)}"
-        if tier.layout is not None and fmt.parts == MHA_PARTS:
+
+        def build(backend: kvcore.Backend) -> kvcore.BlockRequest:
+            if tier.layout is not None and fmt.parts == MHA_PARTS:
+                return backend.request(
+                    task, keys, timeout_s=self.settings.timeout_s, host=host, block_meta=block_meta
+                )
+            # MLA's single latent part and the side pools' parts are not a CacheLayout's
+            # parts: the request names them, with their sizes (checked at kvcore's door) and
+            # identity
             return backend.request(
-                task, keys, timeout_s=self.settings.timeout_s, host=host, block_meta=block_meta
+                task,
+                keys,
+                timeout_s=self.settings.timeout_s,
+                host=host,
+                parts=fmt.parts,
+                part_bytes=fmt.part_nbytes,
+                rank=tier.rank if rank is None else rank,
+                world_size=tier.world_size if world_size is None else world_size,
+                block_meta=block_meta,
             )
-        # MLA's single latent part and the side pools' parts are not a CacheLayout's parts:
-        # the request names them, with their sizes (checked at kvcore's door) and identity
-        return backend.request(
-            task,
-            keys,
-            timeout_s=self.settings.timeout_s,
-            host=host,
-            parts=fmt.parts,
-            part_bytes=fmt.part_nbytes,
-            rank=tier.rank if rank is None else rank,
-            world_size=tier.world_size if world_size is None else world_size,
-            block_meta=block_meta,
-        )
 
-    def outcome(self, op: str, outcome: kvcore.Outcome) -> int:
-        """The blocks an outcome counts (a failure counted as ``failures.<op>``)."""
-        failure = getattr(outcome, "failure", None)
-        if failure is not None:
-            self.counters.add(f"failures.{op}")
-        return int(outcome)
+        return build
 
-    @staticmethod
-    def admitted(tier: Tier, request: kvcore.BlockRequest) -> int:
-        """How many leading pages of ``keys`` the store's admission policy takes, asked before
-        anything is staged (a refused page costs no copy). A refused page is not written and is
-        not a failure: it is reported as handled, so HiCache neither logs a failed backup nor
-        stops the operation's later batches (as vLLM's tier reports a refused chunk's job as a
-        success), and counted by kvcore's facade (``kv.blocks_refused.admit``)."""
-        return int(tier.backend.admit(request))
-
-    def exists(self, tier: Tier, fmt: PageFormat, keys: list[str]) -> int:
-        """Leading pages of ``keys`` stored (counted as ``pages_queried``/``pages_found``)."""
-        if not keys:
-            return 0
-        found = self.outcome("exists", tier.backend.query(self.request("exists", tier, fmt, keys)))
-        self.counters.add("pages_queried", len(keys))
-        self.counters.add("pages_found", found)
-        return found
+    def exists(
+        self,
+        tier: Tier,
+        fmt: PageFormat,
+        keys: list[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        each: bool = False,
+    ) -> kvcore.HostResult:
+        """Which pages of ``keys`` are stored: the leading run, or each page (``each``)."""
+        request = self.request("exists", tier, fmt, keys, rank=rank, world_size=world_size)
+        return tier.runner.lookup(request, blocks=len(keys), each=each)
 
     def read_pages(
         self,
@@ -121,12 +118,10 @@ class PageTransfers:
             pool, fmt, host_indices, len(keys), segmented_ok=_segmented(tier)
         )
         request = self.request("get", tier, fmt, keys, host, rank=rank, world_size=world_size)
-        done = self.outcome("get", tier.backend.read(request))
+        done = tier.runner.read(request, blocks=len(keys)).leading
         if staging is not None:
             staging.scatter(done)
             self.counters.add("pages_staged", done)
-        self.counters.add("pages_read", len(keys))
-        self.counters.add("pages_read_ok", done)
         self.metrics.record("prefetch", done, done * fmt.page_nbytes, time.monotonic() - t0)
         return leading(done, len(keys))
 
@@ -142,42 +137,46 @@ class PageTransfers:
         world_size: int | None = None,
         block_meta: Sequence[bytes] | None = None,
     ) -> list[bool]:
-        """Store ``pool``'s pages at ``host_indices`` (the admitted leading run of them) when
-        this rank is the ``writer``; else report what is already stored. ``block_meta``: what
-        each page says of itself (see :mod:`kvcore_sglang.page_facts`)."""
+        """Store ``pool``'s pages at ``host_indices`` (what the store admits of them) when
+        this rank is the ``writer``; else report what is already stored. A page the store's
+        admission refuses is not written and is not a failure: it is reported as handled, so
+        HiCache neither logs a failed backup nor stops the operation's later batches.
+        ``block_meta``: what each page says of itself (see :mod:`kvcore_sglang.page_facts`)."""
         if not keys:
             return []
         if not writer:
             # replicated pages (MLA) are written by the storage-writer rank alone; the others
             # report what is already stored, which is the truth about those pages
-            request = self.request("set", tier, fmt, keys, rank=rank, world_size=world_size)
-            present = self.outcome("set", tier.backend.query(request))
+            present = self.exists(tier, fmt, keys, rank, world_size).leading
             self.counters.add("pages_write_skipped", len(keys))
             return leading(present, len(keys))
         t0 = time.monotonic()
         offered = len(keys)
-        # built once: asked of the admission policy, then sliced to what it admits and written
+        per_page, extra = divmod(len(host_indices), offered)
+        if extra or not per_page:
+            raise ValueError(f"{len(host_indices)} host indices do not split into {offered} pages")
+
+        def fill(request: kvcore.BlockRequest, admitted: int) -> kvcore.HostBuffers:
+            # only the pages admitted are described and staged: a refused page costs no copy
+            host, staging = page_buffers(
+                pool, fmt, host_indices[: admitted * per_page], admitted,
+                segmented_ok=_segmented(tier),
+            )  # fmt: skip
+            if staging is not None:
+                staging.gather()
+                self.counters.add("pages_staged", admitted)
+            return host
+
         request = self.request(
             "set", tier, fmt, keys, rank=rank, world_size=world_size, block_meta=block_meta
         )
-        if len(host_indices) % offered == 0:  # else page_buffers below says what is wrong
-            admitted = self.admitted(tier, request)
-            if admitted == 0:
-                return [True] * offered
-            keys = keys[:admitted]
-            host_indices = host_indices[: admitted * (len(host_indices) // offered)]
-        host, staging = page_buffers(
-            pool, fmt, host_indices, len(keys), segmented_ok=_segmented(tier)
-        )
-        if staging is not None:
-            staging.gather()
-            self.counters.add("pages_staged", len(keys))
-        done = self.outcome("set", tier.backend.write(request.slice(0, len(keys), host=host)))
-        self.counters.add("pages_written", len(keys))
-        self.counters.add("pages_written_ok", done)
+        result = tier.runner.write(request, blocks=offered, fill=fill)
+        done = result.count
         self.metrics.record("backup", done, done * fmt.page_nbytes, time.monotonic() - t0)
-        return leading(done, len(keys)) + [True] * (offered - len(keys))
+        return list(result.handled)
 
 
 def _segmented(tier: Tier) -> bool:
-    return bool(getattr(tier.backend.capabilities, "segmented_host", False))
+    """Whether the tier's backend takes per-layer segments (else pages are staged)."""
+    backend = tier.handle.get() if tier.handle is not None else None
+    return bool(backend is not None and backend.capabilities.segmented_host)

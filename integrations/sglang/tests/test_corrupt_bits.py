@@ -25,7 +25,7 @@ def test_a_flipped_bit_is_never_read_into_the_pool(make_storage, kind: str) -> N
 
     tier = storage._kv_tier()
     backend = tier.backend
-    probe = storage._request("probe", tier, storage._kv_format, keys)
+    probe = storage._io.request("probe", tier, storage._kv_format, keys)(backend)
     sizes = probe.part_nbytes or [backend.context.layout.part_bytes(p) for p in probe.parts]
     flip_a_stored_bit(backend, probe.object_names[1][-1], sizes[-1])
 
