@@ -197,7 +197,8 @@ class HostRunner:
     :param read_workers: threads of the lane that runs submitted lookups and reads.
     :param write_workers: threads of the lane that runs submitted writes and removals.
     :param max_queued: jobs a lane holds before it drops new ones (each answered at once,
-        failed, counted ``dropped``): a slow store never holds the engine's buffers.
+        failed, counted ``dropped``): a slow store never holds the engine's buffers; an int
+        for both lanes, or ``(reads, writes)``.
     :param timeout_s: a submitted job's deadline, from submission, when ``submit_*`` gives
         none (None: the backend's ``default_timeout_s``). Each request's own deadline is kept
         if it is sooner.
@@ -214,14 +215,15 @@ class HostRunner:
         name: str = "host",
         read_workers: int = 2,
         write_workers: int = 2,
-        max_queued: int = 1024,
+        max_queued: int | tuple[int, int] = 1024,
         timeout_s: float | None = None,
     ) -> None:
         if read_workers < 1 or write_workers < 1:
             raise ValueError(
                 f"read_workers ({read_workers}) and write_workers ({write_workers}) must be >= 1"
             )
-        if max_queued < 1:
+        reads, writes = (max_queued, max_queued) if isinstance(max_queued, int) else max_queued
+        if reads < 1 or writes < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self._handle = backend if isinstance(backend, BackendHandle) else None
         self._fixed = backend if isinstance(backend, Backend) else None
@@ -235,7 +237,7 @@ class HostRunner:
         self.name = name
         self.metrics = Metrics("kvcore_host", {"backend": label, "runner": name})
         self._workers = {"read": read_workers, "write": write_workers}
-        self._max_queued = max_queued
+        self._max_queued = {"read": reads, "write": writes}
         self._timeout_s = timeout_s
         self._failures = OnceLogger(log)
         self._ids = itertools.count()
@@ -378,7 +380,7 @@ class HostRunner:
             pool = None if self._closed else self._lanes.get(lane)
             if pool is None and not self._closed:
                 pool = self._lanes[lane] = WorkerPool(
-                    f"{self.name}-{lane}", self._workers[lane], self._max_queued
+                    f"{self.name}-{lane}", self._workers[lane], self._max_queued[lane]
                 )
             if pool is not None:
                 self._queued[job.job_id] = job
@@ -407,6 +409,12 @@ class HostRunner:
         """Jobs submitted and not yet answered (queued or running)."""
         with self._lock:
             return len(self._queued) + self._running
+
+    @property
+    def ready(self) -> int:
+        """Results waiting for :meth:`get_finished`."""
+        with self._lock:
+            return len(self._finished)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted job is answered (up to ``timeout_s``; None: until they

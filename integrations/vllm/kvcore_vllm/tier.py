@@ -21,11 +21,13 @@ moves whole chunks between the primary tier's memory and its store. Selected in
   K/V-changing settings (RoPE, overrides, quantization, dtypes: ``keys.model_settings``), the
   primary tier's format (vLLM's own run fields: dtype, tokens per hash, chunk size, parallel
   layout), the chunk size and the weight version (:class:`kvcore_vllm.keys.ChunkKeys`).
-- Jobs run on this tier's threads, loads apart from stores; ``get_finished_jobs`` reports
-  them. A promotion that reads part of its chunks reports ``successful_keys``; a store queue
-  past ``max_queued_stores`` drops stores (counted) so a slow backend never holds the primary
-  tier's chunks. Lookups are vLLM's asynchronous lookups, one batched ``contains`` call per
-  request and step (every gap of the batch in one backend call).
+- Jobs run as kvcore's host jobs (:class:`kvcore.HostRunner`: the store's admission inside
+  every store, deadlines, one counter vocabulary), loads apart from stores;
+  ``get_finished_jobs`` reports them. A promotion that reads part of its chunks reports
+  ``successful_keys``; a store queue past ``max_queued_stores`` drops stores (counted) so a
+  slow backend never holds the primary tier's chunks. Lookups are vLLM's asynchronous
+  lookups, one batched ``contains`` call per request and step (every gap of the batch in one
+  backend call), run by the same runner.
 - Failures are misses: a backend error, a corrupt object or a deadline fails the job (or its
   tail); nothing raises into vLLM's scheduler.
 - Events (``enable_kv_events``): what the backend's event stream says the store gained and
@@ -41,10 +43,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
-import time
-from collections import deque
 from collections.abc import Collection, Iterable
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -66,7 +66,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 import kvcore
 from kvcore import events as ev
 from kvcore.requests import HostBuffers
-from kvcore.threads import thread_pool
+from kvcore.runner import COUNTERS
 from kvcore_vllm.config import load_tier_settings
 from kvcore_vllm.keys import ChunkKeys, chunk_scope, tier_engine_config
 
@@ -79,18 +79,10 @@ PART = "chunk"
 LISTED_PER_STEP = 4096
 #: chunks the tier remembers having announced (to send removals only for those)
 ANNOUNCED_CHUNKS = 200_000
-#: Prometheus names of the tier's counters (labelled by tier type), and what they count.
+#: Prometheus names of the tier's own counters (labelled by tier type), and what they count;
+#: its jobs' are kvcore's runner's (``host_<name>``, labelled by tier type and op: ``lookup``,
+#: ``read`` for promotions, ``write`` for stores; :data:`kvcore.runner.COUNTERS`)
 _COUNTERS = {
-    "lookup_chunks": "chunks looked up in the kvcore tier",
-    "lookup_hits": "chunks the kvcore tier's lookups found",
-    "lookup_errors": "batched lookups that failed (their chunks counted as misses)",
-    "load_chunks": "chunks asked of the kvcore tier by promotions",
-    "load_failed_chunks": "chunks a promotion did not deliver (recomputed by vLLM)",
-    "load_errors": "promotions that failed for a backend error, a corrupt object or a deadline",
-    "store_chunks": "chunks given to the kvcore tier to store",
-    "store_failed_chunks": "chunks a store job did not store (a future miss)",
-    "store_refused_chunks": "chunks the backend's admission policy did not take (not written)",
-    "store_dropped_chunks": "chunks dropped because the store queue was full",
     "events_unmapped": "store events naming objects outside this tier's key scope (skipped)",
 }
 
@@ -173,17 +165,17 @@ class KVCoreTier(SecondaryTierManager):
             on_open=self._attach,
         )
         self._handle.get()
-        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._reported: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._facade_reported: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._in_flight = 0
-        self._queued_stores = 0
-        self._finished: deque[JobResult] = deque()
-        self._failed_loads: deque[list[OffloadKey]] = deque()
-        self._loads = thread_pool(cfg.load_workers, "kvcore-tier-load")
-        self._stores = thread_pool(cfg.store_workers, "kvcore-tier-store")
+        self._counts = kvcore.Counters()  # the tier's own (events_unmapped)
+        self._reported: dict[str, float] = {}  # each counter's total last handed to vLLM
+        #: loads and stores as kvcore's host jobs, loads apart from stores; a store past
+        #: max_queued_stores is dropped (a future miss), a load never is
+        self._runner = kvcore.HostRunner(
+            self._current_store,
+            name="vllm-tier",
+            read_workers=cfg.load_workers,
+            write_workers=cfg.store_workers,
+            max_queued=(1 << 20, cfg.max_queued_stores),
+        )
         self._closed = False
         self._lookups = _Lookups(self, tier_type)
         log.info(
@@ -214,18 +206,21 @@ class KVCoreTier(SecondaryTierManager):
         chunks itself, kvcore.integrity), or what a test put in its place to inject faults.
 
         :raises StoreUnavailable: the backend is not open (the job fails, as a miss)."""
-        backend = self._opened()
-        return self._store_override if self._store_override is not None else backend
+        store = self._current_store()
+        if store is None:
+            raise StoreUnavailable(f"backend {self.settings.backend!r} is not open")
+        return store
 
     @store.setter
     def store(self, wrapped: kvcore.Backend) -> None:
         self._store_override = wrapped
 
-    def _opened(self) -> kvcore.Backend:
+    def _current_store(self) -> kvcore.Backend | None:
+        """The runner's backend: the store (None while it cannot be opened)."""
         backend = self._handle.get()
         if backend is None:
-            raise StoreUnavailable(f"backend {self.settings.backend!r} is not open")
-        return backend
+            return None
+        return self._store_override if self._store_override is not None else backend
 
     # -- vLLM's tier contract -----------------------------------------------------------------
 
@@ -245,41 +240,56 @@ class KVCoreTier(SecondaryTierManager):
         self._lookups.cleanup(req_context.req_id)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        n = len(job_metadata.keys)
-        with self._lock:
-            full = self._queued_stores >= self.settings.max_queued_stores or self._closed
-            if not full:
-                self._queued_stores += 1
-                self._in_flight += 1
-        if full:  # a store dropped is a future miss; the primary tier's chunks are released
-            self._count(store_chunks=n, store_dropped_chunks=n)
-            self._finished.append(JobResult(job_metadata.job_id, success=False))
-            return
-        self._stores.submit(self._run_store, job_metadata)
+        keys = job_metadata.keys
+        self._runner.submit_write(
+            partial(self._request, f"store/{job_metadata.job_id}", keys, job_metadata.chunk_ids),
+            blocks=len(keys),
+            tag=job_metadata,
+            timeout_s=self.settings.store_timeout_s,
+        )
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        with self._lock:
-            self._in_flight += 1
-        self._loads.submit(self._run_load, job_metadata)
+        keys = job_metadata.keys
+        self._runner.submit_read(
+            partial(self._request, f"load/{job_metadata.job_id}", keys, job_metadata.chunk_ids),
+            blocks=len(keys),
+            tag=job_metadata,
+            timeout_s=self.settings.load_timeout_s,
+        )
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        # a failed promotion's chunks are misses for the requests that looked them up, so
-        # the scheduler does not promote them again and again (vLLM's livelock #49176)
-        while self._failed_loads:
-            self._lookups.mark_miss(self._failed_loads.popleft())
-        results = []
-        while self._finished:
-            results.append(self._finished.popleft())
-        return results
+        return [self._job_result(done) for done in self._runner.get_finished()]
+
+    def _job_result(self, done: kvcore.HostResult) -> JobResult:
+        """A finished job as vLLM's result. A store succeeds when every chunk was stored or
+        refused by the store's admission (a refusal is nothing to retry); a promotion reports
+        the leading chunks it read, and the rest become misses for the requests that looked
+        them up, so the scheduler does not promote them again and again (vLLM's livelock
+        #49176)."""
+        job: TransferJob = done.tag
+        if done.op == "write":
+            return JobResult(
+                job.job_id, success=done.ok, transfer_time=done.seconds, transfer_bytes=done.bytes
+            )
+        keys = list(job.keys)
+        read = done.leading  # the chunks past the leading run hold no usable bytes
+        if read < len(keys):
+            self._lookups.mark_miss(keys[read:])
+        return JobResult(
+            job.job_id,
+            success=read == len(keys),
+            successful_keys=tuple(keys[:read]) if 0 < read < len(keys) else None,
+            transfer_time=done.seconds,
+            transfer_bytes=read * self._chunk_bytes,
+        )
 
     def has_pending_work(self) -> bool:
-        return self._in_flight > 0 or bool(self._finished)
+        return self._runner.pending > 0 or self._runner.ready > 0
 
     def drain_jobs(self) -> None:
         """Every submitted job ends: each backend call ends by its deadline (a stuck one is
         answered at the deadline, the tier does not wait past it)."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0)
+        self._runner.wait()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._subscription is None or self._events is None:
@@ -308,10 +318,7 @@ class KVCoreTier(SecondaryTierManager):
         if self._closed:
             return
         self._closed = True
-        self._stores.shutdown(wait=True, cancel_futures=True)
-        self._loads.shutdown(wait=True, cancel_futures=True)
-        with self._idle:  # cancelled jobs never ran: they end here, failed
-            self._idle.notify_all()
+        self._runner.close()  # queued jobs answered as cancelled, running ones end first
         self._lookups.shutdown()
         if self._subscription is not None:
             self._subscription.close()
@@ -328,10 +335,12 @@ class KVCoreTier(SecondaryTierManager):
     ) -> dict[str, OffloadingMetricMetadata]:
         defs: dict[str, OffloadingMetricMetadata] = {
             _metric(name): OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
-            for name, doc in _COUNTERS.items()
+            for name, doc in {**_COUNTERS, **_FACADE_COUNTERS}.items()
         }
-        for name, doc in _FACADE_COUNTERS.items():
-            defs[_metric(name)] = OffloadingCounterMetadata(documentation=doc, labelnames=("tier",))
+        for name, doc in COUNTERS.items():
+            defs[_metric(f"host_{name}")] = OffloadingCounterMetadata(
+                documentation=f"the kvcore tier's jobs: {doc}", labelnames=("tier", "op")
+            )
         return defs
 
     def get_stats(self) -> Any:
@@ -340,27 +349,37 @@ class KVCoreTier(SecondaryTierManager):
         )
 
         stats = OffloadingConnectorStats()
-        label = (self.tier_type,)
-        with self._lock:
-            for name, value in self._counts.items():
-                step = value - self._reported[name]
-                if step:
-                    stats.increase_counter(_metric(name), step, label)
-                    self._reported[name] = value
+        totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        for key, value in self._counts.snapshot().items():
+            totals[(key, (self.tier_type,))] = value
+        for key, value in self._runner.stats("").items():  # "<name>.<op>"
+            name, _, op = key.partition(".")
+            if name in COUNTERS:
+                totals[(f"host_{name}", (self.tier_type, op))] = value
         backend = self._handle.opened
         snapshot = backend.metrics.snapshot() if backend is not None else {}
         for name, keys in _FACADE_COUNTERS_FROM.items():
             now = sum(v for k, v in snapshot.items() if k.split(".")[0] in keys)
-            step = now - self._facade_reported.get(name, 0.0)
+            totals[(name, (self.tier_type,))] = now
+        for (name, labels), now in totals.items():  # vLLM takes what grew since the last call
+            step = now - self._reported.get(f"{name}{labels}", 0.0)
             if step:
-                stats.increase_counter(_metric(name), step, label)
-                self._facade_reported[name] = now
+                stats.increase_counter(_metric(name), step, labels)
+                self._reported[f"{name}{labels}"] = now
         return None if stats.is_empty() else stats
 
     # -- the work -----------------------------------------------------------------------------
 
-    def _request(self, task: str, keys: Collection[OffloadKey], timeout_s: float,
-                 chunk_ids: Any = None) -> Any:  # fmt: skip
+    def _request(
+        self,
+        task: str,
+        keys: Collection[OffloadKey],
+        chunk_ids: Any,
+        backend: kvcore.Backend,
+        timeout_s: float | None = None,
+    ) -> kvcore.BlockRequest:
+        """The request of ``keys`` (into or out of the primary tier's ``chunk_ids``, when
+        given), built by the runner from the opened backend."""
         host = None
         if chunk_ids is not None:
             base, size = self._base, self._chunk_bytes
@@ -368,7 +387,7 @@ class KVCoreTier(SecondaryTierManager):
             if any(not 0 <= c < self._num_chunks for c in ids):
                 raise ValueError(f"chunk ids {ids} outside the primary tier's {self._num_chunks}")
             host = HostBuffers(ptrs=tuple((base + c * size,) for c in ids), nbytes=(size,))
-        return self._opened().request(
+        return backend.request(
             task,
             [self.keys.key(k) for k in keys],
             timeout_s=timeout_s,
@@ -380,89 +399,10 @@ class KVCoreTier(SecondaryTierManager):
     def _exists(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
         """Which of ``keys`` are stored: one ``contains`` call for the whole batch, gaps
         included (none while the store is not open)."""
-        try:
-            request = self._request(f"{req_id}/lookup", keys, self.settings.lookup_timeout_s)
-        except StoreUnavailable:
-            self._count(lookup_chunks=len(keys), lookup_errors=1)
-            return [False] * len(keys)
-        presence = self.store.contains(request)
-        errors = int(presence.failure is not None)
-        self._count(lookup_chunks=len(keys), lookup_hits=presence.count, lookup_errors=errors)
-        return list(presence.found)
-
-    def _run_store(self, job: TransferJob) -> None:
-        n = len(job.keys)
-        written = 0
-        admitted = n  # until the backend says otherwise
-        t0 = time.monotonic()
-        try:
-            with self._lock:
-                self._queued_stores -= 1
-            request = self._request(
-                f"store/{job.job_id}", job.keys, self.settings.store_timeout_s, job.chunk_ids
-            )
-            # the store's admission first: a refused chunk is not a failure, and not written
-            admitted = int(self._opened().admit(request))
-            if admitted:
-                host = request.host.slice(0, admitted) if request.host is not None else None
-                written = int(self.store.write(request.slice(0, admitted, host=host)))
-        except Exception as exc:  # a store that cannot run is a future miss
-            log.warning("kvcore tier: store job %s failed: %s", job.job_id, exc)
-        self._count(
-            store_chunks=n,
-            store_refused_chunks=n - admitted,
-            store_failed_chunks=admitted - written,
+        build = partial(
+            self._request, f"{req_id}/lookup", keys, None, timeout_s=self.settings.lookup_timeout_s
         )
-        self._done(
-            JobResult(
-                job.job_id,
-                success=written == admitted,
-                transfer_time=time.monotonic() - t0,
-                transfer_bytes=written * self._chunk_bytes,
-            )
-        )
-
-    def _run_load(self, job: TransferJob) -> None:
-        keys = list(job.keys)
-        done = 0
-        failure = None
-        t0 = time.monotonic()
-        try:
-            request = self._request(
-                f"load/{job.job_id}", keys, self.settings.load_timeout_s, job.chunk_ids
-            )
-            got = self.store.read(request)
-            done, failure = int(got), got.failure
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        if done < len(keys):
-            # the chunks past the leading run hold no usable bytes: vLLM recomputes them
-            self._failed_loads.append(keys[done:])
-        self._count(
-            load_chunks=len(keys),
-            load_failed_chunks=len(keys) - done,
-            load_errors=int(failure is not None),
-        )
-        self._done(
-            JobResult(
-                job.job_id,
-                success=done == len(keys),
-                successful_keys=tuple(keys[:done]) if 0 < done < len(keys) else None,
-                transfer_time=time.monotonic() - t0,
-                transfer_bytes=done * self._chunk_bytes,
-            )
-        )
-
-    def _done(self, result: JobResult) -> None:
-        self._finished.append(result)
-        with self._idle:
-            self._in_flight -= 1
-            self._idle.notify_all()
-
-    def _count(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                self._counts[name] += value
+        return list(self._runner.lookup(build, blocks=len(keys), each=True).done)
 
     def _translate(self, event: ev.StoreEvent) -> None:
         """One kvcore event as vLLM's tier-owned offloading events."""
@@ -486,7 +426,7 @@ class KVCoreTier(SecondaryTierManager):
             else:
                 keys.append(key)
         if unmapped:
-            self._count(events_unmapped=unmapped)
+            self._counts.add("events_unmapped", unmapped)
         keys = self._announce(keys, removed)
         if not keys:
             return

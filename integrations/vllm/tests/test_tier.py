@@ -46,9 +46,11 @@ from kvcore.keys import ObjectName
 ROW = 64 << 10
 
 
-def _metric(stats, name: str) -> float:
+def _metric(stats, name: str, op: str | None = None) -> float:
+    """A tier counter's total in one ``get_stats`` (of jobs of ``op`` only, when given)."""
     data = stats.data["data"] if stats is not None else {}
-    return sum(data.get(f"vllm:kv_offload_tiering_kvcore_{name}", {}).values())
+    values = data.get(f"vllm:kv_offload_tiering_kvcore_{name}", {})
+    return sum(v for labels, v in values.items() if op is None or labels[-1] == op)
 
 
 @pytest.mark.parametrize("backend", ["file", "memory", "mooncake"])
@@ -108,7 +110,7 @@ def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(
         assert primary.lookup(key(1), second) is LookupResult.MISS, "corrupt bytes promoted"
         assert lookup(second) is LookupResult.MISS  # this request recomputes
         stats = manager.get_stats()
-        assert _metric(stats, "load_failed_chunks") == 1
+        assert _metric(stats, "host_blocks_failed", "read") == 1
         assert _metric(stats, "backend_failures") >= 1
         assert not stored(tier, key(1)), "the corrupt object must be removed"
 
@@ -260,7 +262,10 @@ def test_backend_failures_are_misses_never_raised(tmp_path) -> None:
         results = drain(tier)
         assert len(results) == 1 and not results[0].success
         stats = tier.get_stats()
-        assert _metric(stats, "load_errors") == 1 and _metric(stats, "load_failed_chunks") == 1
+        assert (
+            _metric(stats, "host_failures", "read") == 1
+            and _metric(stats, "host_blocks_failed", "read") == 1
+        )
     finally:
         tier.shutdown()
 
@@ -283,8 +288,11 @@ def test_a_store_not_up_at_start_is_a_miss_until_it_opens() -> None:
         tier.submit_load(make_job(2, [key(1)], [1], promotion=True))
         assert [r.success for r in drain(tier)] == [False, False]
         stats = tier.get_stats()
-        assert _metric(stats, "lookup_errors") == 1 and _metric(stats, "load_failed_chunks") == 1
-        assert _metric(stats, "store_failed_chunks") == 1
+        assert (
+            _metric(stats, "host_failures", "lookup") == 1
+            and _metric(stats, "host_blocks_failed", "read") == 1
+        )
+        assert _metric(stats, "host_blocks_failed", "write") == 1
 
         cluster.start()
         time.sleep(0.6)  # past reopen_interval_s: the next call opens it
@@ -328,7 +336,7 @@ def test_a_full_store_queue_drops_stores_and_counts_them(tmp_path) -> None:
         assert [(r.job_id, r.success) for r in dropped] == [(3, False)]
         gate.set()
         assert sorted((r.job_id, r.success) for r in drain(tier)) == [(1, True), (2, True)]
-        assert _metric(tier.get_stats(), "store_dropped_chunks") == 1
+        assert _metric(tier.get_stats(), "host_dropped", "write") == 1
     finally:
         gate.set()
         tier.shutdown()
@@ -350,8 +358,8 @@ def test_chunks_the_store_does_not_admit_are_refused_not_failed(tmp_path) -> Non
         ]
         assert lookup_and_wait(tier, [key(1), key(2)]) == [LookupResult.HIT] * 2
         stats = tier.get_stats()
-        assert _metric(stats, "store_refused_chunks") == 2
-        assert _metric(stats, "store_failed_chunks") == 0
+        assert _metric(stats, "host_blocks_refused", "write") == 2
+        assert _metric(stats, "host_blocks_failed", "write") == 0
         assert tier.backend.stats()["backend_admission_refused"] == 2
     finally:
         tier.shutdown()

@@ -336,18 +336,20 @@ def test_tier_counters_reach_the_manager_stats(s) -> None:
     stats = s.manager.get_stats()
     assert stats is not None
     data = stats.data["data"]
-    counted = data["vllm:kv_offload_tiering_kvcore_store_chunks"][("kvcore",)]
+    counted = data["vllm:kv_offload_tiering_kvcore_host_blocks"][("kvcore", "write")]
     assert counted == 6  # 3 chunks, 2 kvcore tiers
     assert TieringOffloadingMetrics.WRITE_BYTES in data  # vLLM's own tier metrics too
     again = s.manager.get_stats()
-    assert again is None or "vllm:kv_offload_tiering_kvcore_store_chunks" not in again.data["data"]
+    assert again is None or "vllm:kv_offload_tiering_kvcore_host_blocks" not in again.data["data"]
 
 
 def test_spec_collects_the_tiers_metric_definitions() -> None:
     metrics = TieringOffloadingSpec.build_metric_definitions(
         {"secondary_tiers": [{"type": "kvcore", "backend": "memory"}]}
     )
-    for name in ("store_chunks", "load_failed_chunks", "lookup_hits", "backend_failures"):
+    for name in ("host_blocks", "host_blocks_failed", "host_blocks_done", "host_blocks_refused"):
+        assert metrics[f"vllm:kv_offload_tiering_kvcore_{name}"].labelnames == ("tier", "op")
+    for name in ("events_unmapped", "backend_failures"):
         assert metrics[f"vllm:kv_offload_tiering_kvcore_{name}"].labelnames == ("tier",)
 
 

@@ -167,11 +167,11 @@ def lookup_and_wait(
 
 def stored(tier: KVCoreTier, k: OffloadKey) -> bool:
     """Whether the tier's store holds chunk ``k`` (what vLLM's fs tests check as a file)."""
-    return tier.store.query(tier._request("probe", [k], 5.0)) == 1
+    return tier.store.query(tier._request("probe", [k], None, tier.store, 5.0)) == 1
 
 
 def object_names(tier: KVCoreTier, k: OffloadKey) -> tuple[str, ...]:
-    return tuple(tier._request("names", [k], 5.0).object_names[0])
+    return tuple(tier._request("names", [k], None, tier.store, 5.0).object_names[0])
 
 
 def damage(tier: KVCoreTier, k: OffloadKey, how: str = "truncate") -> None:
