@@ -2,28 +2,31 @@
 
 Every call goes to this backend alone. Whatever the backend does - raise, return garbage,
 overrun its deadline - the engine gets a well-formed result and a counter moves.
+
+This module is the facade's public methods and its door checks (what a request must be before
+any backend sees it). How each hook is called - fault isolation, the deadline rule, counters,
+strict mode - is :mod:`kvcore.guard`; the event stream's wiring (who publishes which change)
+is :mod:`kvcore.facade_events`; block digests are :mod:`kvcore.integrity`.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
 
 import pluggy
 
 from kvcore import events as ev
-from kvcore.errors import describe
+from kvcore.facade_events import FacadeEvents
+from kvcore.guard import DEADLINE_GRACE_S, BackendContractError, CallGuard, GuardedDataCalls
 from kvcore.integrity import BlockDigests
-from kvcore.keys import ObjectName, identities, object_names
-from kvcore.metrics import Metrics, OnceLogger
+from kvcore.keys import object_names
+from kvcore.lookups import Lookups
+from kvcore.metrics import Metrics
 from kvcore.requests import (
     BlockRequest,
     DeviceBuffers,
-    FailureKind,
     HostBuffers,
     Outcome,
     Presence,
@@ -31,20 +34,12 @@ from kvcore.requests import (
 )
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
 
-__all__ = ["Backend", "BackendContractError", "VerifyBlocks"]
+# DEADLINE_GRACE_S and BackendContractError live in kvcore.guard; callers import them from here
+__all__ = ["DEADLINE_GRACE_S", "Backend", "BackendContractError", "VerifyBlocks"]
 
 #: whether an opened backend keeps block digests (:mod:`kvcore.integrity`): ``auto`` for
 #: backends that keep no checksums of their own, ``always``, or ``never``
 VerifyBlocks = Literal["auto", "always", "never"]
-
-log = logging.getLogger("kvcore.backend")
-
-#: A call that returns this much after its deadline counts as a deadline miss.
-DEADLINE_GRACE_S = 0.05
-
-
-class BackendContractError(AssertionError):
-    """A backend returned something the contract forbids (strict mode only)."""
 
 
 class Backend:
@@ -67,32 +62,23 @@ class Backend:
         self.config = config
         self.context = context
         self.capabilities = capabilities
-        self.strict = strict
         self.metrics = Metrics("kvcore_backend", {"backend": name})
+        #: how every hook is called: fault isolation, deadlines, counters, strict mode
+        self._guard = CallGuard(
+            name, self.metrics, strict=strict, concurrent=capabilities.concurrent
+        )
         self._pm = pm
         hook = pm.hook
-        self._query = hook.kvcore_query
-        self._read = hook.kvcore_read
-        self._write = hook.kvcore_write
         self._flush = hook.kvcore_flush_token_index
         self._admits = bool(hook.kvcore_admit.get_hookimpls())
-        self._contains = hook.kvcore_contains if hook.kvcore_contains.get_hookimpls() else None
-        self._describe = hook.kvcore_describe if hook.kvcore_describe.get_hookimpls() else None
-        self._names = hook.kvcore_names if hook.kvcore_names.get_hookimpls() else None
-        self._serial = nullcontext() if capabilities.concurrent else threading.Lock()
-        self._failures = OnceLogger(log)
         self._weight_version = context.weight_version
-        self._closed = False
         layout = context.layout
         self._parts = layout.parts if layout is not None else ("k", "v")
         self._layout = layout
-        #: what the store gains and loses (:mod:`kvcore.events`); free while nobody listens
-        self.events = ev.EventStream(context.namespace, self._watch)
-        #: the kinds the backend reports itself while watched (kvcore then does not)
-        self._reported_by_backend: frozenset[str] = frozenset()
         #: the ``verify_blocks`` this facade was opened with
         self.verify_blocks: VerifyBlocks = verify_blocks
-        self._plain = _PlainCalls(self)
+        #: the data hooks without digests (kvcore_query, _read, _write, _remove)
+        self._plain = GuardedDataCalls(self._guard, hook)
         #: block digests beside every block (None: the backend's reads are returned as they
         #: are); digests are objects found by name, and only host memory is hashed here
         self._digests: BlockDigests | None = None
@@ -107,6 +93,22 @@ class Backend:
                 self.metrics,
                 self.remove if self.implements("kvcore_remove") else None,
             )
+        #: contains, describe, names: the hooks that answer rather than count
+        self._lookups = Lookups(self._guard, hook, self._digests, self.query)
+        self._event_wiring = FacadeEvents(
+            context.namespace, self._guard, pm, self._digests, self._expected_part_bytes
+        )
+        #: what the store gains and loses (:mod:`kvcore.events`); free while nobody listens
+        self.events = self._event_wiring.stream
+
+    @property
+    def strict(self) -> bool:
+        """Whether what the backend does wrong is raised (its own tests) instead of counted."""
+        return self._guard.strict
+
+    @strict.setter
+    def strict(self, strict: bool) -> None:
+        self._guard.strict = strict
 
     @property
     def verifies_blocks(self) -> bool:
@@ -196,7 +198,8 @@ class Backend:
 
         .. versionadded:: 0.3
         """
-        return self.capabilities.shared and {ev.STORED, ev.REMOVED} <= self._reported_by_backend
+        reported = self._event_wiring.reported_by_backend
+        return self.capabilities.shared and {ev.STORED, ev.REMOVED} <= reported
 
     @property
     def weight_version(self) -> str:
@@ -232,36 +235,7 @@ class Backend:
 
         .. versionadded:: 0.3
         """
-        n = request.num_blocks
-        if n == 0:
-            return Presence(())
-        if self._contains is None:
-            return self._contains_by_queries(request)
-        asked = self._digests.with_digests(request) if self._digests is not None else request
-        contains = self._contains
-        result, seconds, raised = self._ask("contains", lambda: contains(request=asked), request)
-        if raised is not None:
-            return Presence((False,) * n, *raised)
-        if not _per_block(result, n, lambda flag: isinstance(flag, bool)):
-            self._invalid("contains", result, f"{n} bools", request, seconds)
-            return Presence((False,) * n, "invalid result", FailureKind.INVALID_RESULT)
-        found = tuple(result)
-        self.metrics.observe("contains", seconds, calls=1, blocks=n, blocks_done=sum(found))
-        return Presence(found)
-
-    def _contains_by_queries(self, request: BlockRequest) -> Presence:
-        """:meth:`contains` of a backend without the hook: a query from each gap on."""
-        n = request.num_blocks
-        found: list[bool] = []
-        while len(found) < n:
-            got = self.query(request.slice(len(found), n))
-            found.extend([True] * int(got))
-            if got.failure is not None:
-                found.extend([False] * (n - len(found)))
-                return Presence(tuple(found), got.failure, got.kind)
-            if len(found) < n:
-                found.append(False)  # the gap; the next query starts after it
-        return Presence(tuple(found))
+        return self._lookups.contains(request)
 
     def describe(self, request: BlockRequest) -> list[bytes | None]:
         """What each block of ``request`` said of itself when written (``block_meta``), as the
@@ -271,19 +245,7 @@ class Backend:
 
         .. versionadded:: 0.3
         """
-        n = request.num_blocks
-        if self._describe is None or n == 0:
-            return [None] * n
-        hook = self._describe
-        result, seconds, raised = self._ask("describe", lambda: hook(request=request), request)
-        if raised is not None:
-            return [None] * n
-        if not _per_block(result, n, lambda meta: meta is None or isinstance(meta, bytes)):
-            self._invalid("describe", result, f"{n} bytes or None", request, seconds)
-            return [None] * n
-        found = sum(meta is not None for meta in result)
-        self.metrics.observe("describe", seconds, calls=1, blocks=n, blocks_done=found)
-        return list(result)
+        return self._lookups.describe(request)
 
     def names(self) -> list[str]:
         """The objects the store holds now (``kvcore_names``: this namespace's at least), a
@@ -292,17 +254,7 @@ class Backend:
 
         .. versionadded:: 0.3
         """
-        if self._names is None:
-            return []
-        listing = self._names
-        result, seconds, raised = self._ask("names", lambda: list(listing()), None)
-        if raised is not None:
-            return []
-        if not all(isinstance(name, str) for name in result):
-            self._invalid("names", result[:3], "str names", None, seconds)
-            return []
-        self.metrics.observe("names", seconds, calls=1, blocks_done=len(result))
-        return result
+        return self._lookups.names()
 
     def read(self, request: BlockRequest) -> Outcome:
         """Leading blocks fully read into the request's buffers (and matching their digests,
@@ -320,8 +272,8 @@ class Backend:
             done = self._digests.write(request)
         else:
             done = self._plain.write(request)
-        if done and self.events.active and ev.STORED not in self._reported_by_backend:
-            self._publish_blocks(ev.STORED, request, int(done))
+        if done and self._event_wiring.publishes(ev.STORED):
+            self._event_wiring.publish_blocks(ev.STORED, request, int(done))
         return done
 
     def admit(self, request: BlockRequest) -> Outcome:
@@ -337,7 +289,7 @@ class Backend:
         """
         if not self._admits:
             return Outcome(request.num_blocks)
-        n = self._call("admit", self._pm.hook.kvcore_admit, request, {"request": request})
+        n = self._guard.count("admit", self._pm.hook.kvcore_admit, request, {"request": request})
         if n.failure is not None:
             return Outcome(request.num_blocks)
         if n < request.num_blocks:
@@ -366,7 +318,7 @@ class Backend:
         ``kvcore_evict_to``); False for backends that cannot."""
         if not self.implements("kvcore_evict_to"):
             return False
-        answer = self._lifecycle("evict_to", self._pm.hook.kvcore_evict_to, sink=sink)
+        answer = self._guard.lifecycle("evict_to", self._pm.hook.kvcore_evict_to, sink=sink)
         return bool(answer)
 
     def flush_token_index(self, request: BlockRequest, resident_on_device: bool) -> Outcome:
@@ -374,7 +326,7 @@ class Backend:
         if not self.capabilities.token_index:
             return Outcome(0)
         kwargs = {"request": request, "resident_on_device": resident_on_device}
-        return self._call("flush", self._flush, request, kwargs)
+        return self._guard.count("flush", self._flush, request, kwargs)
 
     def remove(self, request: BlockRequest) -> Outcome:
         """Blocks of ``request`` removed on this rank (any, not a leading run); see
@@ -384,41 +336,20 @@ class Backend:
         removed = self._plain.remove(request)
         if self._digests is not None:
             self._digests.remove_digests(request)
-        if removed and self.events.active and ev.REMOVED not in self._reported_by_backend:
+        if removed and self._event_wiring.publishes(ev.REMOVED):
             # which of the blocks had objects is the backend's secret: every name of the
             # request is reported (for an index, removing an absent object changes nothing)
-            self._publish_blocks(ev.REMOVED, request, request.num_blocks)
+            self._event_wiring.publish_blocks(ev.REMOVED, request, request.num_blocks)
         return removed
 
     def clear(self) -> Outcome:
         """Objects removed from this backend's namespace (all ranks); see ``kvcore_clear``."""
         if not self.implements("kvcore_clear"):
             return Outcome(0, f"backend {self.name!r} cannot clear its namespace")
-        if self._closed:
-            raise RuntimeError(f"backend {self.name!r} is closed")
-        t0 = time.monotonic()
-        try:
-            with self._serial:
-                result = self._pm.hook.kvcore_clear()
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._log_failure("clear", exc, None)
-            self.metrics.observe("clear", time.monotonic() - t0, calls=1, errors=1)
-            return Outcome(0, describe(exc))
-        if result is None:
-            result = 0
-        if not _is_count(result) or result < 0:
-            msg = f"backend {self.name!r} clear returned {result!r}; expected an int >= 0"
-            if self.strict:
-                raise BackendContractError(msg)
-            self._log_failure("clear", BackendContractError(msg), None)
-            self.metrics.observe("clear", time.monotonic() - t0, calls=1, invalid_results=1)
-            return Outcome(0, "invalid result", FailureKind.INVALID_RESULT)
-        self.metrics.observe("clear", time.monotonic() - t0, calls=1, objects_removed=result)
-        if self.events.active and ev.CLEARED not in self._reported_by_backend:
+        removed, answered = self._guard.count_removed("clear", self._pm.hook.kvcore_clear)
+        if answered and self._event_wiring.publishes(ev.CLEARED):
             self.events.publish(ev.CLEARED)
-        return Outcome(result, getattr(result, "failure", None))
+        return removed
 
     def implements(self, hook_name: str) -> bool:
         """Whether the backend implements the hook ``hook_name`` (e.g. ``"kvcore_remove"``)."""
@@ -428,12 +359,12 @@ class Backend:
     # -- lifecycle -------------------------------------------------------------------------
 
     def register_buffer(self, ptr: int, nbytes: int) -> None:
-        self._lifecycle(
+        self._guard.lifecycle(
             "register_buffer", self._pm.hook.kvcore_register_buffer, ptr=ptr, nbytes=nbytes
         )
 
     def unregister_buffer(self, ptr: int) -> None:
-        self._lifecycle("unregister_buffer", self._pm.hook.kvcore_unregister_buffer, ptr=ptr)
+        self._guard.lifecycle("unregister_buffer", self._pm.hook.kvcore_unregister_buffer, ptr=ptr)
 
     def stats(self) -> dict[str, float]:
         """kvcore's per-op counters for this backend plus the backend's own ``backend_*``.
@@ -443,21 +374,8 @@ class Backend:
         monitoring, which must not fail because one gauge is malformed.
         """
         out = self.metrics.snapshot()
-        own = self._lifecycle("stats", self._pm.hook.kvcore_stats) or {}
-        if not isinstance(own, Mapping):
-            own = {"(not a mapping)": own}
-        bad = []
-        for name, value in own.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"backend_{name}"] = float(value)
-            else:
-                bad.append(name)
-        if bad:
-            msg = f"backend {self.name!r} stats: {bad} are not numbers; dropped"
-            if self.strict:
-                raise BackendContractError(msg)
-            self.metrics.add("stats", invalid_results=len(bad))
-            self._failures.warning(("stats", "invalid"), "%s", msg)
+        own = self._guard.lifecycle("stats", self._pm.hook.kvcore_stats) or {}
+        out.update(self._guard.numbers("stats", own, prefix="backend_"))
         return out
 
     @property
@@ -471,18 +389,18 @@ class Backend:
         hook = self._pm.hook.kvcore_raw_baseline
         if not hook.get_hookimpls():
             return {}
-        out = self._lifecycle(
+        out = self._guard.lifecycle(
             "raw_baseline", hook, ptr=ptr, nbytes=nbytes, object_nbytes=object_nbytes
         )
         return dict(out or {})
 
     def close(self) -> None:
         """Close the backend once; later calls are no-ops. Subscriptions to its events end."""
-        if self._closed:
+        if self._guard.closed:
             return
         self.events.close()  # the last subscription to go stops the backend's reporting
-        self._closed = True
-        self._lifecycle("close", self._pm.hook.kvcore_close)
+        self._guard.closed = True
+        self._guard.lifecycle("close", self._pm.hook.kvcore_close)
         self._pm.unregister(self.plugin)
 
     def __enter__(self) -> Backend:
@@ -494,68 +412,6 @@ class Backend:
     def __repr__(self) -> str:
         c = self.capabilities
         return f"<kvcore.Backend {self.name!r} addressing={c.addressing} io={c.io}>"
-
-    # -- events ----------------------------------------------------------------------------
-
-    def _watch(self, active: bool) -> None:
-        """The stream's first subscriber arrived (True) or its last one left (False)."""
-        if not self.implements("kvcore_watch") or (self._closed and active):
-            return
-        kinds = self._lifecycle(
-            "watch", self._pm.hook.kvcore_watch, report=self._report if active else None
-        )
-        reported = frozenset(kinds or ()) if active else frozenset()
-        unknown = reported - set(ev.KINDS)
-        if unknown:
-            msg = f"backend {self.name!r} kvcore_watch returned unknown kinds {sorted(unknown)}"
-            if self.strict:
-                raise BackendContractError(msg)
-            self._failures.warning(("watch", "kinds"), "%s; ignored", msg)
-            reported -= unknown
-        self._reported_by_backend = reported
-
-    def _report(
-        self,
-        kind: str,
-        names: Sequence[str] = (),
-        sizes: Sequence[int] | None = None,
-        origin: str = ev.LOCAL,
-    ) -> None:
-        """What a watched backend calls (``kvcore_watch``): one change it saw."""
-        if kind not in ev.KINDS or origin not in (ev.LOCAL, ev.PEER):
-            msg = f"backend {self.name!r} reported kind {kind!r}, origin {origin!r}"
-            if self.strict:
-                raise BackendContractError(msg)
-            self.metrics.add("watch", invalid_results=1)
-            self._failures.warning(("watch", "report"), "%s; dropped", msg)
-            return
-        if not self.events.active:
-            return
-        # a backend reports names as text (the hook contract): read once, here
-        objects = [ObjectName.parse(name) for name in names]
-        if self._digests is not None and names:
-            # the digests kvcore keeps beside blocks are its own business, not the store's
-            # content: an index of objects (a router's) never sees them
-            is_digest = self._digests.is_digest
-            keep = [i for i, name in enumerate(names) if not is_digest(name, objects[i])]
-            if len(keep) < len(names):
-                if not keep:
-                    return
-                names = [names[i] for i in keep]
-                objects = [objects[i] for i in keep]
-                sizes = None if sizes is None else [sizes[i] for i in keep]
-        self.events.publish(kind, names, sizes, origin=origin, objects=objects)
-
-    def _publish_blocks(self, kind: str, request: BlockRequest, n: int) -> None:
-        """Every object of the first ``n`` blocks of ``request``, as one event."""
-        sizes_per_part = (
-            request.host.nbytes
-            if request.host is not None
-            else self._expected_part_bytes(request) or [0] * len(request.parts)
-        )
-        names = [name for row in request.object_names[:n] for name in row]
-        objects = identities(request.object_names, n)
-        self.events.publish(kind, names, list(sizes_per_part) * n, objects=objects)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -612,184 +468,3 @@ class Backend:
         if layout is None or not set(request.parts) <= set(layout.parts):
             return None
         return [layout.part_bytes(p) for p in request.parts]
-
-    def _call(
-        self,
-        op: str,
-        caller: Callable[..., Any],
-        request: BlockRequest,
-        kwargs: dict[str, Any],
-        *,
-        leading: bool = True,
-    ) -> Outcome:
-        if self._closed:
-            raise RuntimeError(f"backend {self.name!r} is closed")
-        n = request.num_blocks
-        t0 = time.monotonic()
-        try:
-            with self._serial:
-                result = caller(**kwargs)
-        except Exception as exc:
-            if self.strict:
-                raise
-            return Outcome(0, *self._raised(op, exc, request, t0))
-        t1 = time.monotonic()
-        if result is None and op in ("flush", "remove"):
-            result = 0
-        if not _is_count(result) or not 0 <= result <= n:
-            self._invalid(op, result, f"an int in [0, {n}]", request, t1 - t0)
-            return Outcome(0, f"invalid result {result!r}", FailureKind.INVALID_RESULT)
-        failure = getattr(result, "failure", None)
-        late = t1 > request.deadline + DEADLINE_GRACE_S
-        counts = {"calls": 1, "blocks": n, "blocks_done": result, "deadline_missed": int(late)}
-        if result >= n:  # the common answer: everything (no kind to work out)
-            self.metrics.observe(op, t1 - t0, **counts)
-            return Outcome(result)
-        # a backend may say "deadline" itself (before it passes)
-        kind = _kind_of(result)
-        if t1 >= request.deadline and kind is not FailureKind.CORRUPT:
-            # the one rule: short and at (or past) the deadline is a deadline, whatever the
-            # backend called it (a timeout, a cancelled transfer, nothing at all)
-            failure, kind = failure or "deadline missed", FailureKind.DEADLINE
-        if failure is not None and kind is not FailureKind.DEADLINE:
-            counts["failures_reported"] = 1
-            self._failures.warning(
-                (op, "reported"),
-                "backend %r %s reported a failure (task %r): %s; counted as a miss (further "
-                "reported failures are logged at debug level)",
-                self.name,
-                op,
-                request.task_id,
-                failure,
-            )
-        self.metrics.observe(op, t1 - t0, **counts)
-        return Outcome(int(result), failure, kind) if failure else Outcome(result)
-
-    def _lifecycle(self, op: str, caller: Callable[..., Any], **kwargs: Any) -> Any:
-        try:
-            return caller(**kwargs)
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._log_failure(op, exc, None)
-            self.metrics.add(op, errors=1)
-            return None
-
-    def _ask(
-        self, op: str, call: Callable[[], Any], request: BlockRequest | None
-    ) -> tuple[Any, float, tuple[str, FailureKind] | None]:
-        """Call a hook that answers rather than counts (contains, describe, names) as every
-        hook is called: refused once closed, serialised where the backend is not concurrent,
-        an exception logged once and counted (strict mode raises it). Returns the answer, the
-        seconds it took, and the failure and kind when it raised (else None)."""
-        if self._closed:
-            raise RuntimeError(f"backend {self.name!r} is closed")
-        t0 = time.monotonic()
-        try:
-            with self._serial:
-                result = call()
-        except Exception as exc:
-            if self.strict:
-                raise
-            return None, 0.0, self._raised(op, exc, request, t0)
-        return result, time.monotonic() - t0, None
-
-    def _raised(
-        self, op: str, exc: Exception, request: BlockRequest | None, t0: float
-    ) -> tuple[str, FailureKind]:
-        """A hook call started at ``t0`` raised ``exc`` (not in strict mode): logged once,
-        counted; its failure and kind (``deadline`` when it ended at or past the deadline)."""
-        t1 = time.monotonic()
-        n = 0 if request is None else request.num_blocks
-        self._log_failure(op, exc, request)
-        self.metrics.observe(op, t1 - t0, calls=1, errors=1, blocks=n)
-        late = request is not None and t1 >= request.deadline and n > 0
-        return describe(exc), FailureKind.DEADLINE if late else FailureKind.BACKEND_ERROR
-
-    def _invalid(
-        self,
-        op: str,
-        result: object,
-        expected: str,
-        request: BlockRequest | None,
-        seconds: float,
-    ) -> None:
-        """A hook answered what the contract forbids: raised in strict mode, else logged once
-        and counted (the caller answers with nothing found)."""
-        blocks = 0 if request is None else request.num_blocks
-        asked = "" if request is None else f" for {blocks} blocks"
-        msg = f"backend {self.name!r} {op} returned {result!r}{asked}; expected {expected}"
-        if self.strict:
-            raise BackendContractError(msg)
-        self._log_failure(op, BackendContractError(msg), request)
-        self.metrics.observe(op, seconds, calls=1, invalid_results=1, blocks=blocks)
-
-    def _log_failure(self, op: str, exc: BaseException, request: BlockRequest | None) -> None:
-        """Log the first failure of each (op, exception type) with context; later ones at debug."""
-        where = ""
-        if request is not None:
-            where = f" (task {request.task_id!r}, {request.num_blocks} blocks from {request.start_block})"
-        kind = type(exc).__name__
-        self._failures.warning(
-            (op, type(exc)),
-            "backend %r %s failed%s: %s; counted as a miss (further %s errors of this "
-            "kind are logged at debug level)",
-            self.name,
-            op,
-            where,
-            describe(exc),
-            kind,
-            exc_info=exc,
-        )
-
-
-class _PlainCalls:
-    """A facade's data calls without block digests: what :class:`BlockDigests` builds on
-    (every call still fault-isolated, timed and counted; ``op`` names the counters, so the
-    digests' own calls are counted apart from the data's)."""
-
-    __slots__ = ("_backend",)
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-
-    def query(self, request: BlockRequest, op: str = "query") -> Outcome:
-        b = self._backend
-        return b._call(op, b._query, request, {"request": request})
-
-    def read(self, request: BlockRequest, op: str = "read") -> Outcome:
-        b = self._backend
-        return b._call(op, b._read, request, {"request": request})
-
-    def write(self, request: BlockRequest, op: str = "write") -> Outcome:
-        b = self._backend
-        return b._call(op, b._write, request, {"request": request})
-
-    def remove(self, request: BlockRequest, op: str = "remove") -> Outcome:
-        b = self._backend
-        hook = b._pm.hook.kvcore_remove
-        return b._call(op, hook, request, {"request": request}, leading=False)
-
-
-def _kind_of(result: object) -> FailureKind:
-    """The kind a backend gave its short count (``backend_error`` when it gave none, or one
-    kvcore does not know)."""
-    try:
-        return FailureKind(getattr(result, "kind", None) or FailureKind.BACKEND_ERROR)
-    except ValueError:
-        return FailureKind.BACKEND_ERROR
-
-
-def _per_block(result: object, n: int, valid: Callable[[Any], bool]) -> bool:
-    """Whether ``result`` is one valid answer per block of an ``n``-block request."""
-    return (
-        isinstance(result, Sequence)
-        and not isinstance(result, str | bytes)
-        and len(result) == n
-        and all(valid(item) for item in result)
-    )
-
-
-def _is_count(value: object) -> bool:
-    """An int (an :class:`Outcome` included) and not a bool: what every count hook returns."""
-    return isinstance(value, int) and not isinstance(value, bool)

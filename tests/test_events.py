@@ -14,6 +14,7 @@ import pytest
 import kvcore
 from kvcore import events as ev
 from kvcore.backend import BackendContractError
+from kvcore.facade_events import FacadeEvents
 from kvcore.memory_backend import MemoryBackend
 from kvcore.testing import Harness, small_layout
 
@@ -169,7 +170,7 @@ def test_no_subscriber_costs_no_event_work(memory: Harness, monkeypatch) -> None
         raise AssertionError("an event was built with nobody listening")
 
     monkeypatch.setattr(ev.EventStream, "publish", refuse)
-    monkeypatch.setattr(type(memory.backend), "_publish_blocks", refuse)
+    monkeypatch.setattr(FacadeEvents, "publish_blocks", refuse)
     seq = memory.new_sequence(2)
     assert memory.write(seq) == 2
     assert memory.backend.remove(memory.request(seq)) == 2

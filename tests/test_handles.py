@@ -74,9 +74,9 @@ def test_shared_handles_share_one_backend_closed_with_its_last_user() -> None:
     assert private.open() is not backend, "a handle that does not share opens its own"
     assert backend in opened_backends() and private.open() not in opened_backends()
     a.close()
-    assert b.open() is backend and not backend._closed
+    assert b.open() is backend and not backend._guard.closed
     b.close()
-    assert backend._closed and backend not in opened_backends()
+    assert backend._guard.closed and backend not in opened_backends()
     for h in (other, private):
         h.close()
     with pytest.raises(RuntimeError, match="closed"):

@@ -319,13 +319,13 @@ def test_late_backend_never_scatters_after_the_deadline():
     tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
     dst = make_cache(lay, fill=False)
     tm._cache = dst
-    real_read = tm.backend._read
+    real_read = tm.backend._plain.read_hook
 
     def slow_read(**kw):
         time.sleep(0.6)
         return real_read(**kw)
 
-    tm.backend._read = slow_read
+    tm.backend._plain.read_hook = slow_read
     res = tm.read(
         {"task_id": "r", "keys": keys, "device_block_ids": [5, 6], "timeout_s": 0.2}
     ).result(timeout=5)
@@ -594,13 +594,13 @@ def test_clear_answers_running_tasks_so_nothing_lands_in_freed_tensors():
     tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
     old = make_cache(lay, fill=False)
     tm.restore_caches(old)
-    real_read = tm.backend._read
+    real_read = tm.backend._plain.read_hook
 
     def slow_read(**kw):
         time.sleep(0.8)
         return real_read(**kw)
 
-    tm.backend._read = slow_read
+    tm.backend._plain.read_hook = slow_read
     fut = tm.read({"task_id": "r", "keys": keys, "device_block_ids": [5, 6], "timeout_s": 30})
     time.sleep(0.1)
     assert tm.clear_caches(timeout_s=0.1) is False  # the read is still running
@@ -702,14 +702,14 @@ def test_close_never_hangs_on_a_stuck_backend_and_frees_nothing_in_use():
     tm = manager(lay, (MemoryBackend, {}))
     _, keys = keys_for(2, seed=21)
     tm.write_back({"task_id": "w", "keys": keys, "device_block_ids": [0, 1]}).result()
-    real_read = tm.backend._read
+    real_read = tm.backend._plain.read_hook
     release = threading.Event()
 
     def stuck_read(**kw):
         release.wait(10)
         return real_read(**kw)  # writes into the staging buffer after close() returned
 
-    tm.backend._read = stuck_read
+    tm.backend._plain.read_hook = stuck_read
     fut = tm.read({"task_id": "r", "keys": keys, "device_block_ids": [5, 6], "timeout_s": 30})
     time.sleep(0.1)
     t0 = time.monotonic()

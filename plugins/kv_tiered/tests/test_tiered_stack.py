@@ -194,10 +194,10 @@ def test_a_failing_tier_is_skipped_and_counted_never_failing_the_stack(tmp_path)
     near, far = tier_harness(h, 0), tier_harness(h, 1)
     try:
         seq = h.new_sequence(3)
-        near.backend._write = _failing  # the near tier's disk fails
+        near.backend._plain.write_hook = _failing  # the near tier's disk fails
         assert h.write(seq) == 3  # acknowledged by the far tier instead
         assert far.query(seq) == 3 and near.query(seq) == 0
-        near.backend._query = near.backend._read = _failing
+        near.backend._plain.query_hook = near.backend._plain.read_hook = _failing
         assert h.query(seq) == 3
         done, got = h.read(seq)
         assert done == 3 and blocks_equal(got, h.payload(seq, 0, 3)) == []
@@ -205,7 +205,7 @@ def test_a_failing_tier_is_skipped_and_counted_never_failing_the_stack(tmp_path)
         assert stats["backend_tier0_failures_write"] == 1
         assert stats["backend_tier0_failures_query"] >= 1
         assert stats["backend_tier0_failures_read"] == 1
-        far.backend._query = far.backend._read = _failing
+        far.backend._plain.query_hook = far.backend._plain.read_hook = _failing
         assert h.query(seq) == 0  # every tier failed: a counted miss with its reason
         assert h.backend.stats()["failures_reported.query"] >= 1
     finally:
