@@ -29,8 +29,8 @@ BASE_DEPS = [
     "pydantic-settings>=2.3",
     # Prometheus exposition: kvcore.metrics.PrometheusCollector and serve_prometheus
     "prometheus-client>=0.20",
-    # the CLI's tables and progress bars
-    "rich>=13",
+    # (rich, for the CLI's tables and progress bars, is the `cli` extra in pyproject.toml: the
+    # CLI prints plain text without it, and nothing else uses it)
 ]
 
 

@@ -15,15 +15,13 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+# prometheus-client is imported where exposition is asked for (families, serve_prometheus), not
+# by every process that imports kvcore and only counts
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -150,6 +148,12 @@ class Metrics:
         ``<prefix>_latency_seconds`` histogram per op, and each ``extra`` value a gauge
         ``<prefix>_<name>``.
         """
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
         with self._lock:
             counters = dict(self._counters)
             hists = {op: (list(h.buckets), h.sum) for op, h in self._latency.items()}
@@ -190,6 +194,8 @@ class Metrics:
 
     def prometheus(self, extra: Mapping[str, float] | None = None) -> str:
         """Prometheus text exposition (version 0.0.4) of every counter, histogram and gauge."""
+        from prometheus_client import generate_latest
+
         return generate_latest(_Families(lambda: self.families(extra))).decode()
 
 
@@ -272,6 +278,8 @@ def serve_prometheus(
     port (``server.server_port``). Returns the server (``server.shutdown()`` stops it) and its
     thread. Pass ``registry`` to serve an engine's registry with the collector added to it.
     """
+    from prometheus_client import CollectorRegistry, start_http_server
+
     if registry is None:
         registry = CollectorRegistry()
     registry.register(PrometheusCollector(target))

@@ -31,7 +31,7 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade "pip>=23" wheel "setuptools>=77"
 # (setuptools' advice about editable installs is noise here: the venv is ours)
 PYTHONWARNINGS=ignore .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-  -e ".[test,paddle]" \
+  -e ".[test,cli,paddle]" \
   -e plugins/kv_file \
   -e plugins/kv_mooncake \
   -e plugins/kv_attentionstore \

@@ -111,6 +111,7 @@ def test_the_core_wheel_is_manylinux_with_the_swap_ops_and_no_tests(dist: Path) 
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("kvcore/_swap") and n.endswith(".so") for n in names)
     assert "kvcore/py.typed" in names and "kvcore/testing/suite.py" in names  # the kit ships
+    assert "_kvcore_pytest.py" in names  # the module of the pytest11 entry point, top-level
     assert not [n for n in names if n.startswith("tests/") or "/tests/" in n or "conftest" in n]
     pure = sorted(p.name.split("-")[0] for p in dist.glob("*-py3-none-any.whl"))
     assert pure == sorted(

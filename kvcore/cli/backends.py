@@ -14,11 +14,9 @@ import json
 from collections import Counter
 from typing import Any
 
-from rich.table import Table
-
 from kvcore import fileio, native
 from kvcore.cli.common import open_for_cli
-from kvcore.cli.console import CommandConsole, print_table
+from kvcore.cli.console import CommandConsole, Table, print_table, styled
 from kvcore.cli.errors import classify
 from kvcore.errors import BackendImportError, KVCoreError
 from kvcore.registry import available_backends, check_backend_class, load_backend_class
@@ -116,7 +114,7 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
             r["name"],
             r["distribution"],
             r["version"],
-            f"[green]{status}[/]" if r["ok"] else f"[red]{status}[/]",
+            styled(status, "green" if r["ok"] else "red"),
             r["checked"],
             _capabilities(r["capabilities"]),
         )

@@ -1,5 +1,8 @@
 """The CLI's terminal: rich consoles, progress for long steps, and third-party noise kept off.
 
+rich is the ``cli`` extra (``pip install "kvcore[cli]"``); without it the commands print the same
+lines in plain text (:mod:`kvcore.cli.plain`), and progress as a line per tenth of the work.
+
 Native libraries (Mooncake's glog, Paddle) write to file descriptor 2 directly, so Python's
 logging cannot hold them back. :func:`quiet_stderr` points descriptor 2 at a log file for the
 duration of a command and gives kvcore a console on a duplicate of the real stderr: the
@@ -17,27 +20,37 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from kvcore.cli import plain
+
+if TYPE_CHECKING:  # the types are rich's; plain's stand-ins have the parts the commands use
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+else:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # installed without the `cli` extra
+        Console, Table = plain.Console, plain.Table
 
 __all__ = [
     "LOG_DIR_ENV",
+    "RICH",
     "CommandConsole",
+    "Console",
+    "Table",
     "default_log_dir",
     "make_console",
     "print_table",
     "quiet_stderr",
     "step_progress",
+    "styled",
 ]
+
+#: whether rich draws the output (the `cli` extra); plain text otherwise
+RICH = Table.__module__.startswith("rich.")
 
 #: where per-run log files go unless ``--log-file`` names one
 LOG_DIR_ENV = "KVCORE_LOG_DIR"
@@ -54,17 +67,27 @@ def default_log_dir() -> Path:
 
 
 def make_console(stream: IO[str] | None = None) -> Console:
-    """A rich console; when the output is not a terminal (a pipe, a CI log), lines are not
-    wrapped at 80 columns, so that tables stay one row per line for grep and for tests."""
+    """A rich console (plain text without rich); when the output is not a terminal (a pipe, a
+    CI log), lines are not wrapped at 80 columns, so that tables stay one row per line for grep
+    and for tests."""
     stream = stream or sys.stdout
     tty = stream.isatty()
     return Console(file=stream, width=None if tty else 200, soft_wrap=not tty, highlight=False)
 
 
+def styled(text: str, style: str) -> str:
+    """``text`` for a table cell or a line, in rich's ``style`` where rich draws the output."""
+    if not RICH:
+        return text
+    from rich.markup import escape
+
+    return f"[{style}]{escape(text)}[/]"
+
+
 def print_table(console: Console, table: Any) -> None:
     """Print a rich table; off a terminal without the padding rich adds after the last column
     (trailing blanks in a log or a pipe only get in the way of grep and diff)."""
-    if console.is_terminal:
+    if console.is_terminal or not RICH:  # plain tables never pad their last column
         console.print(table)
         return
     with console.capture() as captured:
@@ -163,7 +186,7 @@ def _route_logging(
 
 class step_progress:  # used like a function: `with step_progress(...) as progress`
     """Progress of a long step on the error console: a rich bar on a terminal; in a log (no
-    terminal), one line per tenth of the work so a CI log shows it is moving."""
+    terminal) or without rich, one line per tenth of the work so a CI log shows it is moving."""
 
     def __init__(self, console: Console, description: str, total: int, unit: str) -> None:
         self.console = console
@@ -177,7 +200,17 @@ class step_progress:  # used like a function: `with step_progress(...) as progre
         self._last_tenth = -1
 
     def __enter__(self) -> step_progress:
-        if self.console.is_terminal:
+        if self.console.is_terminal and RICH:
+            # imported here: only a bar on a terminal needs it
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TaskProgressColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
             self._progress = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),

@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from rich.console import Console
 
 from kvcore.backend import Backend
 from kvcore.cli.common import clear_scratch, data_location, open_for_cli, scratch_namespace
-from kvcore.cli.console import CommandConsole, step_progress
+from kvcore.cli.console import CommandConsole, Console, step_progress
 from kvcore.cli.errors import ExitCode
 from kvcore.errors import ConfigError
 from kvcore.keys import KeyScope, block_hashes

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
-from rich.table import Table
 
 from kvcore.admission import POLICIES
-from kvcore.cli.console import CommandConsole, print_table, step_progress
+from kvcore.cli.console import CommandConsole, Table, print_table, step_progress
 from kvcore.cli.errors import CliError, ExitCode
 from kvcore.cli.plot import require_matplotlib
 from kvcore.replay import Bounds, TraceError, load_trace, replay

@@ -1,7 +1,8 @@
-"""The conformance kit for kvcore backends (also loaded by pytest as the ``kvcore`` plugin).
+"""The conformance kit for kvcore backends.
 
 Subclass :class:`BackendConformance` in a plugin's tests, or run the suite against any
-installed backend with ``pytest --kvcore-backend NAME [--kvcore-config JSON_OR_PATH]``.
+installed backend with ``pytest --kvcore-backend NAME [--kvcore-config JSON_OR_PATH]`` (kvcore's
+pytest plugin imports this package only then: :mod:`kvcore.testing.plugin`).
 """
 
 import pytest

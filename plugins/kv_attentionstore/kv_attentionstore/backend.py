@@ -22,7 +22,7 @@ from kv_attentionstore.request_mapping import TokenSpan, clamp_count, token_span
 from kv_attentionstore.sdk_loader import load_sdk
 from kvcore import BlockRequest, FailureKind, Outcome
 
-log = logging.getLogger("kv_attentionstore")
+log = logging.getLogger("kvcore.attentionstore")
 
 
 class AttentionStoreBackend:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kv_attentionstore.sdk_loader import SdkModule, is_not_ready
 
-log = logging.getLogger("kv_attentionstore")
+log = logging.getLogger("kvcore.attentionstore")
 
 
 class SdkNotReadyError(TimeoutError):

@@ -75,7 +75,7 @@ from kvcore.threads import start_thread, thread_pool
 
 __all__ = ["MooncakeBackend"]
 
-log = logging.getLogger("kv_mooncake")
+log = logging.getLogger("kvcore.mooncake")
 
 #: Threads that run existence checks for requests with short deadlines.
 PROBE_WORKERS = 4

@@ -27,7 +27,7 @@ __all__ = [
     "prepare_environment",
 ]
 
-log = logging.getLogger("kv_mooncake")
+log = logging.getLogger("kvcore.mooncake")
 
 _INSTALL_HINT = (
     "install the plugin's dependencies (pip install kvcore-mooncake; on GPU hosts "

@@ -20,7 +20,7 @@ from kv_mooncake.store_keys import namespace_prefix
 
 __all__ = ["StoreListing"]
 
-log = logging.getLogger("kv_mooncake")
+log = logging.getLogger("kvcore.mooncake")
 
 #: companions read per call when naming digest keys (one copy-buffer's worth at most)
 _READ_CHUNK = 512

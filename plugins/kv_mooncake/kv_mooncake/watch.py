@@ -35,7 +35,7 @@ from kvcore.threads import start_thread
 
 __all__ = ["LISTING_SHARE", "StoreWatch"]
 
-log = logging.getLogger("kv_mooncake")
+log = logging.getLogger("kvcore.mooncake")
 
 #: the interval is at least this many times the last listing's duration
 LISTING_SHARE = 5.0
