@@ -18,6 +18,7 @@ from kvcore.backend import Backend
 from kvcore.errors import ConfigError
 from kvcore.metrics import Metrics
 from kvcore.requests import BlockRequest
+from kvcore.runner import HostRunner
 from kvcore.tasks import FlushTask, QueryTask, ReadTask, TaskResult, WriteTask
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
@@ -50,9 +51,10 @@ class BlockTasks:
         )
         self._storage: StorageIO | None = None
         self._fallback: StorageIO | None = None
-        #: reads, writes and queries go through the opened backend, which keeps and checks
-        #: block digests itself where it has no checksums (``verify_blocks``)
-        self.store: Backend = backend
+        #: lookups, reads and writes run as every engine adapter's do (kvcore's one host
+        #: path, on the calling thread); the opened backend keeps and checks block digests
+        #: itself where it has no checksums (``verify_blocks``)
+        self.runner = HostRunner(backend, name="transfer")
 
     # -- the storage strategy ------------------------------------------------------------------
 
@@ -78,7 +80,7 @@ class BlockTasks:
         if caps.io == "device":
             if want not in ("auto", "device"):
                 raise ConfigError(f"storage_io={want!r}: backend {backend.name!r} does device I/O")
-            return DirectIO(backend, cfg, "device", device_buffers(cfg.device_id))
+            return DirectIO(backend, cfg, self.runner, "device", device_buffers(cfg.device_id))
         resident = not cache.on_gpu and caps.segmented_host
         if want == "host_resident" and not resident:
             raise ConfigError(
@@ -89,8 +91,8 @@ class BlockTasks:
         if want == "device":
             raise ConfigError(f"storage_io='device': backend {backend.name!r} does host I/O")
         if resident and want in ("auto", "host_resident"):
-            return DirectIO(backend, cfg, "host_resident", host_resident_buffers)
-        return StagedIO(backend, cfg, self._io_pool)
+            return DirectIO(backend, cfg, self.runner, "host_resident", host_resident_buffers)
+        return StagedIO(backend, cfg, self.runner, self._io_pool)
 
     def _io(self) -> StorageIO:
         """The strategy; a host-resident one whose backend broke the fence is replaced by
@@ -99,7 +101,7 @@ class BlockTasks:
         assert storage is not None
         if isinstance(storage, DirectIO) and storage.fence_broken and storage.name != "device":
             if self._fallback is None:
-                self._fallback = StagedIO(self.backend, self.config, self._io_pool)
+                self._fallback = StagedIO(self.backend, self.config, self.runner, self._io_pool)
             return self._fallback
         return storage
 
@@ -159,7 +161,7 @@ class BlockTasks:
         """Leading blocks of ``task`` stored on this rank, asked synchronously."""
         self.check(task.keys, task.start_block, task.token_ids)
         t0 = time.monotonic()
-        n = self.store.query(self._request(task, timeout_s))
+        n = self.runner.lookup(self._request(task, timeout_s)).outcome
         misses = len(task.keys) - n
         self.metrics.observe("query", time.monotonic() - t0, tasks=1, blocks=len(task.keys),
                              hits=n, misses=misses, errors=int(n.failure is not None))  # fmt: skip
@@ -209,7 +211,7 @@ class BlockTasks:
         request = job.request
         timings: dict[str, float] = {}
         t0 = time.monotonic()
-        stored = self.store.query(request)
+        stored = self.runner.lookup(request).outcome
         timings["query"] = time.monotonic() - t0
         prog.skipped = stored
         todo = max(0, self._policy.eligible_end(request.block_keys, stored) - stored)

@@ -27,6 +27,7 @@ import numpy as np
 from kvcore.backend import Backend
 from kvcore.ops import TO_DEVICE, TO_HOST, HostBuffer
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
+from kvcore.runner import HostRunner
 from kvcore.transfer.caches import DeviceCache
 from kvcore.transfer.config import TransferConfig
 from kvcore.transfer.scheduler import Progress, TaskFuture
@@ -71,15 +72,13 @@ class StorageIO:
 
     name = "?"
 
-    def __init__(
-        self,
-        backend: Backend,
-        config: TransferConfig,
-    ) -> None:
+    def __init__(self, backend: Backend, config: TransferConfig, runner: HostRunner) -> None:
         self.backend = backend
         self.config = config
-        #: what reads and writes go through (the opened backend verifies blocks itself)
-        self.store = backend
+        #: what reads and writes go through: kvcore's one host path (on the calling thread;
+        #: the opened backend verifies blocks itself). The manager asked admission already
+        #: (before gathering), so writes here are not offered again.
+        self.runner = runner
 
     @property
     def memory_bytes(self) -> int:
@@ -120,9 +119,10 @@ class StagedIO(StorageIO):
         self,
         backend: Backend,
         config: TransferConfig,
+        runner: HostRunner,
         io: ThreadPoolExecutor,
     ) -> None:
-        super().__init__(backend, config)
+        super().__init__(backend, config, runner)
         self._io = io
         self.span = config.span_blocks  # within the staging budget (or ConfigError, first)
         self.depth = config.pipeline_depth
@@ -170,7 +170,7 @@ class StagedIO(StorageIO):
             off, size = spans[k]
             t0 = time.monotonic()
             host = staging.host_buffers(size, (k % depth) * self.span)
-            got = self.store.read(job.request.slice(off, off + size, host=host))
+            got = self.runner.read(job.request.slice(off, off + size, host=host)).outcome
             return got, time.monotonic() - t0
 
         pending: dict[int, Future[tuple[Outcome, float]]] = {
@@ -220,7 +220,9 @@ class StagedIO(StorageIO):
             lo, size = spans[k]
             t0 = time.monotonic()
             host = staging.host_buffers(size, (k % depth) * self.span)
-            got = self.store.write(job.request.slice(lo, lo + size, host=host))
+            got = self.runner.write(
+                job.request.slice(lo, lo + size, host=host), admit=False
+            ).outcome
             return got, time.monotonic() - t0
 
         pending: dict[int, Future[tuple[Outcome, float]]] = {}
@@ -271,10 +273,11 @@ class DirectIO(StorageIO):
         self,
         backend: Backend,
         config: TransferConfig,
+        runner: HostRunner,
         name: str,
         buffers: Callable[[DeviceCache, Sequence[int]], SpanBuffers],
     ) -> None:
-        super().__init__(backend, config)
+        super().__init__(backend, config, runner)
         self.name = name
         self._buffers = buffers
         #: set once a backend call outlived a task's answer: the manager stops trusting us
@@ -300,7 +303,7 @@ class DirectIO(StorageIO):
 
     def _call(
         self,
-        op: Callable[[BlockRequest], Outcome],
+        op: str,
         job: BlockJob,
         lo: int,
         n: int,
@@ -314,7 +317,10 @@ class DirectIO(StorageIO):
         with fut.fenced() as live:
             if not live:
                 return None
-            got = op(request)
+            if op == "read":
+                got = self.runner.read(request).outcome
+            else:
+                got = self.runner.write(request, admit=False).outcome
             job.done(prog, lo, got)  # inside the fence: a deadline answer lists these blocks
         _add(timings, backend=time.monotonic() - t0)
         if fut.fence_broken:
@@ -323,10 +329,10 @@ class DirectIO(StorageIO):
             record_short(prog, got)
         return got
 
-    def _late(self, op: Callable[[BlockRequest], Outcome], request: BlockRequest) -> None:
+    def _late(self, op: str, request: BlockRequest) -> None:
         """The task was answered while the backend still used the engine's blocks."""
         self.fence_broken = True
-        what = "wrote into" if op == self.store.read else "read from"
+        what = "wrote into" if op == "read" else "read from"
         log.error(
             "kvcore: backend %r %s the engine's blocks after task %r was answered (it overran "
             "its deadline by more than fence_grace_s=%s s); this manager no longer lets it "
@@ -336,15 +342,15 @@ class DirectIO(StorageIO):
             request.task_id,
             self.config.fence_grace_s,
         )
-        if op == self.store.write and self.backend.implements("kvcore_remove"):
+        if op == "write" and self.backend.implements("kvcore_remove"):
             # what it stored may mix old and new bytes of reused blocks: drop it
-            self.store.remove(request.with_buffers())
+            self.runner.remove(request.with_buffers())
 
     def read(
         self, job: BlockJob, count: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
         if count:
-            self._call(self.store.read, job, 0, count, fut, prog, timings)
+            self._call("read", job, 0, count, fut, prog, timings)
 
     def write(
         self,
@@ -355,7 +361,7 @@ class DirectIO(StorageIO):
         prog: Progress,
         timings: dict[str, float],
     ) -> None:
-        self._call(self.store.write, job, first, todo, fut, prog, timings)
+        self._call("write", job, first, todo, fut, prog, timings)
 
 
 def device_buffers(device_id: int) -> Callable[[DeviceCache, Sequence[int]], SpanBuffers]:
