@@ -264,9 +264,29 @@ class Backend:
             return self._digests.read(request)
         return self._plain.read(request)
 
-    def write(self, request: BlockRequest) -> Outcome:
+    def write(self, request: BlockRequest, *, admit: bool = False) -> Outcome:
         """Leading blocks durably stored (with their digests, where kept); 0 on any backend
-        failure."""
+        failure.
+
+        ``admit``: ask the store's admission policy first (:meth:`admit`, refusals counted
+        there) and write only the leading blocks it admits; the answer's
+        :attr:`Outcome.refused` says how many it refused (the last ones: not written, and not
+        a failure). For a caller whose buffers are filled already; one that fills them only
+        for the admitted blocks asks :meth:`admit` itself, then writes the admitted slice
+        (:class:`kvcore.HostRunner` does either, for every engine adapter).
+
+        .. versionchanged:: 0.3 ``admit``.
+        """
+        refused = 0
+        if admit:
+            admitted = int(self.admit(request))
+            refused = request.num_blocks - admitted
+            if admitted == 0:
+                return Outcome(0, refused=refused)
+            if refused:
+                host = None if request.host is None else request.host.slice(0, admitted)
+                device = None if request.device is None else request.device.slice(0, admitted)
+                request = request.slice(0, admitted, host=host, device=device)
         self._check_buffers(request)
         if self._digests is not None:
             done = self._digests.write(request)
@@ -274,6 +294,8 @@ class Backend:
             done = self._plain.write(request)
         if done and self._event_wiring.publishes(ev.STORED):
             self._event_wiring.publish_blocks(ev.STORED, request, int(done))
+        if refused:
+            return Outcome(int(done), done.failure, done.kind, refused=refused)
         return done
 
     def admit(self, request: BlockRequest) -> Outcome:
@@ -295,23 +317,6 @@ class Backend:
         if n < request.num_blocks:
             self.metrics.add("admit", blocks_refused=request.num_blocks - int(n))
         return n
-
-    def write_admitted(self, request: BlockRequest) -> tuple[Outcome, int]:
-        """Ask the admission policy, then write the leading blocks it admits: ``(written,
-        admitted)``. For a caller whose buffers are filled already; one that fills them after
-        asking (so a refused block costs no copy) calls :meth:`admit`, then :meth:`write` on
-        the admitted slice. Refusals are counted as in :meth:`admit`.
-
-        .. versionadded:: 0.3
-        """
-        admitted = int(self.admit(request))
-        if admitted == 0:
-            return Outcome(0), 0
-        if admitted < request.num_blocks:
-            host = request.host.slice(0, admitted) if request.host is not None else None
-            device = request.device.slice(0, admitted) if request.device is not None else None
-            request = request.slice(0, admitted, host=host, device=device)
-        return self.write(request), admitted
 
     def evict_to(self, sink: Callable[..., Collection[str] | None] | None) -> bool:
         """Have the backend offer what it evicts to ``sink`` before it leaves (see

@@ -66,18 +66,28 @@ class Outcome(int):
 
     .. versionadded:: 0.2
     .. versionchanged:: 0.3 ``kind`` is a :class:`FailureKind` (a string naming one is
-       accepted); a failure without a kind is ``backend_error``
+       accepted); a failure without a kind is ``backend_error``; ``refused`` (a write's
+       blocks the store's admission policy did not take, :meth:`kvcore.Backend.write`)
     """
 
     failure: str | None
     #: what kind of failure (None for a clean answer); see :class:`FailureKind`
     kind: FailureKind | None
+    #: blocks after the count that the store's admission policy refused (a write asked with
+    #: ``admit=True``): not written, and not a failure
+    refused: int
 
     def __new__(
-        cls, count: int, failure: str | None = None, kind: FailureKind | str | None = None
+        cls,
+        count: int,
+        failure: str | None = None,
+        kind: FailureKind | str | None = None,
+        *,
+        refused: int = 0,
     ) -> Outcome:
         obj = super().__new__(cls, count)
         obj.failure = failure
+        obj.refused = refused
         if kind is None:
             obj.kind = None if failure is None else FailureKind.BACKEND_ERROR
         else:

@@ -665,23 +665,27 @@ class HostRunner:
             if job.each:
                 return _each_block(request, 0, n, backend.read)
             return _leading(backend.read(request), n)
-        # write: admission first, then the admitted leading run
-        admitted = int(backend.admit(request)) if job.admit else n
-        if admitted == 0:
-            return _Part([False] * n, [True] * n)
-        host = request.host
-        if job.fill is not None:
-            host = job.fill(request, admitted)
-        elif host is not None and admitted < n:
-            host = host.slice(0, admitted)
-        if admitted < n or host is not request.host:
-            request = request.slice(0, admitted, host=host)
-        if job.each:
-            part = _each_block(request, 0, admitted, backend.write)
-        else:
-            part = _leading(backend.write(request), admitted)
-        part.done.extend([False] * (n - admitted))
-        part.refused.extend([True] * (n - admitted))
+        if job.fill is None and not job.each:  # the one call that asks, then writes
+            written = backend.write(request, admit=job.admit)
+            part = _leading(written, n - written.refused)
+        else:  # admission first; then the admitted run is filled, or written block by block
+            admitted = int(backend.admit(request)) if job.admit else n
+            if admitted == 0:
+                return _Part([False] * n, [True] * n)
+            host = request.host
+            if job.fill is not None:
+                host = job.fill(request, admitted)
+            elif host is not None and admitted < n:
+                host = host.slice(0, admitted)
+            if admitted < n or host is not request.host:
+                request = request.slice(0, admitted, host=host)
+            if job.each:
+                part = _each_block(request, 0, admitted, backend.write)
+            else:
+                part = _leading(backend.write(request), admitted)
+        refused = n - len(part.done)
+        part.done.extend([False] * refused)
+        part.refused.extend([True] * refused)
         return part
 
     def _count(self, result: HostResult, job: _Job) -> None:

@@ -275,3 +275,29 @@ def test_backends_without_the_hook_admit_everything() -> None:
         assert backend.admit(backend.request("t", ["a", "b", "c"])) == 3
     finally:
         backend.close()
+
+
+def test_a_write_that_asks_admission_writes_the_admitted_run_and_says_what_it_refused() -> None:
+    """``Backend.write(request, admit=True)``: one call asks the policy (refusals counted as
+    ``blocks_refused.admit``) and writes the admitted leading blocks; ``Outcome.refused`` is
+    the rest. Without ``admit`` a write stores what it is given, unasked."""
+    _Refusing.asked, _Refusing.fail = [], False
+    backend = kvcore.open_backend(_Refusing, context={"layout": LAYOUT}, verify_blocks="never")
+    try:
+        block = np.zeros(LAYOUT.part_bytes("k"), dtype=np.uint8)
+        ptr = block.ctypes.data
+        host = kvcore.HostBuffers(tuple((ptr, ptr) for _ in range(5)), (block.nbytes,) * 2)
+        done = backend.write(backend.request("w", list("abcde"), host=host), admit=True)
+        assert (int(done), done.refused, done.failure) == (2, 3, None)
+        assert _Refusing.asked == [5]
+        assert backend.query(backend.request("q", list("abcde"))) == 2
+        assert backend.stats()["blocks_refused.admit"] == 3
+        assert backend.stats()["blocks.write"] == 2  # the refused three never reached write
+        plain = backend.write(backend.request("w", list("vwxyz"), host=host))
+        assert (int(plain), plain.refused) == (5, 0) and _Refusing.asked == [5]
+        _Refusing.admit_first = 0
+        none = backend.write(backend.request("w", list("fg"), host=host.slice(0, 2)), admit=True)
+        assert (int(none), none.refused) == (0, 2)
+    finally:
+        _Refusing.admit_first = 2
+        backend.close()
