@@ -96,7 +96,12 @@ class Backend:
         #: contains, describe, names: the hooks that answer rather than count
         self._lookups = Lookups(self._guard, hook, self._digests, self.query)
         self._event_wiring = FacadeEvents(
-            context.namespace, self._guard, pm, self._digests, self._expected_part_bytes
+            context.namespace,
+            self._guard,
+            pm,
+            self._digests,
+            self._expected_part_bytes,
+            self._lookups.names,
         )
         #: what the store gains and loses (:mod:`kvcore.events`); free while nobody listens
         self.events = self._event_wiring.stream

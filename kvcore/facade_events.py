@@ -28,7 +28,15 @@ __all__ = ["FacadeEvents"]
 class FacadeEvents:
     """One opened backend's event stream, and who publishes which kind on it."""
 
-    __slots__ = ("_digests", "_guard", "_part_bytes", "_pm", "reported_by_backend", "stream")
+    __slots__ = (
+        "_digests",
+        "_guard",
+        "_names",
+        "_part_bytes",
+        "_pm",
+        "reported_by_backend",
+        "stream",
+    )
 
     def __init__(
         self,
@@ -37,14 +45,17 @@ class FacadeEvents:
         pm: pluggy.PluginManager,
         digests: BlockDigests | None,
         part_bytes: Callable[[BlockRequest], list[int] | None],
+        names: Callable[[], list[str]] | None = None,
     ) -> None:
         self._guard = guard
         self._pm = pm
         self._digests = digests
         #: the part sizes of a request without host buffers (the facade's door knows them)
         self._part_bytes = part_bytes
+        #: the store's listing (``Backend.names``), for subscriptions that start with it
+        self._names = names
         #: what the store gains and loses (:mod:`kvcore.events`); free while nobody listens
-        self.stream = ev.EventStream(namespace, self.watch)
+        self.stream = ev.EventStream(namespace, self.watch, self.listing)
         #: the kinds the backend reports itself while watched (kvcore then does not)
         self.reported_by_backend: frozenset[str] = frozenset()
 
@@ -69,6 +80,19 @@ class FacadeEvents:
             guard.failures.warning(("watch", "kinds"), "%s; ignored", msg)
             reported -= unknown
         self.reported_by_backend = reported
+
+    def listing(self) -> tuple[list[str], list[ObjectName | None]]:
+        """The store's objects as a listing subscription announces them: each name read once,
+        here, and no digest kvcore keeps beside blocks (nothing for one that cannot list)."""
+        names = self._names() if self._names is not None else []
+        objects = [ObjectName.parse(name) for name in names]
+        if self._digests is not None and names:
+            is_digest = self._digests.is_digest
+            keep = [i for i, name in enumerate(names) if not is_digest(name, objects[i])]
+            if len(keep) < len(names):
+                names = [names[i] for i in keep]
+                objects = [objects[i] for i in keep]
+        return names, objects
 
     def report(
         self,

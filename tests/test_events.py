@@ -324,3 +324,67 @@ def test_announced_blocks_are_told_once_removed_only_when_told_and_bounded() -> 
     assert told.clear() == [1, 4] and len(told) == 0
     with pytest.raises(ValueError, match="limit"):
         Announced(limit=0)
+
+
+def _write_blocks(backend: kvcore.Backend, keys: list[str]) -> None:
+    layout = backend.context.layout
+    data = np.zeros(layout.part_bytes("k"), dtype=np.uint8)
+    ptr = data.ctypes.data
+    host = kvcore.HostBuffers(tuple((ptr, ptr) for _ in keys), (data.nbytes,) * 2)
+    assert backend.write(backend.request("w", keys, host=host)) == len(keys)
+
+
+def _objects(events: list[ev.StoreEvent]) -> list[tuple[str, str]]:
+    return [(o.block_key, o.part) for e in events for o in e.objects if o is not None]
+
+
+def test_a_listing_subscription_announces_the_store_first_then_its_changes() -> None:
+    """``subscribe(listing=True)``: what the store held when the subscriber attached comes
+    first (``stored`` events of origin ``listed``, without the digests kvcore keeps beside
+    blocks), listed at the first take, so a change made between subscribing and that take is
+    in the listing or follows it; then the changes."""
+    backend = kvcore.open_backend("memory", context={"layout": small_layout(), "namespace": "ns"})
+    try:
+        assert backend.verifies_blocks  # memory keeps no checksums: digests sit beside blocks
+        _write_blocks(backend, ["a", "b", "c"])
+        sub = backend.events.subscribe(listing=True, listing_batch=4)
+        assert backend.remove(backend.request("r", ["b"])) == 1  # before the first take
+        _write_blocks(backend, ["d"])
+        events = sub.drain()
+        listed = [e for e in events if e.origin == ev.LISTED]
+        assert events[: len(listed)] == listed  # the listing first
+        assert all(e.kind == ev.STORED and e.seq == 0 for e in listed)
+        assert [len(e.names) for e in listed] == [4, 2]  # a, c, d: K and V each; 4 a batch
+        assert sorted(_objects(listed)) == sorted(
+            (k, p) for k in ("a", "c", "d") for p in ("k", "v")
+        )
+        changes = events[len(listed) :]
+        assert [(e.kind, e.origin) for e in changes] == [("removed", "local"), ("stored", "local")]
+        assert sub.listed == 6
+        _write_blocks(backend, ["e"])
+        (later,) = sub.drain()
+        assert later.kind == ev.STORED and later.origin == ev.LOCAL  # listed once only
+        sub.close()
+    finally:
+        backend.close()
+
+
+def test_a_listing_subscription_lists_again_after_a_resync_and_drains_in_steps() -> None:
+    backend = kvcore.open_backend("memory", context={"layout": small_layout(), "namespace": "ns"})
+    try:
+        _write_blocks(backend, ["a", "b"])
+        sub = backend.events.subscribe(max_objects=3, listing=True, listing_batch=1)
+        first = sub.drain(max_objects=2)
+        assert [len(e.names) for e in first] == [1, 1] and sub.drain(max_objects=1)
+        _write_blocks(backend, ["c", "d"])  # 4 objects in one event: past the queue's bound
+        events = sub.drain()
+        assert events[0].kind == ev.RESYNC  # the consumer forgets what it was told...
+        relisted = events[1:]
+        assert all(e.origin == ev.LISTED for e in relisted)  # ...and is told the store again
+        assert sorted({k for k, _ in _objects(relisted)}) == ["a", "b", "c", "d"]
+        assert sub.resyncs == 1 and sub.listed == 4 + 8
+        plain = backend.events.subscribe()
+        _write_blocks(backend, ["e"])
+        assert [e.origin for e in plain.drain()] == [ev.LOCAL]  # no listing unless asked
+    finally:
+        backend.close()

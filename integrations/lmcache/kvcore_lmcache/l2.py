@@ -49,6 +49,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 import kvcore
+from kvcore import events as ev
 from kvcore.keys import ObjectName
 from kvcore_lmcache.keys import block_key, key_fields, slice_of
 from kvcore_lmcache.layouts import layout_of, parse_layout
@@ -144,7 +145,11 @@ class KVCoreL2Adapter(L2AdapterInterface):
         #: lookup locks: key -> count, and the deletes waiting for a key's last unlock
         self._locks: dict[ObjectKey, int] = {}
         self._deferred_deletes: set[ObjectKey] = set()
+        #: what the store held when it opened (its listing), for listeners registered later
         self._seeded: list[tuple[list[ObjectKey], list[int]]] = []
+        self._seeded_all = threading.Event()  # the listing told (or none asked for)
+        if not settings.seed_usage:
+            self._seeded_all.set()
         #: every lookup, load, store and delete runs here (kvcore's one host path)
         self._runner = self._kv.runner
         backend = self._kv.backend()  # now if it can (a store that is not up: tried again)
@@ -152,21 +157,17 @@ class KVCoreL2Adapter(L2AdapterInterface):
         if why is not None:
             self.close()
             raise ValueError(f"lmcache l2 adapter_params for kvcore: verify_layout: {why}")
-        self._seeder: threading.Thread | None = None
-        if settings.seed_usage:
-            self._seeder = threading.Thread(
-                target=self._seed_usage, name="kvcore-lmcache-seed", daemon=True
-            )
-            self._seeder.start()
 
     # -- the backend -----------------------------------------------------------------------
 
     def _on_open(self, backend: kvcore.Backend) -> None:
         if self._l1 is not None and self._l1.size:
             backend.register_buffer(self._l1.ptr, self._l1.size)
-        # what the store does by itself (evictions) or others do to it (a shared store), told
-        # to LMCache as its listeners' stored/deleted keys
-        subscription = backend.events.subscribe()
+        # what the store holds (its listing first, with seed_usage: LMCache's usage and
+        # eviction order start from the store, not from zero), what it does by itself
+        # (evictions) and what others do to it (a shared store), told to LMCache as its
+        # listeners' stored/deleted keys
+        subscription = backend.events.subscribe(listing=self.settings.seed_usage)
         thread = threading.Thread(
             target=self._follow, args=(subscription,), name="kvcore-lmcache-events", daemon=True
         )
@@ -395,13 +396,14 @@ class KVCoreL2Adapter(L2AdapterInterface):
         delete) and objects another server stored in a shared store."""
         while not subscription.closed:
             event = subscription.get(timeout=1.0)
-            if event is None:
-                continue
-            self._guard("events", None, partial(self._apply, event))
+            if event is not None:
+                self._guard("events", None, partial(self._apply, event))
+            if not subscription.listing_pending:
+                self._seeded_all.set()
 
     def _apply(self, event: Any) -> None:
         if event.kind == "cleared" or event.kind == "resync":
-            return  # the next start's listing tells the whole store again
+            return  # after a resync the store is listed again (kvcore's subscription)
         keys: list[ObjectKey] = []
         sizes: list[int] = []
         for ident, size in zip(event.objects, event.sizes or [0] * len(event.objects), strict=True):
@@ -419,7 +421,9 @@ class KVCoreL2Adapter(L2AdapterInterface):
             if gone:
                 self._counters.add(f"{event.kind}_by_store", len(gone))
                 self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
-        elif event.kind == "stored" and event.origin == "peer":
+        elif event.kind == "stored" and event.origin == ev.LISTED:
+            self._seed(keys)
+        elif event.kind == "stored" and event.origin == ev.PEER:
             self._account_stored(keys, sizes)
 
     def _account_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
@@ -501,30 +505,19 @@ class KVCoreL2Adapter(L2AdapterInterface):
                     sizes[unknown[j]] = -1 if layout is None else layout.size
         return [max(s, 0) for s in sizes]
 
-    def _seed_usage(self) -> None:
-        """Report what the store holds at start, as stored keys (LMCache's usage and eviction
-        order then start from the store). Listeners registered later get it replayed."""
-
-        def seed() -> None:
-            listed = [k for _, k in self._listed_keys()]
-            for lo in range(0, len(listed), SEED_BATCH):
-                keys = listed[lo : lo + SEED_BATCH]
-                sizes = self._sizes_of(keys)
-                with self._lock:
-                    fresh = [
-                        (k, s) for k, s in zip(keys, sizes, strict=True) if k not in self._sizes
-                    ]
-                    for k, s in fresh:
-                        self._sizes[k] = s
-                    if fresh:
-                        self._seeded.append(([k for k, _ in fresh], [s for _, s in fresh]))
-                if fresh:
-                    self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
-            self._counters.add("seeded_keys", len(listed))
-            if listed:
-                log.info("kvcore L2 adapter: the store holds %d objects at start", len(listed))
-
-        self._guard("seed", None, seed)
+    def _seed(self, keys: list[ObjectKey]) -> None:
+        """Keys the store held when it opened (its listing): reported to LMCache as stored,
+        with their sizes from their stored layouts, and kept for listeners registered later."""
+        sizes = self._sizes_of(keys)
+        with self._lock:
+            fresh = [(k, s) for k, s in zip(keys, sizes, strict=True) if k not in self._sizes]
+            for k, s in fresh:
+                self._sizes[k] = s
+            if fresh:
+                self._seeded.append(([k for k, _ in fresh], [s for _, s in fresh]))
+        if fresh:
+            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+        self._counters.add("seeded_keys", len(keys))
 
     def register_listener(self, listener: L2AdapterListener) -> None:
         """Add ``listener``, telling it what the store held at start (already reported to
@@ -536,11 +529,8 @@ class KVCoreL2Adapter(L2AdapterInterface):
             listener.on_l2_keys_stored(keys, sizes)
 
     def wait_seeded(self, timeout: float | None = None) -> bool:
-        """Wait for the start-up listing to be reported (tests, tools); True once it is."""
-        if self._seeder is None:
-            return True
-        self._seeder.join(timeout)
-        return not self._seeder.is_alive()
+        """Wait for the store's listing to be reported (tests, tools); True once it is."""
+        return self._seeded_all.wait(timeout)
 
     # -- status and close ------------------------------------------------------------------
 

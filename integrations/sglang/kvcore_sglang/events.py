@@ -13,10 +13,10 @@ endpoint of its own (``events_endpoint`` in the storage extra config):
   process's, where the kvcore backend reports them: kv_file does, see its README), only for a
   page it published as stored;
 - ``AllBlocksCleared`` when the namespace was cleared or the stream fell behind;
-- on attaching, what the store already holds (listed once after subscribing, so nothing in
-  between is missed: ``kvcore.Backend.names``, for backends that list), ``_ATTACH_BATCH``
-  objects per publication: a storage attached to a shared store another process filled
-  announces its pages before serving.
+- on attaching, what the store already holds (kvcore's listing subscription: listed after
+  subscribing, so nothing in between is missed, for backends that list; listed again after
+  the stream fell behind), ``_ATTACH_BATCH`` objects per publication: a storage attached to
+  a shared store another process filled announces its pages before serving.
 
 A stored page's ``BlockStored`` carries its token ids and its parent page's hash when the page
 says them of itself (:mod:`kvcore_sglang.page_facts`: written with it as kvcore block metadata,
@@ -82,37 +82,35 @@ class StorageEventPublisher:
         self.rank, self.world_size = rank, world_size
         self.namespace = backend.context.namespace
         self._publisher = ZmqEventPublisher(0, endpoint=endpoint, topic=topic)
-        self._sub = backend.events.subscribe()
+        # the store's listing first, then its changes (kvcore lists it at the first flush)
+        self._sub = backend.events.subscribe(listing=True, listing_batch=_ATTACH_BATCH)
         # this rank's pages from the store's object events (kvcore groups them)
         self._blocks = ev.RankBlocks(
             self.namespace, parts, rank, world_size, max_partial=_MAX_PARTIAL
         )
         self.published = 0
-        self._listed: list[ev.StoreEvent] = []  # the store's listing, to announce
         self._announced: ev.Announced[str, str] = ev.Announced(_MAX_ANNOUNCED)  # pages told
         self._stop = threading.Event()
         self._thread = start_thread(self._follow, "kvcore-sglang-events")
 
     def _follow(self) -> None:
-        self._attach()
         while not self._stop.wait(_INTERVAL_S):
             self.flush()
 
-    def _attach(self) -> None:
-        """Queue what the store holds already (listed after subscribing)."""
-        names = self._backend.names()
-        self._listed = [
-            ev.StoreEvent(0, ev.STORED, self.namespace, tuple(names[lo : lo + _ATTACH_BATCH]))
-            for lo in range(0, len(names), _ATTACH_BATCH)
-        ]
-
     def flush(self) -> int:
-        """Publish what the store reported since the last flush (the listing of an attach
-        first, each batch of it published apart, then the stream's changes since, which may
-        remove what the listing held); returns how many events."""
-        listed, self._listed = self._listed, []
-        count = sum(self._publish(self._translate([event])) for event in listed)
-        return count + self._publish(self._translate(self._sub.drain()))
+        """Publish what the store reported since the last flush (the store's listing first,
+        each batch of it published apart, then the stream's changes, which may remove what the
+        listing held); returns how many events."""
+        count = 0
+        changes: list[ev.StoreEvent] = []
+        for event in self._sub.drain():
+            if event.origin == ev.LISTED:
+                count += self._publish(self._translate(changes))
+                changes = []
+                count += self._publish(self._translate([event]))
+            else:
+                changes.append(event)
+        return count + self._publish(self._translate(changes))
 
     def _publish(self, out: list[Any]) -> int:
         from sglang.srt.disaggregation.kv_events import KVEventBatch

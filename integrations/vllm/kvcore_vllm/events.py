@@ -66,8 +66,6 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 DEFAULT_KNOWN_BLOCKS = 200_000
 #: blocks of other processes whose descriptors one round of the follower reads at most
 DESCRIBED_PER_ROUND = 20_000
-#: names of a store's listing grouped into blocks at a time when an engine attaches
-LISTING_BATCH = 8192
 
 
 def events_enabled(vllm_config: Any) -> bool:
@@ -326,8 +324,9 @@ class StoreFollower:
     other processes stored from their descriptors (:meth:`kvcore.Backend.describe`, in calls
     of ``describe_batch`` blocks, at most ``describe_per_round`` per round), and publishes the
     events through vLLM's own publisher, whether or not the engine steps: an idle engine
-    still tells a router what it can load and what left. The first round lists the store
-    (:meth:`attach`): a new engine announces what it finds.
+    still tells a router what it can load and what left. Its subscription starts with the
+    store's listing (kvcore's ``subscribe(listing=True)``): a new engine announces what it
+    finds.
     """
 
     def __init__(
@@ -349,8 +348,10 @@ class StoreFollower:
         self.interval_s = interval_s
         self._batch = describe_batch
         self._per_round = describe_per_round
-        self._attached = False
-        self._sub = backend.events.subscribe()  # first: no change after the listing is missed
+        self._logged_listing = False
+        # the store's listing first (taken after subscribing: no change is missed), then its
+        # changes; listed again after a resync
+        self._sub = backend.events.subscribe(listing=True)
         self._blocks = [
             ev.RankBlocks(
                 backend.context.namespace,
@@ -374,22 +375,6 @@ class StoreFollower:
         else:  # the workers' records say what this rank's backend sees: nothing to follow
             self._sub.close()
 
-    def attach(self) -> None:
-        """What the store holds already (listed once, after subscribing): every complete
-        block becomes one to describe, announced over the next rounds."""
-        names = self._backend.names()
-        namespace = self._backend.context.namespace
-        for lo in range(0, len(names), LISTING_BATCH):
-            listed = ev.StoreEvent(0, ev.STORED, namespace, tuple(names[lo : lo + LISTING_BATCH]))
-            self._receive([listed])
-        self._attached = True
-        log.info(
-            "KVCoreConnector: the store holds %d objects; %d blocks of this engine's scope "
-            "to announce",
-            len(names),
-            self.events.waiting(),
-        )
-
     def _receive(self, store_events: Sequence[ev.StoreEvent]) -> None:
         records = [
             (change.kind, change.block_key, blocks.rank)
@@ -404,9 +389,15 @@ class StoreFollower:
         """One round: the store's changes, the descriptors of new blocks (at most
         ``describe_per_round``: a large store is announced over several rounds, its changes
         published between them), the publication."""
-        if not self._attached:
-            self.attach()
         self._receive(self._sub.drain())
+        if not self._logged_listing:
+            self._logged_listing = True
+            log.info(
+                "KVCoreConnector: the store holds %d objects; %d blocks of this engine's "
+                "scope to announce",
+                self._sub.listed,
+                self.events.waiting(),
+            )
         described = 0
         while described < self._per_round and not self._stop.is_set():
             keys = self.events.to_describe(min(self._batch, self._per_round - described))

@@ -41,7 +41,6 @@ moves whole chunks between the primary tier's memory and its store. Selected in
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Collection, Iterable
 from functools import partial
@@ -142,7 +141,6 @@ class KVCoreTier(SecondaryTierManager):
         self._store_override: kvcore.Backend | None = None
         self._events: list[OffloadingEvent] | None = None
         self._subscription: ev.Subscription | None = None
-        self._unlisted: dict[str, None] = {}  # the store's listing, still to announce
         self._announced: ev.Announced[OffloadKey, OffloadKey] = ev.Announced(ANNOUNCED_CHUNKS)
         if cfg.enable_kv_events:
             events_config = getattr(offloading_spec, "kv_events_config", None)
@@ -192,8 +190,9 @@ class KVCoreTier(SecondaryTierManager):
         job, and the tier's event subscription."""
         backend.register_buffer(self._base, self._region_bytes)
         if self._events is not None:
-            self._subscription = backend.events.subscribe()
-            self._unlisted = dict.fromkeys(backend.names())  # after subscribing: none missed
+            # what the store holds first (kvcore lists it after subscribing: none missed),
+            # then its changes; listed again after a resync
+            self._subscription = backend.events.subscribe(listing=True)
 
     @property
     def backend(self) -> kvcore.Backend | None:
@@ -294,21 +293,10 @@ class KVCoreTier(SecondaryTierManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._subscription is None or self._events is None:
             return ()
-        if self._unlisted:
-            batch = list(itertools.islice(self._unlisted, LISTED_PER_STEP))
-            for name in batch:
-                del self._unlisted[name]
-            self._translate(ev.StoreEvent(0, ev.STORED, self._namespace, tuple(batch)))
-        for event in self._subscription.drain():
-            if event.kind in (ev.CLEARED, ev.RESYNC):
-                self._unlisted.clear()
-            elif event.kind != ev.STORED:
-                for name in event.names:  # gone before it was announced: never announce it
-                    self._unlisted.pop(name, None)
+        # at most LISTED_PER_STEP objects a step: a step stays short while a large store's
+        # listing is announced
+        for event in self._subscription.drain(max_objects=LISTED_PER_STEP):
             self._translate(event)
-            if event.kind == ev.RESYNC and (backend := self.backend) is not None:
-                # the stream lost changes: what is stored now is announced again
-                self._unlisted = dict.fromkeys(backend.names())
         events, self._events = self._events, []
         return events
 

@@ -319,9 +319,9 @@ def test_a_full_store_queue_drops_stores_and_counts_them(tmp_path) -> None:
         def __init__(self, store) -> None:
             self._store = store
 
-        def write(self, request):
+        def write(self, request, **how):
             gate.wait(30)
-            return self._store.write(request)
+            return self._store.write(request, **how)
 
         def __getattr__(self, name: str):
             return getattr(self._store, name)
@@ -417,10 +417,10 @@ def test_chunks_move_from_and_into_the_primary_tiers_own_memory(
     real_write, real_read = tier.backend.write, tier.backend.read
 
     def record(call):
-        def recorded(request):
+        def recorded(request, **how):
             if request.parts == (PART,):  # not the block digests kept beside (memory)
                 seen.extend(request.host.ptrs)
-            return call(request)
+            return call(request, **how)
 
         return recorded
 

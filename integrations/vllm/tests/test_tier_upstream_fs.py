@@ -347,10 +347,10 @@ def _flaky_store(tier: KVCoreTier, failing: bytes) -> None:
     bad = object_names(tier, failing)[0]
     store = tier.store
 
-    def write(request):
+    def write(request, admit=False):
         names = [n for row in request.object_names for n in row]
         if bad not in names:
-            return store.write(request)
+            return store.write(request, admit=admit)
         done = names.index(bad) // len(request.parts)
         if done:
             store.write(request.slice(0, done, host=request.host.slice(0, done)))
