@@ -33,10 +33,9 @@ from pydantic import BaseModel
 from kvcore.backend import Backend, VerifyBlocks
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.registry import open_backend
-from kvcore.requests import BlockRequest, Outcome
 from kvcore.schemas import BackendContext
 
-__all__ = ["BackendHandle", "LookupOnly", "opened_backends", "require_capabilities"]
+__all__ = ["BackendHandle", "opened_backends", "require_capabilities"]
 
 log = logging.getLogger("kvcore.handles")
 
@@ -189,10 +188,6 @@ class BackendHandle:
         if backend is not None:
             hook(backend)
 
-    def lookup_only(self) -> LookupOnly:
-        """This handle's lookups and nothing else: what a scheduler needs (it moves no data)."""
-        return LookupOnly(self)
-
     def close(self) -> None:
         """Close the backend (or give up this handle's share of it); later calls get None."""
         with self._lock:
@@ -291,23 +286,3 @@ def _release(backend: Backend) -> None:
                 break
     backend.close()
 
-
-class LookupOnly:
-    """A handle's lookups: build a request and count the stored leading run, nothing else
-    (a scheduler's role: it moves no data). A backend that is not open answers 0 with a
-    failure saying so.
-
-    .. versionadded:: 0.3
-    """
-
-    def __init__(self, handle: BackendHandle) -> None:
-        self._handle = handle
-
-    def backend(self) -> Backend | None:
-        return self._handle.get()
-
-    def query(self, request: BlockRequest) -> Outcome:
-        backend = self._handle.get()
-        if backend is None:
-            return Outcome(0, f"backend {self._handle.label!r} is not open")
-        return backend.query(request)

@@ -84,18 +84,6 @@ def test_shared_handles_share_one_backend_closed_with_its_last_user() -> None:
     assert a.get() is None
 
 
-def test_a_lookup_only_role_answers_queries_and_a_closed_backend_as_a_failure() -> None:
-    handle = kvcore.BackendHandle(_Unreachable, retry_s=0)
-    lookups = handle.lookup_only()
-    request = kvcore.BlockRequest("q", ("k",), (("n",),), ("k",), deadline=1e12)
-    found = lookups.query(request)
-    assert found == 0 and "is not open" in (found.failure or "")
-    with kvcore.BackendHandle("memory") as opened:
-        backend = opened.open()
-        assert opened.lookup_only().query(backend.request("q", ["k1"])) == 0
-        assert not hasattr(opened.lookup_only(), "read") and not hasattr(lookups, "write")
-
-
 def test_on_open_runs_once_per_opened_backend_and_a_failing_one_is_a_failed_open() -> None:
     seen: list[kvcore.Backend] = []
     handle = kvcore.BackendHandle("memory", on_open=seen.append)
