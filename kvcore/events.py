@@ -41,15 +41,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Generic, TypeVar
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 
-from kvcore.keys import BlockId, ObjectName
-
-K = TypeVar("K")
-V = TypeVar("V")
+from kvcore.event_index import Announced, BlockChange, RankBlocks, StoreIndex
+from kvcore.event_types import (
+    CLEARED,
+    EVICTED,
+    KINDS,
+    LISTED,
+    LOCAL,
+    OBJECT_KINDS,
+    PEER,
+    REMOVED,
+    RESYNC,
+    STORED,
+    StoreEvent,
+)
+from kvcore.keys import ObjectName
 
 __all__ = [
     "CLEARED",
@@ -71,23 +80,6 @@ __all__ = [
     "Subscription",
 ]
 
-STORED = "stored"
-REMOVED = "removed"
-EVICTED = "evicted"
-CLEARED = "cleared"
-RESYNC = "resync"
-KINDS = (STORED, REMOVED, EVICTED, CLEARED, RESYNC)
-#: the kinds whose events name objects
-OBJECT_KINDS = frozenset((STORED, REMOVED, EVICTED))
-
-#: this opened backend made the change (its write, remove, clear or eviction)
-LOCAL = "local"
-#: another process or client sharing the store made it, as the backend observed
-PEER = "peer"
-#: not a change: the store held the object when the subscriber attached (or resynced), as its
-#: listing said (``subscribe(listing=True)``)
-LISTED = "listed"
-
 #: objects a subscriber's queue holds by default before it falls back to one ``resync``
 DEFAULT_QUEUE_OBJECTS = 1 << 20
 #: names in each ``listed`` event of a subscription's listing
@@ -96,56 +88,6 @@ LISTING_BATCH = 4096
 #: what a stream lists the store with: every object's name and identity (None where kvcore
 #: did not build the name), the store's content only (no digest kvcore keeps beside blocks)
 Lister = Callable[[], tuple[Sequence[str], Sequence["ObjectName | None"]]]
-
-
-@dataclass(frozen=True, slots=True)
-class StoreEvent:
-    """One change of a store.
-
-    :param seq: the stream's sequence number: one more than the event before it on the stream
-        (a subscriber sees increasing numbers; a ``resync`` marks where it lost events).
-    :param kind: ``stored``, ``removed``, ``evicted``, ``cleared`` or ``resync``.
-    :param namespace: the opened backend's namespace.
-    :param names: the objects' names (none for ``cleared`` and ``resync``).
-    :param sizes: each object's payload bytes (0 where unknown).
-    :param parts: each object's part (``k``, ``v``, ``sum``, ...; ``""`` for names kvcore did
-        not build, such as an engine's own).
-    :param weight_version: the weight version the names carry (``""`` for none).
-    :param origin: ``local`` (this opened backend), ``peer`` (another process sharing it), or
-        ``listed`` (a subscription's listing of what the store held: not a change).
-    :param time: wall-clock seconds when the event was published.
-    :param objects: each name's identity (:class:`kvcore.keys.ObjectName`; None for names
-        kvcore did not build), so a consumer never reads fields back from a name.
-
-    .. versionchanged:: 0.3 ``objects``.
-    """
-
-    seq: int
-    kind: str
-    namespace: str
-    names: tuple[str, ...] = ()
-    sizes: tuple[int, ...] = ()
-    parts: tuple[str, ...] = ()
-    weight_version: str = ""
-    origin: str = LOCAL
-    time: float = 0.0
-    objects: tuple[ObjectName | None, ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.objects) != len(self.names):
-            if self.objects:
-                raise ValueError(f"{len(self.objects)} identities for {len(self.names)} names")
-            # an event built by hand (0.3 code): its names are read once, here
-            object.__setattr__(self, "objects", tuple(ObjectName.parse(n) for n in self.names))
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``kvcore events`` prints one per line; the names stand for
-        their identities)."""
-        out = asdict(self)
-        del out["objects"]
-        for field in ("names", "sizes", "parts"):
-            out[field] = list(out[field])
-        return out
 
 
 class Subscription:
@@ -456,187 +398,3 @@ def _by_weight_version(
         version = "" if obj is None else obj.weight_version
         groups.setdefault(version, []).append((name, size, obj))
     return list(groups.items())
-
-
-class StoreIndex:
-    """The objects a store holds, built from its events alone: what a router keeps.
-
-    ``objects`` maps each name to its payload bytes. A ``cleared`` or ``resync`` event empties
-    the index (after a resync, what the store still holds is unknown: forgotten, not guessed).
-    """
-
-    def __init__(self) -> None:
-        self.objects: dict[str, int] = {}
-        self._identities: dict[str, ObjectName] = {}  # the names kvcore built, typed
-        self.last_seq = 0
-        self.resyncs = 0
-
-    def apply(self, event: StoreEvent) -> None:
-        kind = event.kind
-        if kind == STORED:
-            self.objects.update(zip(event.names, event.sizes, strict=True))
-            self._identities.update(
-                (n, o) for n, o in zip(event.names, event.objects, strict=True) if o is not None
-            )
-        elif kind in (REMOVED, EVICTED):
-            for name in event.names:
-                self.objects.pop(name, None)
-                self._identities.pop(name, None)
-        elif kind in (CLEARED, RESYNC):
-            self.objects.clear()
-            self._identities.clear()
-            self.resyncs += kind == RESYNC
-        self.last_seq = event.seq
-
-    def apply_all(self, events: Iterable[StoreEvent]) -> int:
-        """Apply ``events`` in order; returns how many."""
-        n = 0
-        for event in events:
-            self.apply(event)
-            n += 1
-        return n
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.objects
-
-    def __len__(self) -> int:
-        return len(self.objects)
-
-    def blocks(self, parts: Sequence[str] = ("k", "v")) -> set[tuple[str, str, int, int, str]]:
-        """Blocks whose every part in ``parts`` is held, as ``(namespace, block key, rank,
-        world size, weight version)`` (names kvcore built only)."""
-        seen: dict[BlockId, set[str]] = {}
-        for obj in self._identities.values():
-            seen.setdefault(obj.block, set()).add(obj.part)
-        want = set(parts)
-        return {block for block, have in seen.items() if want <= have}
-
-
-@dataclass(frozen=True, slots=True)
-class BlockChange:
-    """One block of one rank stored or gone, or everything gone (``kind`` is
-    :data:`CLEARED`, ``block_key`` empty): what a router's block events say.
-
-    .. versionadded:: 0.3
-    """
-
-    kind: str  # STORED, REMOVED (removed or evicted) or CLEARED (cleared, or a resync)
-    block_key: str
-
-
-class RankBlocks:
-    """A backend's object events as one rank's block events: the one place that groups them.
-
-    A block counts as stored once every one of ``parts`` of it is (objects of one block may
-    arrive in several events), and as gone when any part of it goes. Objects of other
-    namespaces, ranks and world sizes, other parts (kvcore's digests among them) and names
-    kvcore did not build are not this rank's blocks and are skipped; so are objects of
-    another ``weight_version`` when one is given (KV of other weights is never this engine's).
-    A clear or a resync ends every block (and forgets half-stored ones). At most
-    ``max_partial`` half-stored blocks are remembered, oldest forgotten first.
-
-    .. versionadded:: 0.3
-    .. versionchanged:: 0.3 ``weight_version``.
-    """
-
-    def __init__(
-        self,
-        namespace: str,
-        parts: Iterable[str],
-        rank: int,
-        world_size: int,
-        *,
-        max_partial: int = 200_000,
-        weight_version: str | None = None,
-    ) -> None:
-        self.namespace = namespace
-        self.weight_version = weight_version
-        self.parts = frozenset(parts)
-        self.rank, self.world_size = rank, world_size
-        self._max_partial = max_partial
-        self._partial: OrderedDict[str, set[str]] = OrderedDict()
-
-    def changes(self, event: StoreEvent) -> list[BlockChange]:
-        """The block changes ``event`` makes on this rank, in order."""
-        if event.kind in (CLEARED, RESYNC):
-            self._partial.clear()
-            return [BlockChange(CLEARED, "")]
-        out: list[BlockChange] = []
-        for parsed in event.objects:
-            if (
-                parsed is None
-                or parsed.part not in self.parts
-                or parsed.namespace != self.namespace
-                or (parsed.rank, parsed.world_size) != (self.rank, self.world_size)
-                or (
-                    self.weight_version is not None and parsed.weight_version != self.weight_version
-                )
-            ):
-                continue  # another rank's, a digest, another engine's
-            key = parsed.block_key
-            if event.kind == STORED:
-                have = self._partial.setdefault(key, set())
-                have.add(parsed.part)
-                if have == self.parts:  # every part of the block: stored on this rank
-                    del self._partial[key]
-                    out.append(BlockChange(STORED, key))
-                elif len(self._partial) > self._max_partial:
-                    self._partial.popitem(last=False)
-            else:
-                self._partial.pop(key, None)
-                out.append(BlockChange(REMOVED, key))
-        return out
-
-
-class Announced(Generic[K, V]):
-    """What an event publisher told its consumers is stored: the one place that decides what
-    it may tell of next.
-
-    A router that hears of a block leaving that it was never told of is confused at best (a
-    stricter index rejects the stream), and one told of a block twice double-counts it. So a
-    publisher announces a block once (:meth:`announce` of a key not ``in`` it), tells of a
-    removal only for a block it announced (:meth:`remove` answers what it was named, or None),
-    and on a clear every block it announced is gone (:meth:`clear`). It remembers at most
-    ``limit`` blocks: past that the oldest is withdrawn, and the publisher tells of its removal
-    (a router never keeps crediting a block the publisher no longer follows).
-
-    ``value`` is what the publisher named the block in its events (an engine's hash); never
-    None. Not thread-safe: the publisher holds its own lock.
-
-    .. versionadded:: 0.3
-    """
-
-    __slots__ = ("_items", "limit")
-
-    def __init__(self, limit: int = 200_000) -> None:
-        if limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
-        self.limit = limit
-        self._items: OrderedDict[K, V] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
-    def announce(self, key: K, value: V) -> list[V]:
-        """Record ``key`` as announced, named ``value``; returns what was withdrawn to keep
-        the bound (oldest first): the publisher tells of their removal."""
-        self._items[key] = value
-        self._items.move_to_end(key)
-        withdrawn = []
-        while len(self._items) > self.limit:
-            withdrawn.append(self._items.popitem(last=False)[1])
-        return withdrawn
-
-    def remove(self, key: K) -> V | None:
-        """What ``key`` was announced as, forgotten now; None when it was not announced (then
-        nothing is told)."""
-        return self._items.pop(key, None)
-
-    def clear(self) -> list[V]:
-        """Everything announced, forgotten now (oldest first)."""
-        out = list(self._items.values())
-        self._items.clear()
-        return out

@@ -35,21 +35,21 @@ does not build are answered not done: a caller refusing them, with its own reaso
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Hashable
+from typing import Any
 
+from kvcore import host_jobs as jobs
 from kvcore.backend import Backend
 from kvcore.errors import describe
 from kvcore.handles import BackendHandle
+from kvcore.host_jobs import COUNTERS, Fill, HostJob, HostResult, JobOp, Requests
 from kvcore.metrics import Metrics, OnceLogger
-from kvcore.requests import BlockRequest, FailureKind, HostBuffers, Outcome
+from kvcore.requests import FailureKind
 from kvcore.threads import QueueFullError, WorkerPool
 
 __all__ = [
@@ -63,126 +63,7 @@ __all__ = [
 
 log = logging.getLogger("kvcore.runner")
 
-#: What a job does: ``lookup`` (which blocks are stored), ``read``, ``write``, ``remove``.
-JobOp = Literal["lookup", "read", "write", "remove"]
-#: The requests of a job: one, several (run in order, their blocks answered in that order),
-#: or a function of the opened backend that builds them when the job runs.
-Requests = BlockRequest | Sequence[BlockRequest] | Callable[[Backend], Any]
-#: ``fill(request, admitted)``: the host buffers of the ``admitted`` leading blocks of
-#: ``request``, made once admission has answered (a refused block costs no copy).
-Fill = Callable[[BlockRequest, int], HostBuffers]
-
-#: The runner's counters, each kept per op (``<name>.<op>`` in :meth:`HostRunner.stats`,
-#: ``kvcore_host_<name>_total{op=...}`` in Prometheus): the one vocabulary of every adapter.
-COUNTERS = {
-    "jobs": "jobs answered (a synchronous call is a job too)",
-    "blocks": "blocks asked",
-    "blocks_done": "blocks found (lookup), read, stored (write) or removed",
-    "blocks_refused": "blocks the store's admission policy did not take: not written, no failure",
-    "blocks_failed": "blocks not done because something failed (not because they are absent)",
-    "bytes": "bytes read or written",
-    "failures": "jobs that ended with a failure (their blocks not done are blocks_failed)",
-    "deadline_missed": "jobs whose deadline passed before they ended (a counted miss)",
-    "dropped": "jobs not run because their lane's queue was full",
-    "cancelled": "jobs cancelled, or still queued when the runner closed",
-    "unavailable": "jobs answered as misses because the store was not open",
-    "errors": "jobs whose requests could not be built, or whose callback raised",
-}
-
 _READ_LANE = ("lookup", "read")
-
-
-@dataclass(frozen=True, slots=True)
-class HostResult:
-    """The answer to one job: per block, in the order of the job's requests.
-
-    :param done: whether each block was found (lookup), read, stored (write) or removed.
-    :param refused: whether each block was refused by the store's admission policy (writes;
-        a refused block is not written, and not a failure).
-    :param failure: why blocks fell short because something failed (None: those not done are
-        absent); ``kind`` is its :class:`kvcore.FailureKind`.
-    :param requests: the requests the job ran (none when it never ran: dropped, cancelled,
-        the store not open).
-
-    .. versionadded:: 0.3
-    """
-
-    job_id: Hashable
-    op: JobOp
-    done: tuple[bool, ...]
-    refused: tuple[bool, ...] = ()
-    failure: str | None = None
-    kind: FailureKind | None = None
-    seconds: float = 0.0
-    bytes: int = 0
-    tag: Any = None
-    requests: tuple[BlockRequest, ...] = field(default=(), repr=False)
-
-    @property
-    def blocks(self) -> int:
-        return len(self.done)
-
-    @property
-    def count(self) -> int:
-        """Blocks done (anywhere in the job)."""
-        return sum(self.done)
-
-    @property
-    def leading(self) -> int:
-        """Blocks done from the first on, up to the first that is not."""
-        for i, ok in enumerate(self.done):
-            if not ok:
-                return i
-        return len(self.done)
-
-    @property
-    def refused_count(self) -> int:
-        return sum(self.refused)
-
-    @property
-    def handled(self) -> tuple[bool, ...]:
-        """Per block: done, or refused by admission (nothing for the engine to retry)."""
-        if not self.refused:
-            return self.done
-        return tuple(d or r for d, r in zip(self.done, self.refused, strict=True))
-
-    @property
-    def ok(self) -> bool:
-        """Every block done or refused, and nothing failed."""
-        return self.failure is None and all(self.handled)
-
-    @property
-    def outcome(self) -> Outcome:
-        """The leading run as the facade's :class:`kvcore.Outcome` (with the failure)."""
-        return Outcome(self.leading, self.failure, self.kind)
-
-
-@dataclass(slots=True)
-class _Part:
-    """What one request of a job came to."""
-
-    done: list[bool]
-    refused: list[bool]
-    failure: str | None = None
-    kind: FailureKind | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _Job:
-    job_id: Hashable
-    op: JobOp
-    requests: Requests
-    blocks: int | None
-    deadline: float | None
-    each: bool = False
-    admit: bool = True
-    fill: Fill | None = None
-    tag: Any = None
-    on_done: Callable[[HostResult], object] | None = None
-    submitted: float = 0.0
-    cancelled: bool = False
-    #: run on the caller's thread (strict mode lets its exceptions reach the caller)
-    sync: bool = False
 
 
 class HostRunner:
@@ -243,7 +124,7 @@ class HostRunner:
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._lanes: dict[str, WorkerPool] = {}
-        self._queued: dict[Hashable, _Job] = {}  # submitted, not yet started
+        self._queued: dict[Hashable, HostJob] = {}  # submitted, not yet started
         self._running = 0
         self._finished: deque[HostResult] = deque()
         self._closed = False
@@ -362,7 +243,7 @@ class HostRunner:
         if timeout is None:
             backend = self.opened
             timeout = backend.config.default_timeout_s if backend is not None else None
-        job = _Job(
+        job = HostJob(
             job_id=next(self._ids) if job_id is None else job_id,
             op=op,
             requests=requests,
@@ -476,7 +357,7 @@ class HostRunner:
         admit: bool = True,
         fill: Fill | None = None,
     ) -> HostResult:
-        job = _Job(
+        job = HostJob(
             job_id=None,
             op=op,
             requests=requests,
@@ -488,11 +369,9 @@ class HostRunner:
             submitted=time.monotonic(),
             sync=True,
         )
-        result = self._execute(job)
-        self._count(result, job)
-        return result
+        return self._execute(job)
 
-    def _run_queued(self, job: _Job) -> None:
+    def _run_queued(self, job: HostJob) -> None:
         with self._lock:
             self._queued.pop(job.job_id, None)
             self._running += 1
@@ -505,7 +384,6 @@ class HostRunner:
                 )
             else:
                 result = self._execute(job)
-                self._count(result, job)
             self._answer(job, result)
         except Exception as exc:  # strict mode's raise: a job is answered all the same
             log.exception("kvcore runner %r: a %s job failed", self.name, job.op)
@@ -515,7 +393,7 @@ class HostRunner:
                 self._running -= 1
                 self._lock.notify_all()
 
-    def _answer(self, job: _Job, result: HostResult) -> None:
+    def _answer(self, job: HostJob, result: HostResult) -> None:
         """Hand ``result`` to the job's callback, or to :meth:`get_finished`."""
         if job.on_done is None:
             with self._lock:
@@ -536,205 +414,39 @@ class HostRunner:
                 exc_info=exc,
             )
 
-    def _unrun(self, job: _Job, why: str, counter: str) -> HostResult:
+    def _unrun(self, job: HostJob, why: str, counter: str) -> HostResult:
         """The answer of a job that never ran: every block failed, counted under ``counter``."""
-        n = self._known_blocks(job)
         kind = FailureKind.DEADLINE if counter == "deadline_missed" else FailureKind.BACKEND_ERROR
-        result = HostResult(job.job_id, job.op, (False,) * n, failure=why, kind=kind, tag=job.tag)
-        self.metrics.add(job.op, jobs=1, blocks=n, blocks_failed=n, failures=1, **{counter: 1})
+        result = jobs.unrun(job, why, kind)
+        jobs.count(self.metrics, job, result, **{counter: 1})
         return result
 
-    @staticmethod
-    def _known_blocks(job: _Job) -> int:
-        if job.blocks is not None:
-            return job.blocks
-        requests = job.requests
-        if isinstance(requests, BlockRequest):
-            return requests.num_blocks
-        if callable(requests):
-            return 0
-        return sum(r.num_blocks for r in requests)
-
-    def _execute(self, job: _Job) -> HostResult:
-        """Run ``job``'s requests in order on this thread (uncounted: see :meth:`_count`)."""
-        t0 = time.monotonic()
+    def _execute(self, job: HostJob) -> HostResult:
+        """Run ``job`` on this thread and count it."""
         backend = self.backend
         if backend is None:
-            why = "the store is not open (tried again on its handle's schedule)"
-            return self._failed(job, why, t0, "unavailable")
-        try:
-            requests = self._requests(job, backend)
-        except Exception as exc:
-            if job.sync or backend.strict:
-                raise  # the caller's own input: its error is the caller's to see
-            self._failures.warning(
-                (job.op, "build", type(exc)),
-                "kvcore runner %r: a %s job's requests could not be built: %s (further errors "
-                "of this kind are logged at debug level)",
-                self.name,
-                job.op,
-                describe(exc),
-                exc_info=exc,
+            result = jobs.unrun(
+                job,
+                "the store is not open (tried again on its handle's schedule)",
+                FailureKind.BACKEND_ERROR,
             )
-            return self._failed(job, describe(exc), t0, "errors")
-        parts: list[_Part] = []
-        for request in requests:
-            try:
-                parts.append(self._one(backend, job, request))
-            except Exception as exc:  # a door check (a malformed request), a fill that raised
-                if job.sync or backend.strict:
-                    raise  # the caller's own input: its error is the caller's to see
-                n = request.num_blocks
-                self._failures.warning(
-                    (job.op, "call", type(exc)),
-                    "kvcore runner %r: a %s call raised %s (task %r; further errors of this "
-                    "kind are logged at debug level)",
-                    self.name,
-                    job.op,
-                    describe(exc),
-                    request.task_id,
-                    exc_info=exc,
-                )
-                self.metrics.add(job.op, errors=1)
-                parts.append(
-                    _Part([False] * n, [False] * n, describe(exc), FailureKind.BACKEND_ERROR)
-                )
-        missing = (job.blocks or 0) - sum(r.num_blocks for r in requests)
-        if missing > 0:  # the caller built fewer blocks than it announced: it refused them
-            parts.append(_Part([False] * missing, [False] * missing))
-        done = tuple(ok for p in parts for ok in p.done)
-        refused = tuple(r for p in parts for r in p.refused) if job.op == "write" else ()
-        failed = next((p for p in parts if p.failure is not None), None)
-        moved = 0
-        if job.op in ("read", "write"):
-            for request, part in zip(requests, parts[: len(requests)], strict=True):
-                if request.host is not None:
-                    moved += sum(part.done) * sum(request.host.nbytes)
-        return HostResult(
-            job.job_id,
-            job.op,
-            done,
-            refused,
-            failure=None if failed is None else failed.failure,
-            kind=None if failed is None else failed.kind,
-            seconds=time.monotonic() - t0,
-            bytes=moved,
-            tag=job.tag,
-            requests=tuple(requests),
+            jobs.count(self.metrics, job, result, unavailable=1)
+            return result
+        result = jobs.run(job, backend, self._report)
+        jobs.count(self.metrics, job, result)
+        return result
+
+    def _report(self, op: str, what: str, exc: Exception, task_id: str | None) -> None:
+        """A job's own error: logged once per kind, counted (``errors``)."""
+        self.metrics.add(op, errors=1)
+        self._failures.warning(
+            (op, what, type(exc)),
+            "kvcore runner %r: a %s job's %s: %s%s (further errors of this kind are logged "
+            "at debug level)",
+            self.name,
+            op,
+            what,
+            describe(exc),
+            "" if task_id is None else f" (task {task_id!r})",
+            exc_info=exc,
         )
-
-    def _failed(self, job: _Job, why: str, t0: float, counter: str) -> HostResult:
-        """A job that could not run its requests (no store, no requests)."""
-        self.metrics.add(job.op, **{counter: 1})
-        n = self._known_blocks(job)
-        return HostResult(
-            job.job_id,
-            job.op,
-            (False,) * n,
-            (False,) * n if job.op == "write" else (),
-            failure=why,
-            kind=FailureKind.BACKEND_ERROR,
-            seconds=time.monotonic() - t0,
-            tag=job.tag,
-        )
-
-    def _requests(self, job: _Job, backend: Backend) -> list[BlockRequest]:
-        built = job.requests(backend) if callable(job.requests) else job.requests
-        requests = [built] if isinstance(built, BlockRequest) else list(built)
-        if job.deadline is not None:  # a submitted job: its deadline runs from submission
-            requests = [
-                r if r.deadline <= job.deadline else dataclasses.replace(r, deadline=job.deadline)
-                for r in requests
-            ]
-        return requests
-
-    def _one(self, backend: Backend, job: _Job, request: BlockRequest) -> _Part:
-        """One request of a job, as the job's op and options say."""
-        n = request.num_blocks
-        if n == 0:
-            return _Part([], [])
-        op = job.op
-        if op == "lookup":
-            if job.each:
-                presence = backend.contains(request)
-                return _Part(list(presence.found), [False] * n, presence.failure, presence.kind)
-            return _leading(backend.query(request), n)
-        if op == "remove":
-            return _leading(backend.remove(request), n)
-        if op == "read":
-            if job.each:
-                return _each_block(request, 0, n, backend.read)
-            return _leading(backend.read(request), n)
-        if job.fill is None and not job.each:  # the one call that asks, then writes
-            written = backend.write(request, admit=job.admit)
-            part = _leading(written, n - written.refused)
-        else:  # admission first; then the admitted run is filled, or written block by block
-            admitted = int(backend.admit(request)) if job.admit else n
-            if admitted == 0:
-                return _Part([False] * n, [True] * n)
-            host = request.host
-            if job.fill is not None:
-                host = job.fill(request, admitted)
-            elif host is not None and admitted < n:
-                host = host.slice(0, admitted)
-            if admitted < n or host is not request.host:
-                request = request.slice(0, admitted, host=host)
-            if job.each:
-                part = _each_block(request, 0, admitted, backend.write)
-            else:
-                part = _leading(backend.write(request), admitted)
-        refused = n - len(part.done)
-        part.done.extend([False] * refused)
-        part.refused.extend([True] * refused)
-        return part
-
-    def _count(self, result: HostResult, job: _Job) -> None:
-        """One job's counters and latency (the vocabulary of :data:`COUNTERS`)."""
-        n = result.blocks
-        done = result.count
-        refused = result.refused_count
-        late = result.kind is FailureKind.DEADLINE or (
-            job.deadline is not None and time.monotonic() > job.deadline
-        )
-        counts = {
-            "jobs": 1,
-            "blocks": n,
-            "blocks_done": done,
-            "bytes": result.bytes,
-            "failures": int(result.failure is not None),
-            "blocks_failed": n - done - refused if result.failure is not None else 0,
-            "deadline_missed": int(late),
-        }
-        if refused:
-            counts["blocks_refused"] = refused
-        self.metrics.observe(job.op, result.seconds, **counts)
-
-
-def _leading(outcome: Outcome, n: int) -> _Part:
-    """A leading-run answer as per-block flags."""
-    got = int(outcome)
-    done = [True] * got + [False] * (n - got)
-    return _Part(done, [False] * n, outcome.failure, outcome.kind)
-
-
-def _each_block(
-    request: BlockRequest, lo: int, hi: int, call: Callable[[BlockRequest], Outcome]
-) -> _Part:
-    """Blocks ``lo .. hi - 1`` of ``request`` one by one where they must be: ``call`` (a
-    leading-run read or write) takes the rest of the run; after a short answer the block it
-    stopped at is failed and the call goes on from the next, until the deadline passes."""
-    done: list[bool] = []
-    failure: str | None = None
-    kind: FailureKind | None = None
-    while lo + len(done) < hi:
-        at = lo + len(done)
-        host = None if request.host is None else request.host.slice(at, hi)
-        got = call(request.slice(at, hi, host=host))
-        done.extend([True] * int(got))
-        if got.failure is not None and failure is None:
-            failure, kind = got.failure, got.kind
-        if lo + len(done) < hi:
-            done.append(False)
-            if got.kind is FailureKind.DEADLINE:
-                done.extend([False] * (hi - lo - len(done)))
-    return _Part(done, [False] * len(done), failure, kind)
