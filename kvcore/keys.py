@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -229,6 +230,27 @@ class NameRows(Sequence[tuple[str, ...]]):
     def column(self, part: int) -> list[str]:
         """Every block's name of part ``part`` (index into the request's ``parts``)."""
         return self._columns[part]
+
+    def take(self, indices: Sequence[int]) -> NameRows:
+        """The rows at block ``indices`` (in that order; negative ones count from the end),
+        keeping the names' identity: what a caller that keeps some blocks of a request (the
+        ones not cancelled, the ones to undo) builds instead of plain rows, so the identity
+        is never read back from the text below it. Lazy, like a slice: no row tuples.
+
+        :raises IndexError: an index outside the rows.
+
+        .. versionadded:: 0.3
+        """
+        n = self._n
+        picked = [operator.index(i) for i in indices]
+        for i in picked:
+            if not -n <= i < n:
+                raise IndexError(f"block index {i} out of range for {n} rows")
+        rows = NameRows([[c[i] for i in picked] for c in self._columns], len(picked))
+        if self._keys is not None:
+            keys = self._keys
+            rows._origin, rows._keys = self._origin, tuple(keys[i] for i in picked)
+        return rows
 
     @property
     def typed(self) -> bool:

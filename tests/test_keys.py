@@ -9,7 +9,16 @@ import sys
 
 import pytest
 
-from kvcore.keys import KeyScope, block_hashes, name_columns, object_name, object_names, root_hash
+from kvcore.keys import (
+    KeyScope,
+    NameRows,
+    ObjectName,
+    block_hashes,
+    name_columns,
+    object_name,
+    object_names,
+    root_hash,
+)
 
 TOKENS = list(range(1000, 1000 + 70))
 
@@ -94,3 +103,48 @@ def test_name_columns_of_kvcore_names_and_of_plain_rows() -> None:
     assert [list(c) for c in name_columns(rows, 2)] == want  # built by other code
     assert [list(c) for c in name_columns(names[1:], 2)] == [w[1:] for w in want]
     assert name_columns((), 2) == [[], []]
+
+
+def _typed(n: int = 5) -> NameRows:
+    keys = [f"key{i}" for i in range(n)]
+    return object_names(keys, ["k", "v"], namespace="ns", rank=1, world_size=2, weight_version="w3")
+
+
+def test_take_keeps_the_identity_of_the_rows_it_takes() -> None:
+    names = _typed()
+    taken = names.take([3, 0, -1])
+    assert isinstance(taken, NameRows) and taken.typed
+    assert list(taken) == [names[3], names[0], names[4]]
+    assert taken.identity(0, 1) == ObjectName("ns", "key3", "v", 1, 2, "w3")
+    assert taken.identity(0, 1).format() == taken[0][1]  # the identity names the same object
+    assert taken.blocks() == [names.blocks()[i] for i in (3, 0, 4)]
+    assert taken.with_parts(["sum"]) == names.with_parts(["sum"]).take([3, 0, 4])
+    assert taken.column(0) == [names[i][0] for i in (3, 0, 4)]
+
+
+def test_take_and_slicing_compose() -> None:
+    names = _typed(8)
+    assert names[2:7].take([0, 2, 4]) == names.take([2, 4, 6])
+    assert names.take([6, 5, 4, 3])[1:3] == names.take([5, 4])
+    assert names[::2].take(range(4)).typed
+    assert names.take([1, 3, 5])[1:].identity(1, 0) == names.identity(5, 0)
+
+
+def test_take_of_nothing_and_of_plain_names() -> None:
+    names = _typed()
+    empty = names.take([])
+    assert len(empty) == 0 and list(empty) == [] and empty.typed
+    assert empty.blocks() == []
+    plain = NameRows([["a", "b", "c"]], 3)  # built otherwise: no identity to keep
+    assert list(plain.take([2, 0])) == [("c",), ("a",)]
+    assert not plain.take([2, 0]).typed and plain.take([1]).identity(0, 0) is None
+    no_parts = NameRows([], 3)  # a request of tokens only
+    assert list(no_parts.take([0, 2])) == [(), ()]
+
+
+@pytest.mark.parametrize("index", [5, -6, 100])
+def test_take_of_a_row_that_is_not_there_raises(index: int) -> None:
+    with pytest.raises(IndexError, match=f"block index {index} out of range for 5 rows"):
+        _typed().take([0, index])
+    with pytest.raises(IndexError):
+        NameRows([], 5).take([index])

@@ -20,18 +20,22 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import kvcore
 from kv_tiered.bounded import BoundedCalls, Missed
+from kv_tiered.names import is_kvcore_name, rows_of_blocks
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers
 from kvcore.evictions import Objects
-from kvcore.keys import ObjectName
+from kvcore.keys import BlockId, ObjectName
 
 __all__ = ["EvictionHandDown"]
 
 log = logging.getLogger("kvcore.tiered")
+
+#: one block's objects handed over: its BlockId (or ``("", name)`` for an object under a name
+#: kvcore did not build), and each part's name and bytes
+_Block = tuple[BlockId | tuple[str, str], dict[str, tuple[str, memoryview]]]
 
 
 class EvictionHandDown:
@@ -114,35 +118,46 @@ class EvictionHandDown:
         layout's part order, in buffers of their own (an abandoned write may still read
         them after the eviction returned)."""
         layout_parts = self._layout_parts
-        blocks: dict[tuple[Any, ...], dict[str, tuple[str, memoryview]]] = {}
+        # a block of kvcore's names (its BlockId), or an object under any other name alone
+        blocks: dict[BlockId | tuple[str, str], dict[str, tuple[str, memoryview]]] = {}
         namespace = self._tiers.context.namespace
         for name, payload in objects:
             fields = ObjectName.parse(name)  # the hand-over names objects as text
-            if fields is None or fields.namespace != namespace:  # not kvcore's name here
-                blocks[("", name)] = {"": (name, payload)}
+            if fields is None or not is_kvcore_name(name, fields, namespace):
+                blocks[("", name)] = {"": (name, payload)}  # not kvcore's name here
                 continue
-            key = (fields.block_key, fields.rank, fields.world_size, fields.weight_version)
-            blocks.setdefault(key, {})[fields.part] = (name, payload)
-        by_parts: dict[tuple[str, ...], list[tuple[str, dict[str, tuple[str, memoryview]]]]] = {}
-        for key, block_parts in blocks.items():
+            blocks.setdefault(fields.block, {})[fields.part] = (name, payload)
+        # one request per set of parts and scope (rank, world size, weight version): its rows
+        # are then typed names, the ones kvcore builds, and the tier below finds the digests
+        # beside them by their identity, as it does for the stack's own requests
+        by_parts: dict[tuple[tuple[str, ...], tuple[object, ...]], list[_Block]] = {}
+        for block, block_parts in blocks.items():
             order = [p for p in layout_parts if p in block_parts]
             if len(order) != len(block_parts):
                 order = sorted(block_parts)  # parts outside the layout: in a stable order
-            by_parts.setdefault(tuple(order), []).append((key[0], block_parts))
+            scope = block[2:]  # () for an object under another name
+            by_parts.setdefault((tuple(order), scope), []).append((block, block_parts))
         requests: list[tuple[BlockRequest, list[list[bytearray]]]] = []
-        for parts, rows in by_parts.items():
+        for (parts, _), rows in by_parts.items():
             payloads = [[rows_parts[p][1] for p in parts] for _, rows_parts in rows]
             sizes = tuple(len(v) for v in payloads[0])
             if any(tuple(len(v) for v in row) != sizes for row in payloads):
                 for one in rows:  # blocks of other sizes: a request each
                     requests += self._requests([one[1][p] for p in parts], deadline)
                 continue
+            keyed = [b for b, _ in rows if isinstance(b, BlockId)]
+            if len(keyed) == len(rows):  # kvcore's names, text for text the ones handed over
+                names: Sequence[tuple[str, ...]] = rows_of_blocks(keyed, parts)
+                keys = tuple(b.block_key for b in keyed)
+            else:  # other names: no identity to give them (their digests are their own)
+                names = tuple(tuple(r[p][0] for p in parts) for _, r in rows)
+                keys = ()
             buffers = [[bytearray(v) for v in row] for row in payloads]
             requests.append((
                 BlockRequest(
                     task_id="tiered-evicted",
-                    block_keys=tuple(k for k, _ in rows) if all(k for k, _ in rows) else (),
-                    object_names=tuple(tuple(r[p][0] for p in parts) for _, r in rows),
+                    block_keys=keys,
+                    object_names=names,
                     parts=parts,
                     deadline=deadline,
                     host=HostBuffers(

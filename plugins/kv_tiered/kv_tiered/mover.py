@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import kvcore
 from kv_tiered.activity import Activity
 from kv_tiered.buffers import Region, own_buffers
+from kv_tiered.names import take
 from kv_tiered.peers import PeerChanges
 from kvcore import BlockRequest, HostBuffers
 from kvcore.threads import start_thread
@@ -133,18 +134,7 @@ class Mover:
                         host, region = payload
                         kept_ptrs = tuple(host.ptrs[i] for i in keep)
                         payload = (HostBuffers(kept_ptrs, host.nbytes), region)
-                    copy = replace(
-                        copy,
-                        payload=payload,
-                        request=replace(
-                            request,
-                            block_keys=tuple(request.block_keys[i] for i in keep)
-                            if request.block_keys
-                            else (),
-                            object_names=tuple(rows[i] for i in keep),
-                            num_blocks=len(keep),
-                        ),
-                    )
+                    copy = replace(copy, payload=payload, request=take(request, keep))
                 kept.append(copy)
             self._queue = kept
             while self._active:
@@ -263,18 +253,7 @@ class Mover:
             still = int(self._tiers[copy.source].query(part))
             gone = list(range(still, got))
         if gone:
-            undo = _rows(part, gone)
+            undo = take(part, gone)
             for target in copy.targets:
                 self._tiers[target].remove(undo)
             self._counters.add(f"{kind}_undone_blocks", len(gone))
-
-
-def _rows(request: BlockRequest, rows: list[int]) -> BlockRequest:
-    """``request`` with only the blocks ``rows`` (names only, no buffers)."""
-    return replace(
-        request,
-        block_keys=tuple(request.block_keys[i] for i in rows) if request.block_keys else (),
-        object_names=tuple(request.object_names[i] for i in rows),
-        num_blocks=len(rows),
-        host=None,
-    )

@@ -23,9 +23,11 @@ import time
 from collections import OrderedDict, deque
 
 import kvcore
+from kv_tiered.names import single_part_rows
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest
 from kvcore import events as ev
+from kvcore.keys import ObjectName
 
 __all__ = ["PeerChanges"]
 
@@ -159,7 +161,8 @@ class PeerChanges:
     def _apply(self, below: int, events: list[ev.StoreEvent]) -> None:
         tiers = self._tiers
         private = [tiers[i] for i in range(below) if not tiers[i].capabilities.shared]
-        gone: dict[str, list[str]] = {}
+        #: part -> the removed objects of that part (names, and each one's identity)
+        gone: dict[str, tuple[list[str], list[ObjectName | None]]] = {}
         wipe = False
         removed = self._removed
         has_lower = below < len(tiers) - 1
@@ -169,8 +172,12 @@ class PeerChanges:
             if event.kind in (ev.CLEARED, ev.RESYNC):
                 wipe = True
             elif event.kind == ev.REMOVED:
-                for name, part in zip(event.names, event.parts, strict=True):
-                    gone.setdefault(part, []).append(name)
+                for name, part, identity in zip(
+                    event.names, event.parts, event.objects, strict=True
+                ):
+                    names, identities = gone.setdefault(part, ([], []))
+                    names.append(name)
+                    identities.append(identity)
                     if has_lower:
                         removed[name] = None
             elif event.kind == ev.STORED:  # stored again by a peer: its copies are good
@@ -179,20 +186,23 @@ class PeerChanges:
         while len(removed) > FOLLOW_QUEUE_OBJECTS:
             removed.popitem(last=False)
         if wipe or gone:
-            self._log_removal(None if wipe else frozenset(n for v in gone.values() for n in v))
+            self._log_removal(None if wipe else frozenset(n for v, _ in gone.values() for n in v))
         for tier in private:
             if wipe:
                 tier.clear()
                 continue
-            for part, names in gone.items():
-                tier.remove(
-                    BlockRequest(
-                        task_id="tiered-invalidate",
-                        block_keys=(),
-                        object_names=tuple((n,) for n in names),
-                        parts=(part,),
-                        deadline=time.monotonic() + self._timeout_s,
-                        num_blocks=len(names),
+            for part, (names, identities) in gone.items():
+                # typed where the event knew the names' identity: the private tier's digests
+                # of those blocks are found by it, and go with them
+                for rows in single_part_rows(part, names, identities):
+                    tier.remove(
+                        BlockRequest(
+                            task_id="tiered-invalidate",
+                            block_keys=(),
+                            object_names=rows,
+                            parts=(part,),
+                            deadline=time.monotonic() + self._timeout_s,
+                            num_blocks=len(rows),
+                        )
                     )
-                )
-        self._counters.add("invalidations", sum(len(v) for v in gone.values()) + wipe)
+        self._counters.add("invalidations", sum(len(v) for v, _ in gone.values()) + wipe)

@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from kv_tiered.names import single_part_rows
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest
 from kvcore import events as ev
+from kvcore.keys import ObjectName
 from kvcore.threads import start_thread
 
 __all__ = ["StackEvictions"]
@@ -73,18 +75,23 @@ class StackEvictions:
             return
         left = [
             (name, size, part)
-            for name, size, part in zip(event.names, event.sizes, event.parts, strict=True)
-            if not self._held_above(name, part)
+            for name, size, part, identity in zip(
+                event.names, event.sizes, event.parts, event.objects, strict=True
+            )
+            if not self._held_above(name, part, identity)
         ]
         if left:
             self._report(ev.EVICTED, [n for n, _, _ in left], [s for _, s, _ in left], event.origin)
 
-    def _held_above(self, name: str, part: str) -> bool:
+    def _held_above(self, name: str, part: str, identity: ObjectName | None) -> bool:
         """Whether a tier above the last one holds the object ``name``."""
+        # typed when the event knew its identity: a tier that keeps digests beside its blocks
+        # (kvcore.integrity) finds this object's by it, and holds the object only with them
+        (rows,) = single_part_rows(part, [name], [identity])
         request = BlockRequest(
             task_id="tiered-events",
             block_keys=(),
-            object_names=((name,),),
+            object_names=rows,
             parts=(part,),
             deadline=time.monotonic() + self._timeout_s,
             num_blocks=1,
