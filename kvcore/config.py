@@ -4,13 +4,16 @@
 alike; ``EnvConfig`` adds environment overrides (``<env_prefix><FIELD>`` variables, errors that
 name the variable), ``BackendConfig`` is every backend's config base, ``timeout_field`` and
 ``interval_field`` declare durations, ``parse_config_arg`` reads a config given on a command line.
-``kvcore.schemas`` re-exports all of them.
+``kvcore.schemas`` re-exports all of them. ``EngineBackendSettings`` is the base of an engine
+adapter's settings (the backend it opens by name, its config, the namespace, the reopen
+interval), and ``check_namespace`` the one rule a namespace follows.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import typing
 from collections.abc import Mapping
@@ -30,10 +33,13 @@ from pydantic_settings import EnvSettingsSource
 from typing_extensions import Self
 
 __all__ = [
+    "MAX_NAMESPACE_CHARS",
     "MAX_TIMEOUT_S",
     "BackendConfig",
+    "EngineBackendSettings",
     "EnvConfig",
     "StrictModel",
+    "check_namespace",
     "interval_field",
     "parse_config_arg",
     "timeout_field",
@@ -276,3 +282,101 @@ class BackendConfig(EnvConfig):
     default_timeout_s: float = timeout_field(
         5.0, "deadline of a call whose request has none; the transfer manager's task default"
     )
+
+
+#: The longest namespace: one directory name (kv_file keeps a namespace in a directory of that
+#: name), with room left in a path.
+#:
+#: .. versionadded:: 0.3
+MAX_NAMESPACE_CHARS = 128
+
+# a letter, digit or '_' first (no '.', '..' or an option-like '-'), then those and '.', '-'
+_NAMESPACE_RE = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_NAMESPACE_CHARS - 1}}}")
+
+
+def check_namespace(value: str, field: str = "namespace") -> str:
+    """``value`` if every backend takes it as a namespace: 1-128 characters from
+    ``[A-Za-z0-9._-]``, not starting with ``.`` or ``-``. That is kv_file's rule, the strictest
+    (a namespace becomes one directory name there, so it must never leave the store's root:
+    no ``/``, no ``..``); a key-value store (Mooncake) takes any of them as a key prefix.
+
+    :raises ValueError: naming ``field``.
+
+    .. versionadded:: 0.3
+    """
+    if not isinstance(value, str) or not _NAMESPACE_RE.fullmatch(value):
+        raise ValueError(
+            f"{field} {value!r} must be 1-{MAX_NAMESPACE_CHARS} characters from "
+            "[A-Za-z0-9._-], not starting with '.' or '-'"
+        )
+    return value
+
+
+class EngineBackendSettings(StrictModel):
+    """Base of an engine adapter's settings: the kvcore backend it opens by name, that
+    backend's config, the namespace its objects are named in, and how often a backend that
+    could not be opened is tried again. Each adapter extends it with its own fields, and
+    redeclares a field whose default differs (a default backend, its own namespace); the
+    rules here (a named backend, one namespace rule, a config read once) hold for every
+    subclass, since they are validators, not the field's declaration.
+
+    Frozen: settings are read once, where the engine hands them over, and shared.
+
+    .. versionadded:: 0.3
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(
+        description="kvcore backend name (an entry point of kvcore.backends: file, mooncake, "
+        "memory, tiered, ...)"
+    )
+    backend_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the backend's own config: an object, or a JSON string or the path of a "
+        "JSON file (read once, here); validated by the backend, whose KVCORE_<BACKEND>_<FIELD> "
+        "variables override it",
+    )
+    namespace: str = Field(
+        default="default",
+        description="leading part of every object's name: engines share what they store only "
+        "within one namespace",
+    )
+    reopen_interval_s: float = interval_field(
+        30.0,
+        "a backend that cannot be opened (a server not up yet) does not stop the engine: every "
+        "call is a miss until it opens, tried again after this long (0: never)",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("backend must name a kvcore backend (file, mooncake, ...)")
+        return value
+
+    @field_validator("backend_config", mode="before")
+    @classmethod
+    def _backend_config(cls, value: Any) -> Any:
+        """A string is read the way :func:`kvcore.open_backend` reads one (inline JSON or a
+        JSON file), once: a bad one fails here, naming this field, instead of at each open."""
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            return parse_config_arg(value)  # its ValueError says which of the two went wrong
+        if isinstance(value, Mapping):
+            return dict(value)
+        return value  # anything else: pydantic says it is not an object
+
+    @field_validator("reopen_interval_s", mode="before")
+    @classmethod
+    def _interval_is_a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # Python's bool is an int: `true` is no interval
+            raise ValueError("must be a number of seconds, not a boolean")
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str | None) -> str | None:
+        # None only where a subclass makes the namespace optional (derived later)
+        return None if value is None else check_namespace(value)

@@ -19,14 +19,20 @@ defaults, so the switch changes one argument and nothing else.
 ``KVCORE_FASTDEPLOY_BACKEND_CONFIG`` (inline JSON or a JSON file) adds or overrides backend
 config fields for any backend; each backend's own ``KVCORE_<BACKEND>_<FIELD>`` variables still
 win over everything, as everywhere in kvcore.
+
+:class:`FastDeploySettings` gathers all of it (the argument, FastDeploy's model id, the
+variables) into kvcore's settings of an engine's backend, validated once.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field, ValidationError
+
+from kvcore.config import EngineBackendSettings
 from kvcore.schemas import parse_config_arg
 
 __all__ = [
@@ -36,6 +42,7 @@ __all__ = [
     "FASTDEPLOY_MOONCAKE_ENV",
     "REOPEN_ENV",
     "VERIFY_BLOCKS_ENV",
+    "FastDeploySettings",
     "fastdeploy_backend_config",
     "parse_backend_spec",
     "reopen_interval_setting",
@@ -165,3 +172,66 @@ def _mooncake_config(env: Mapping[str, str], tp_rank: int) -> dict[str, Any]:
     elif not devices and config["protocol"] == "rdma":
         config["rdma_devices"] = "auto"  # FastDeploy discovers the NICs when none are named
     return config
+
+
+class FastDeploySettings(EngineBackendSettings):
+    """The kvcore side of ``--kvcache-storage-backend kvcore:<name>``, from FastDeploy's
+    argument, its model id and its environment (:meth:`from_environment`): the backend, its
+    config (:func:`fastdeploy_backend_config`), the namespace, :data:`REOPEN_ENV` and
+    :data:`VERIFY_BLOCKS_ENV`.
+
+    .. versionadded:: 0.3
+    """
+
+    namespace: str = Field(
+        description="FastDeploy's model id (its file store's subdirectory); the store's "
+        "namespace adds the TP degree and the cache's format to it"
+    )
+    verify_blocks: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="digests beside every object of a backend without checksums (auto), or "
+        "none (never: FastDeploy's own stores write beside kvcore); see kvcore.integrity",
+    )
+
+    @classmethod
+    def from_environment(
+        cls,
+        spec: str,
+        *,
+        namespace: str,
+        tp_rank: int = 0,
+        config: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> FastDeploySettings:
+        """The settings of backend ``spec`` (``kvcore:<name>``) for rank ``tp_rank`` of model
+        ``namespace``: the backend config FastDeploy's environment implies, updated by
+        ``config``.
+
+        :raises ValueError: naming the argument or the variable whose value is wrong.
+        """
+        name = parse_backend_spec(spec)
+        backend_config = fastdeploy_backend_config(name, tp_rank=tp_rank, environ=environ)
+        backend_config.update(config or {})
+        values = {
+            "backend": name,
+            "backend_config": backend_config,
+            "namespace": namespace,
+            "reopen_interval_s": reopen_interval_setting(environ),
+            "verify_blocks": verify_blocks_setting(environ),
+        }
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            # where each value came from: FastDeploy's argument, its model id or a variable
+            sources = {
+                "backend": f"--kvcache_storage_backend {spec!r}",
+                "backend_config": f"the backend config ({EXTRA_CONFIG_ENV} and the variables)",
+                "namespace": "FastDeploy's model id (the namespace)",
+                "reopen_interval_s": REOPEN_ENV,
+                "verify_blocks": VERIFY_BLOCKS_ENV,
+            }
+            problems = []
+            for err in exc.errors():
+                field = str(err["loc"][0]) if err["loc"] else ""
+                problems.append(f"{sources.get(field, field)}: {err['msg']}")
+            raise ValueError("kvcore for FastDeploy: " + "; ".join(problems)) from None

@@ -48,12 +48,7 @@ from kvcore import BlockRequest, HostBuffers, Outcome
 from kvcore.handles import require_capabilities
 from kvcore_fastdeploy.layout import layout_from_fastdeploy
 from kvcore_fastdeploy.names import part_of
-from kvcore_fastdeploy.settings import (
-    fastdeploy_backend_config,
-    parse_backend_spec,
-    reopen_interval_setting,
-    verify_blocks_setting,
-)
+from kvcore_fastdeploy.settings import FastDeploySettings
 
 __all__ = ["FAILED", "NOT_FOUND", "KVCoreStore", "StoreUnavailable", "store_namespace"]
 
@@ -199,7 +194,9 @@ class KVCoreStore:
         decides the fp8 scales' size instead of ``scale_dtype``: the object sizes FastDeploy
         passes are computed from it.
         """
-        name = parse_backend_spec(spec)
+        settings = FastDeploySettings.from_environment(
+            spec, namespace=namespace, tp_rank=tp_rank, config=config, environ=environ
+        )
         if scale_item_bytes is not None:
             scale_dtype = _SCALE_DTYPE_BY_SIZE.get(int(scale_item_bytes), "")
             if not scale_dtype:
@@ -211,14 +208,12 @@ class KVCoreStore:
             num_extra_layers=num_extra_layers,
             scale_dtype=scale_dtype,
         )
-        backend_config = fastdeploy_backend_config(name, tp_rank=tp_rank, environ=environ)
-        backend_config.update(config or {})
         handle = kvcore.BackendHandle(
-            name,
-            backend_config,
+            settings.backend,
+            settings.backend_config,
             requires=NEEDS,
-            verify_blocks=verify_blocks_setting(environ),  # type: ignore[arg-type]
-            retry_s=reopen_interval_setting(environ),
+            verify_blocks=settings.verify_blocks,
+            retry_s=settings.reopen_interval_s,
             context={
                 "layout": layout,
                 "rank": tp_rank,
@@ -240,7 +235,7 @@ class KVCoreStore:
             raise
         log.info(
             "kvcore backend %r serves FastDeploy rank %d/%d (namespace %r, %s)",
-            name,
+            settings.backend,
             tp_rank,
             tp_size,
             namespace,

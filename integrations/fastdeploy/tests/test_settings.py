@@ -9,6 +9,9 @@ import pytest
 from kv_file.config import FileConfig
 from kv_mooncake.config import MooncakeConfig
 from kvcore_fastdeploy import fastdeploy_backend_config, parse_backend_spec
+from kvcore_fastdeploy.settings import FastDeploySettings
+
+from kvcore.config import EngineBackendSettings
 
 
 def test_file_root_is_fastdeploys_storage_dir() -> None:
@@ -107,3 +110,51 @@ def test_bad_backend_specs_are_named(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_backend_spec(spec)
     assert parse_backend_spec("kvcore:file") == "file"
+
+
+def test_the_settings_gather_the_argument_the_model_id_and_the_environment() -> None:
+    env = {
+        "FILE_BACKEND_STORAGE_DIR": "/nvme/fd-cache",
+        "KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S": "2.5",
+        "KVCORE_FASTDEPLOY_VERIFY_BLOCKS": "never",
+    }
+    settings = FastDeploySettings.from_environment(
+        "kvcore:file", namespace="ERNIE-4.5-0.3B-Paddle", config={"fsync": "data"}, environ=env
+    )
+    assert isinstance(settings, EngineBackendSettings)
+    assert (settings.backend, settings.namespace) == ("file", "ERNIE-4.5-0.3B-Paddle")
+    assert settings.backend_config == {"root": "/nvme/fd-cache", "fsync": "data"}
+    assert (settings.reopen_interval_s, settings.verify_blocks) == (2.5, "never")
+    defaults = FastDeploySettings.from_environment("kvcore:memory", namespace="m", environ={})
+    assert (defaults.reopen_interval_s, defaults.verify_blocks, defaults.backend_config) == (
+        30.0,
+        "auto",
+        {},
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S": "soon"}, r"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S"),
+        ({"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S": "-1"}, r"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S"),
+        # beyond kvcore's longest wait (a week): the variable is named, not the field
+        ({"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S": "1e9"}, r"KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S: "),
+        ({"KVCORE_FASTDEPLOY_VERIFY_BLOCKS": "sometimes"}, r"KVCORE_FASTDEPLOY_VERIFY_BLOCKS"),
+        ({"KVCORE_FASTDEPLOY_BACKEND_CONFIG": "{"}, r"KVCORE_FASTDEPLOY_BACKEND_CONFIG"),
+    ],
+)
+def test_a_bad_variable_is_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FastDeploySettings.from_environment("kvcore:memory", namespace="m", environ=env)
+
+
+@pytest.mark.parametrize("model_id", ["team/a", "../../etc", ".hidden", ""])
+def test_a_model_id_no_backend_takes_as_a_namespace_is_refused(model_id: str) -> None:
+    with pytest.raises(ValueError, match=r"FastDeploy's model id \(the namespace\): .*namespace"):
+        FastDeploySettings.from_environment("kvcore:memory", namespace=model_id, environ={})
+
+
+def test_a_bad_backend_argument_is_named() -> None:
+    with pytest.raises(ValueError, match="kvcore:<name>"):
+        FastDeploySettings.from_environment("file", namespace="m", environ={})

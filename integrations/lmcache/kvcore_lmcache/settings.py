@@ -9,33 +9,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from kvcore.schemas import interval_field, timeout_field
+from kvcore.config import EngineBackendSettings
+from kvcore.schemas import timeout_field
 
 __all__ = ["AdapterSettings", "settings_error"]
 
 
-class AdapterSettings(BaseModel):
-    """The kvcore side of an LMCache storage adapter."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class AdapterSettings(EngineBackendSettings):
+    """The kvcore side of an LMCache storage adapter (``backend_config`` and
+    ``reopen_interval_s`` as kvcore's base has them)."""
 
     backend: str = Field(
         default="file",
-        min_length=1,
         description="kvcore backend name (an entry point of kvcore.backends: file, mooncake, "
         "tiered, memory, ...)",
     )
-    backend_config: dict[str, Any] | str | None = Field(
-        default=None,
-        description="the backend's own config: an object, or a JSON string or file path",
-    )
     namespace: str = Field(
         default="lmcache",
-        min_length=1,
-        max_length=200,
-        pattern=r"^[A-Za-z0-9._/-]+$",
         description="leading part of every object's name: servers that should share objects "
         "use the same one (LMCache's key fields follow it)",
     )
@@ -65,11 +57,6 @@ class AdapterSettings(BaseModel):
         default=True,
         description="at start, list the store and report what it holds to LMCache (usage, "
         "eviction order): a restarted server does not start from zero",
-    )
-    reopen_interval_s: float = interval_field(
-        30.0,
-        "a backend that cannot be opened (a Mooncake master not up yet) does not stop LMCache: "
-        "every call is a miss until it opens, tried again after this long (0: never)",
     )
 
     @classmethod

@@ -19,10 +19,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError
 
+from kvcore.config import MAX_NAMESPACE_CHARS, EngineBackendSettings
 from kvcore.keys import THIS_PROCESS_ONLY
-from kvcore.schemas import interval_field, timeout_field
+from kvcore.schemas import timeout_field
 
 __all__ = [
     "SGLANG_KEYS",
@@ -96,12 +97,13 @@ SGLANG_KEYS = frozenset(
 SGLANG_KEY_PREFIXES = ("prefetch_", "hicache_")
 
 _NAMESPACE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
-#: kv_file turns a namespace into one directory name: 1-128 characters of [A-Za-z0-9._-].
-MAX_NAMESPACE = 128
+#: kvcore's namespace rule (kvcore.config.check_namespace): 1-128 characters of [A-Za-z0-9._-]
+MAX_NAMESPACE = MAX_NAMESPACE_CHARS
 
 
 def safe_namespace(text: str) -> str:
-    """``text`` as a namespace every kvcore backend accepts (kv_file is the strictest).
+    """``text`` as a namespace every kvcore backend accepts (:func:`kvcore.config.check_namespace`;
+    a namespace the operator gives is checked by it, this builds the derived ones).
 
     Runs of other characters become ``-`` (SGLang itself writes model ``a/b`` as ``a-b``); a
     leading ``.``/``-`` is dropped; an over-long result keeps its head and gains a short hash
@@ -114,22 +116,18 @@ def safe_namespace(text: str) -> str:
     return f"{cleaned[: MAX_NAMESPACE - 13]}-{digest}"
 
 
-class StorageSettings(BaseModel):
-    """What the adapter reads from the extra config (every other key must be SGLang's)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class StorageSettings(EngineBackendSettings):
+    """What the adapter reads from the extra config (every other key must be SGLang's);
+    ``backend_config`` and ``reopen_interval_s`` as kvcore's base has them."""
 
     backend: str = Field(
         default="file",
-        min_length=1,
         description="kvcore backend name (an entry point of kvcore.backends: file, mooncake, "
         "memory, attentionstore, ...)",
     )
-    backend_config: dict[str, Any] | str | None = Field(
-        default=None,
-        description="the backend's own config: an object, or a JSON string or file path",
-    )
-    namespace: str | None = Field(
+    # None until StorageIdentity derives it from the model; one given is held to kvcore's
+    # rule (the base's validator), the identity's suffixes are added to it
+    namespace: str | None = Field(  # type: ignore[assignment]
         default=None,
         description="leading part of every object's namespace (default: 'sglang-<model>'); "
         "engines that should share pages must use the same one",
@@ -162,18 +160,6 @@ class StorageSettings(BaseModel):
         description="announce the host pool's memory to the backend once (zero-copy "
         "transports such as Mooncake over RDMA need it)",
     )
-    reopen_interval_s: float = interval_field(
-        30.0,
-        "a backend that cannot be opened (a Mooncake master not up yet) does not stop SGLang: "
-        "every call is a miss until it opens, tried again after this long (0: never)",
-    )
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("namespace must not be empty")
-        return value
 
     @classmethod
     def from_extra_config(cls, extra_config: dict[str, Any] | None) -> StorageSettings:

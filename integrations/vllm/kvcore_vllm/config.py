@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
+from kvcore.config import EngineBackendSettings
 from kvcore.schemas import interval_field, timeout_field
 
 _Settings = TypeVar("_Settings", bound=BaseModel)
@@ -30,25 +31,13 @@ class SettingsError(ValueError):
     """The connector's extra config is invalid; the message names every bad key."""
 
 
-class _StoreSettings(BaseModel):
-    """What the connector and the tier both take: the backend and the scope of its names."""
+class _StoreSettings(EngineBackendSettings):
+    """What the connector and the tier both take: the backend (``backend``, required,
+    ``backend_config``, ``reopen_interval_s``) and the scope of its names (``namespace``,
+    default ``default``, and the weight version), on kvcore's base for every engine's."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: str = Field(min_length=1, description="kvcore backend name: file, mooncake, ...")
-    backend_config: dict[str, Any] = Field(
-        default_factory=dict, description="the backend's own config (see its README)"
-    )
-    namespace: str = Field(
-        default="default",
-        min_length=1,
-        description="user scope: engines share what they store only within one namespace",
-    )
     weight_version: str = Field(
         default="", description="ends every object name; bump it when the weights change"
-    )
-    reopen_interval_s: float = interval_field(
-        30.0, "a backend that failed to open is tried again after this long (0: never)"
     )
 
 

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 import kvcore
+from kvcore.config import check_namespace
 from kvcore.schemas import interval_field
 
 __all__ = ["FileConfig", "check_root", "default_root", "safe_namespace"]
-
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
 def default_root() -> str:
@@ -49,13 +47,12 @@ def _kind(path: Path) -> str:
 
 
 def safe_namespace(value: str, field: str = "namespace") -> str:
-    """A namespace becomes one directory name, so it must not be able to leave the root."""
-    if not _NAMESPACE_RE.match(value):
-        raise ValueError(
-            f"{field} {value!r} must be 1-128 characters from [A-Za-z0-9._-], not starting with "
-            "'.' or '-' (it names a directory under the root)"
-        )
-    return value
+    """A namespace becomes one directory name, so it must not be able to leave the root:
+    kvcore's one rule for namespaces (:func:`kvcore.config.check_namespace`) is this one."""
+    try:
+        return check_namespace(value, field)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (it names a directory under the root)") from None
 
 
 class FileConfig(kvcore.BackendConfig):
