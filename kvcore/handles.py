@@ -285,4 +285,3 @@ def _release(backend: Backend) -> None:
                 del _shared[key]
                 break
     backend.close()
-
