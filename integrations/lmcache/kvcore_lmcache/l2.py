@@ -249,7 +249,8 @@ class KVCoreL2Adapter(L2AdapterInterface):
             ]
 
         def done(result: kvcore.HostResult) -> None:
-            stored = self._guard("store", [], partial(self._stored, batch, sizes, result))
+            none: list[int] = []  # what a failed accounting leaves: nothing reported stored
+            stored = self._guard("store", none, partial(self._stored, batch, sizes, result))
             written = sum(sizes[i] for i in stored)
             # a key the store's admission policy refused is not a failed store (nothing to
             # retry): the task succeeds when every key was stored or refused
@@ -320,7 +321,8 @@ class KVCoreL2Adapter(L2AdapterInterface):
             return [self._request(backend, batch, run, objects) for run in batch.runs]
 
         def done(result: kvcore.HostResult) -> None:
-            hits = self._guard("load", [], partial(self._loaded_keys, batch, objects, result))
+            none: list[int] = []  # a failed check loads nothing LMCache may use
+            hits = self._guard("load", none, partial(self._loaded_keys, batch, objects, result))
             loaded = Bitmap(len(keys))
             for i in hits:
                 loaded.set(i)
