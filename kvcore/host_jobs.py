@@ -13,9 +13,11 @@ counters (:data:`COUNTERS`, the one vocabulary of every adapter).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Literal
 
 from kvcore.backend import Backend
@@ -100,10 +102,10 @@ class HostResult:
     @property
     def leading(self) -> int:
         """Blocks done from the first on, up to the first that is not."""
-        for i, ok in enumerate(self.done):
-            if not ok:
-                return i
-        return len(self.done)
+        try:
+            return self.done.index(False)
+        except ValueError:
+            return len(self.done)
 
     @property
     def refused_count(self) -> int:
@@ -114,7 +116,7 @@ class HostResult:
         """Per block: done, or refused by admission (nothing for the engine to retry)."""
         if not self.refused:
             return self.done
-        return tuple(d or r for d, r in zip(self.done, self.refused, strict=True))
+        return tuple(map(operator.or_, self.done, self.refused))
 
     @property
     def ok(self) -> bool:
@@ -216,8 +218,9 @@ def run(job: HostJob, backend: Backend, report: ErrorReport) -> HostResult:
     missing = (job.blocks or 0) - sum(r.num_blocks for r in requests)
     if missing > 0:  # the caller built fewer blocks than it announced: it refused them
         parts.append(JobPart([False] * missing, [False] * missing))
-    done = tuple(ok for p in parts for ok in p.done)
-    refused = tuple(r for p in parts for r in p.refused) if job.op == "write" else ()
+    # flags joined in C, not a Python step per block: a scheduler's lookups are 10,000s long
+    done = tuple(chain.from_iterable(p.done for p in parts))
+    refused = tuple(chain.from_iterable(p.refused for p in parts)) if job.op == "write" else ()
     failed = next((p for p in parts if p.failure is not None), None)
     moved = 0
     if job.op in ("read", "write"):
