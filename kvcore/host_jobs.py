@@ -219,8 +219,12 @@ def run(job: HostJob, backend: Backend, report: ErrorReport) -> HostResult:
     if missing > 0:  # the caller built fewer blocks than it announced: it refused them
         parts.append(JobPart([False] * missing, [False] * missing))
     # flags joined in C, not a Python step per block: a scheduler's lookups are 10,000s long
-    done = tuple(chain.from_iterable(p.done for p in parts))
-    refused = tuple(chain.from_iterable(p.refused for p in parts)) if job.op == "write" else ()
+    if len(parts) == 1:  # the common job: one request
+        done = tuple(parts[0].done)
+        refused = tuple(parts[0].refused) if job.op == "write" else ()
+    else:
+        done = tuple(chain.from_iterable(p.done for p in parts))
+        refused = tuple(chain.from_iterable(p.refused for p in parts)) if job.op == "write" else ()
     failed = next((p for p in parts if p.failure is not None), None)
     moved = 0
     if job.op in ("read", "write"):
