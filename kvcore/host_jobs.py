@@ -247,25 +247,23 @@ def run(job: HostJob, backend: Backend, report: ErrorReport) -> HostResult:
 
 def count(metrics: Metrics, job: HostJob, result: HostResult, **more: int) -> None:
     """One job's counters and latency (the vocabulary of :data:`COUNTERS`; ``more``: why it
-    never ran, ``dropped=1`` say)."""
-    n = result.blocks
+    never ran, ``dropped=1`` say). Counters that did not move this time are left alone: a
+    synchronous call of an engine's (SGLang's 128-page lookups) pays for what happened only."""
+    n = len(result.done)
     done = result.count
-    refused = result.refused_count
-    late = result.kind is FailureKind.DEADLINE or (
-        job.deadline is not None and time.monotonic() > job.deadline
-    )
-    counts = {
-        "jobs": 1,
-        "blocks": n,
-        "blocks_done": done,
-        "bytes": result.bytes,
-        "failures": int(result.failure is not None),
-        "blocks_failed": n - done - refused if result.failure is not None else 0,
-        "deadline_missed": int(late),
-        **more,
-    }
+    counts = {"jobs": 1, "blocks": n, "blocks_done": done, **more}
+    if result.bytes:
+        counts["bytes"] = result.bytes
+    refused = sum(result.refused) if result.refused else 0
     if refused:
         counts["blocks_refused"] = refused
+    if result.failure is not None:
+        counts["failures"] = 1
+        counts["blocks_failed"] = n - done - refused
+    if result.kind is FailureKind.DEADLINE or (
+        job.deadline is not None and time.monotonic() > job.deadline
+    ):
+        counts["deadline_missed"] = 1
     metrics.observe(job.op, result.seconds, **counts)
 
 

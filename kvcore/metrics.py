@@ -99,46 +99,73 @@ class _Histogram:
         self.sum += value
 
 
+class _Op:
+    """One operation's counters (by name) and its latency histogram, if it has one."""
+
+    __slots__ = ("counters", "latency")
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.latency: _Histogram | None = None
+
+
 class Metrics:
-    """Counters keyed by ``(name, op)`` and latency histograms keyed by ``op``.
+    """Counters by name and a latency histogram, per operation.
 
     One lock guards everything: updates are a few dict operations, far cheaper than the I/O
-    they describe, and a single lock keeps snapshots consistent.
+    they describe, and a single lock keeps snapshots consistent. Kept per operation (not keyed
+    by ``(name, op)`` pairs) so an update builds no key: every call of every backend and every
+    engine-side job passes here.
     """
 
     def __init__(self, prefix: str = "kvcore", labels: Mapping[str, str] | None = None) -> None:
         self.prefix = prefix
         self.labels = dict(labels or {})
         self._lock = threading.Lock()
-        self._counters: defaultdict[tuple[str, str], float] = defaultdict(float)
-        self._latency: dict[str, _Histogram] = {}
+        self._ops: dict[str, _Op] = {}
+
+    def _op(self, op: str) -> _Op:
+        """``op``'s figures (created at its first update; the caller holds the lock)."""
+        found = self._ops.get(op)
+        if found is None:
+            found = self._ops[op] = _Op()
+        return found
 
     def add(self, op: str, **counts: float) -> None:
         with self._lock:
+            counters = self._op(op).counters
             for name, value in counts.items():
-                self._counters[(name, op)] += value
+                counters[name] = counters.get(name, 0.0) + value
 
     def observe(self, op: str, seconds: float, **counts: float) -> None:
         """Record one call's latency and its counters atomically."""
         with self._lock:
-            hist = self._latency.get(op)
+            stats = self._op(op)
+            hist = stats.latency
             if hist is None:
-                hist = self._latency[op] = _Histogram()
+                hist = stats.latency = _Histogram()
             hist.observe(seconds)
+            counters = stats.counters
             for name, value in counts.items():
-                self._counters[(name, op)] += value
+                counters[name] = counters.get(name, 0.0) + value
 
     def get(self, name: str, op: str) -> float:
         with self._lock:
-            return self._counters.get((name, op), 0.0)
+            stats = self._ops.get(op)
+            return 0.0 if stats is None else stats.counters.get(name, 0.0)
+
+    def _counts(self) -> dict[tuple[str, str], float]:
+        """Every counter as ``{(name, op): value}`` (the caller holds the lock)."""
+        return {(name, op): v for op, s in self._ops.items() for name, v in s.counters.items()}
 
     def snapshot(self) -> dict[str, float]:
         """Flat ``{"<name>.<op>": value}`` plus ``latency_count``/``latency_sum_s`` per op."""
         with self._lock:
-            out = {f"{name}.{op}": v for (name, op), v in self._counters.items()}
-            for op, h in self._latency.items():
-                out[f"latency_count.{op}"] = h.count
-                out[f"latency_sum_s.{op}"] = h.sum
+            out = {f"{name}.{op}": v for (name, op), v in self._counts().items()}
+            for op, s in self._ops.items():
+                if s.latency is not None:
+                    out[f"latency_count.{op}"] = s.latency.count
+                    out[f"latency_sum_s.{op}"] = s.latency.sum
             return dict(sorted(out.items()))
 
     def families(self, extra: Mapping[str, float] | None = None) -> list[Metric]:
@@ -155,8 +182,12 @@ class Metrics:
         )
 
         with self._lock:
-            counters = dict(self._counters)
-            hists = {op: (list(h.buckets), h.sum) for op, h in self._latency.items()}
+            counters = self._counts()
+            hists = {
+                op: (list(s.latency.buckets), s.latency.sum)
+                for op, s in self._ops.items()
+                if s.latency is not None
+            }
         names = [*self.labels, "op"]
         values = list(self.labels.values())
         by_name: defaultdict[str, list[tuple[str, float]]] = defaultdict(list)
