@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -239,22 +239,16 @@ class KVCoreTier(SecondaryTierManager):
         self._lookups.cleanup(req_context.req_id)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = job_metadata.keys
-        self._runner.submit_write(
-            partial(self._request, f"store/{job_metadata.job_id}", keys, job_metadata.chunk_ids),
-            blocks=len(keys),
-            tag=job_metadata,
-            timeout_s=self.settings.store_timeout_s,
-        )
+        self._submit("write", job_metadata, self.settings.store_timeout_s)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = job_metadata.keys
-        self._runner.submit_read(
-            partial(self._request, f"load/{job_metadata.job_id}", keys, job_metadata.chunk_ids),
-            blocks=len(keys),
-            tag=job_metadata,
-            timeout_s=self.settings.load_timeout_s,
-        )
+        self._submit("read", job_metadata, self.settings.load_timeout_s)
+
+    def _submit(self, op: Literal["read", "write"], job: TransferJob, timeout_s: float) -> None:
+        """``job`` as a job of kvcore's runner (its request built on the runner's thread)."""
+        task = f"{'store' if op == 'write' else 'load'}/{job.job_id}"
+        build = partial(self._request, task, job.keys, job.chunk_ids)
+        self._runner.submit(op, build, blocks=len(job.keys), tag=job, timeout_s=timeout_s)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         return [self._job_result(done) for done in self._runner.get_finished()]
