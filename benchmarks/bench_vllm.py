@@ -75,6 +75,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_shaped  # noqa: E402
 from benchutil import Report, emit, python_with_vllm  # noqa: E402
 
 #: vLLM's setting for the cores its CPU worker's OpenMP threads are bound to
@@ -114,16 +115,21 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="ttft,decode,mooncake,hybrid,itl",
-        help="parts to run, comma-separated: ttft, decode, mooncake, hybrid, itl (default: all)",
+        help="parts to run, comma-separated: ttft, decode, mooncake, hybrid, itl, shaped "
+        "(default: all but shaped, which takes ~30 minutes: --only shaped)",
     )
+    vllm_shaped.add_args(ap)
     args = ap.parse_args()
     parts = {p.strip() for p in args.only.split(",") if p.strip()}
-    if not parts or parts - {"ttft", "decode", "mooncake", "hybrid", "itl"}:
-        ap.error(f"--only {args.only!r}: expected some of ttft, decode, mooncake, hybrid, itl")
+    if not parts or parts - {"ttft", "decode", "mooncake", "hybrid", "itl", "shaped"}:
+        ap.error(
+            f"--only {args.only!r}: expected some of ttft, decode, mooncake, hybrid, itl, shaped"
+        )
     if args.no_mooncake:
         parts.discard("mooncake")
     if "mooncake" in parts:
         parts.add("ttft")  # the Mooncake restores are checked against the recomputed tokens
+    shaped_only = parts == {"shaped"}
 
     python_with_vllm("bench_vllm")
     omp_cores = _same_cores_for_every_engine()  # before any engine starts: they inherit it
@@ -135,7 +141,7 @@ def main() -> None:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model = write_model(
+    model = "" if shaped_only else write_model(
         REPO / "integrations" / "vllm" / ".cache" / "models" / args.model, args.model
     )
     size = MODEL_SIZES[args.model]
@@ -177,6 +183,8 @@ def main() -> None:
         _hybrid(args, base, workdir, report)
     if "itl" in parts:
         _itl(args, base, workdir, report)
+    if "shaped" in parts:
+        report.notes["shaped"] = vllm_shaped.run(args, netns, workdir, report)
 
     report.notes.update(
         {

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import pluggy
 
 from kvcore import events as ev
+from kvcore.estimates import ReadRate
 from kvcore.facade_events import FacadeEvents
 from kvcore.guard import DEADLINE_GRACE_S, BackendContractError, CallGuard, GuardedDataCalls
 from kvcore.integrity import BlockDigests
@@ -100,11 +101,14 @@ class Backend:
             self._guard,
             pm,
             self._digests,
-            self._expected_part_bytes,
+            self.part_sizes,
             self._lookups.names,
         )
         #: what the store gains and loses (:mod:`kvcore.events`); free while nobody listens
         self.events = self._event_wiring.stream
+        #: how fast this store delivers reads now, measured from every read (:meth:`read`);
+        #: what :class:`kvcore.load_costs.LoadDecider` weighs a load with
+        self.read_rate = ReadRate()
 
     @property
     def strict(self) -> bool:
@@ -263,11 +267,24 @@ class Backend:
 
     def read(self, request: BlockRequest) -> Outcome:
         """Leading blocks fully read into the request's buffers (and matching their digests,
-        where kept: a corrupt block is never counted); 0 on any backend failure."""
+        where kept: a corrupt block is never counted); 0 on any backend failure. Timed into
+        :attr:`read_rate` (``versionchanged 0.3``)."""
         self._check_buffers(request)
-        if self._digests is not None:
-            return self._digests.read(request)
-        return self._plain.read(request)
+        rate = self.read_rate
+        rate.started()
+        done = 0
+        try:
+            got = (self._digests or self._plain).read(request)
+            done = int(got)
+            return got
+        finally:
+            rate.finished(done * self.block_nbytes(request) if done else 0)
+
+    def block_nbytes(self, request: BlockRequest) -> int:
+        """Bytes of one block of ``request``, every part (0 when nothing says); ``0.3``."""
+        if request.host is not None:
+            return sum(request.host.nbytes)
+        return sum(self.part_sizes(request) or ())
 
     def write(self, request: BlockRequest, *, admit: bool = False) -> Outcome:
         """Leading blocks durably stored (with their digests, where kept); 0 on any backend
@@ -457,7 +474,7 @@ class Backend:
             )
         if host.num_blocks != n:
             raise ValueError(f"host buffers hold {host.num_blocks} blocks; the request has {n}")
-        sizes = self._expected_part_bytes(request)
+        sizes = self.part_sizes(request)
         if sizes is not None and list(host.nbytes) != sizes:
             raise ValueError(
                 f"host.nbytes {list(host.nbytes)} differ from the part sizes {sizes} (parts "
@@ -469,7 +486,7 @@ class Backend:
                 "(Capabilities.segmented_host is False)"
             )
 
-    def _expected_part_bytes(self, request: BlockRequest) -> list[int] | None:
+    def part_sizes(self, request: BlockRequest) -> list[int] | None:
         """Sizes the request's parts must have: as the request declares, else the layout's
         (None when neither knows: a layout-less backend, or parts the layout does not have)."""
         if request.part_nbytes is not None:

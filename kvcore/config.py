@@ -38,6 +38,7 @@ __all__ = [
     "BackendConfig",
     "EngineBackendSettings",
     "EnvConfig",
+    "LoadPolicy",
     "StrictModel",
     "check_namespace",
     "interval_field",
@@ -312,6 +313,10 @@ def check_namespace(value: str, field: str = "namespace") -> str:
     return value
 
 
+#: Whether an engine loads what the store holds (:mod:`kvcore.load_costs`).
+LoadPolicy = Literal["auto", "always", "never"]
+
+
 class EngineBackendSettings(StrictModel):
     """Base of an engine adapter's settings: the kvcore backend it opens by name, that
     backend's config, the namespace its objects are named in, and how often a backend that
@@ -323,6 +328,8 @@ class EngineBackendSettings(StrictModel):
     Frozen: settings are read once, where the engine hands them over, and shared.
 
     .. versionadded:: 0.3
+    .. versionchanged:: 0.3 ``load_policy`` and ``load_margin``, the load-or-recompute
+       decision's (one for every adapter).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -346,6 +353,19 @@ class EngineBackendSettings(StrictModel):
         30.0,
         "a backend that cannot be opened (a server not up yet) does not stop the engine: every "
         "call is a miss until it opens, tried again after this long (0: never)",
+    )
+    load_policy: LoadPolicy = Field(
+        default="auto",
+        description="auto: load stored blocks only when reading them is expected to be faster "
+        "than computing them (from the store's measured read rate and the engine's measured "
+        "prefill rate: kvcore.load_costs); always: load whatever is found; never: recompute",
+    )
+    load_margin: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="auto: how much faster (a fraction) the other choice must be expected to be "
+        "before the decision changes, so that requests in a row do not flap",
     )
 
     @field_validator("backend")

@@ -106,7 +106,19 @@ class _BlockTask(_TaskBase, _SliceFields):
 
 
 class ReadTask(_BlockTask):
-    """Restore the stored leading run of ``keys`` into ``device_block_ids``."""
+    """Restore the stored leading run of ``keys`` into ``device_block_ids``.
+
+    ``expected_s``: how long the load was expected to take when it was chosen
+    (:attr:`kvcore.load_costs.LoadChoice.expected_s`). Given, the manager reads in short spans
+    and stops once the load falls behind it by more than the slack
+    (:class:`kvcore.load_costs.LoadPace`): the blocks not read are answered as not restored
+    (outcome ``cut``) and the engine recomputes them, so a store that slows down mid-load
+    costs about the estimate, not the slow read. None: read until done or the deadline.
+
+    .. versionchanged:: 0.3 ``expected_s``.
+    """
+
+    expected_s: float | None = Field(default=None, gt=0)
 
 
 class WriteTask(_BlockTask):
@@ -182,7 +194,8 @@ TaskOp = Literal["read", "write", "query", "flush", "swap_to_host", "swap_to_dev
 #: Why a task ended as it did (:attr:`TaskResult.outcome`).
 #:
 #: .. versionchanged:: 0.3 ``corrupt``: blocks read differed from their digests (were never
-#:    delivered); it was reported as ``backend_error``
+#:    delivered); it was reported as ``backend_error``. ``cut``: a load that fell behind its
+#:    expected time (:attr:`ReadTask.expected_s`) was stopped
 TaskOutcome = Literal[
     "complete",
     "miss",
@@ -192,6 +205,7 @@ TaskOutcome = Literal[
     "corrupt",
     "rejected",
     "error",
+    "cut",
 ]
 
 
@@ -203,7 +217,8 @@ class TaskResult(StrictModel):
     there or did not fit), ``backend_error`` (the backend raised or reported a failure),
     ``invalid_result`` (it broke the hook contract), ``deadline`` (answered at the deadline with
     what was done by then), ``corrupt`` (a block read differed from its digest: it and the
-    blocks after it were not delivered), ``rejected`` (not run: queue full, caches cleared, closing) or
+    blocks after it were not delivered), ``cut`` (a load behind its expected time, stopped: the
+    blocks not read are the engine's to recompute), ``rejected`` (not run: queue full, caches cleared, closing) or
     ``error`` (the task itself failed in kvcore; ``error`` says how). ``error`` carries the
     detail whenever the outcome is not ``complete`` or ``miss``.
     """

@@ -136,7 +136,8 @@ class BlockTasks:
         self._policy.used(task.keys)
         request = self._request(task, timeout_s)
         ids = np.asarray(task.device_block_ids, dtype=np.int64)
-        return BlockJob(request, list(task.device_block_ids), ids, cache)
+        expected = getattr(task, "expected_s", None)  # a read's (ReadTask.expected_s)
+        return BlockJob(request, list(task.device_block_ids), ids, cache, expected)
 
     def _request(
         self,

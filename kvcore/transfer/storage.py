@@ -25,6 +25,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from kvcore.backend import Backend
+from kvcore.load_costs import LoadPace
 from kvcore.ops import TO_DEVICE, TO_HOST, HostBuffer
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
 from kvcore.runner import HostRunner
@@ -54,11 +55,31 @@ class BlockJob:
     device_ids: list[int]
     ids: np.ndarray  # the same ids as int64, as the swap ops take them
     cache: DeviceCache
+    #: a read's expected time (:attr:`kvcore.ReadTask.expected_s`): read in spans, cut when behind
+    expected_s: float | None = None
+
+    def pace(self, blocks: int) -> LoadPace | None:
+        """The pace of reading ``blocks`` blocks from now (None: not paced)."""
+        if self.expected_s is None or blocks <= 0:
+            return None
+        return LoadPace(self.expected_s, blocks, time.monotonic())
 
     def done(self, prog: Progress, lo: int, n: int) -> None:
         """Blocks ``lo .. lo + n - 1`` of the job are complete."""
         prog.block_ids.extend(self.device_ids[lo : lo + n])
         prog.bytes += n * self.cache.layout.block_bytes
+
+
+def cut_if_behind(pace: LoadPace | None, prog: Progress, done: int, total: int) -> bool:
+    """Stop a paced read that fell behind its expected time (True: stopped)."""
+    if pace is None or done >= total or not pace.behind(done):
+        return False
+    prog.stop(
+        "cut",
+        f"behind its expected {pace.expected_s:.3f} s with {done} of {total} blocks read; "
+        "the rest is recomputed",
+    )
+    return True
 
 
 def record_short(prog: Progress, got: Outcome) -> None:
@@ -163,6 +184,7 @@ class StagedIO(StorageIO):
         if staging is None:
             prog.stop("deadline", "no staging buffer came free before the deadline")
             return
+        pace = job.pace(count)
         spans = _chunks(count, self.span)
         depth = self.depth
 
@@ -192,6 +214,8 @@ class StagedIO(StorageIO):
                 _add(timings, scatter=time.monotonic() - t0)
                 if got < size:
                     record_short(prog, got)
+                    return
+                if cut_if_behind(pace, prog, off + size, count):
                     return
         finally:
             _release_after(self._read_pool, staging, pending.values())
@@ -349,8 +373,17 @@ class DirectIO(StorageIO):
     def read(
         self, job: BlockJob, count: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
-        if count:
-            self._call("read", job, 0, count, fut, prog, timings)
+        pace = job.pace(count)
+        if pace is None:
+            if count:
+                self._call("read", job, 0, count, fut, prog, timings)
+            return
+        # paced: short spans, each its own call, so a load behind its estimate stops between
+        # two of them (a call under way on the engine's blocks is never abandoned)
+        for lo, n in _chunks(count, pace.span_blocks()):
+            got = self._call("read", job, lo, n, fut, prog, timings)
+            if got is None or got < n or cut_if_behind(pace, prog, lo + n, count):
+                return
 
     def write(
         self,

@@ -151,6 +151,11 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(kv_connector_metadata, StepMetadata) and kv_connector_metadata.preempted:
             self._worker().handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            self.worker_side.step_started()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
         if meta.loads:  # loading is the tier's work, not overhead: counted as load_seconds
@@ -166,6 +171,7 @@ class KVCoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         side = self._worker()
+        side.step_computed()  # the forward pass ended just before this call
         with _timed(side.counters, "worker_hook_seconds", worker_steps=1):
             side.wait_for_save(self._meta())
 

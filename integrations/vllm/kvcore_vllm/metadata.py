@@ -28,6 +28,9 @@ class BlockRun:
     #: saves: each block's descriptor (:mod:`kvcore_vllm.descriptors`), stored with it where
     #: the backend keeps block metadata
     block_meta: list[bytes] | None = None
+    #: loads: how long the load-or-recompute decision expected it to take (None: not paced);
+    #: a load behind it is cut and the rest recomputed (:class:`kvcore.ReadTask`)
+    expected_s: float | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcore.estimates import PrefillRate
+from kvcore.load_costs import LoadChoice, LoadDecider, StoredRun, check_load_policy
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import Slice, backend_context, slice_plan
@@ -149,6 +151,17 @@ class SchedulerSide:
         self._final_saves: list[BlockRun] = []
         self._last_load: dict[str, BlockRun] = {}  # req -> its latest load, to judge failures
         self._lookups_paused_until = 0.0
+        #: load or recompute (kvcore.load_costs): fed with this engine's step timings (the
+        #: workers time each forward pass; the scheduler knows what it computed)
+        self.decider = LoadDecider(
+            PrefillRate(tokens_per_step=_tokens_per_step(vllm_config)),
+            policy=settings.load_policy,
+            margin=settings.load_margin,
+            serial=not self.load_async,  # sync loads run inside the step, before its compute
+        )
+        self._choices: dict[str, LoadChoice] = {}  # req -> its decision, until allocated
+        self._step_batch: list[tuple[int, int]] = []  # (tokens, context) of the step in flight
+        self._decider_seen: dict[str, float] = {}
         self.describer = BlockDescriber(self.block_size, self.keys)
         backend = self.handles[0].get()
         #: whether saves carry each block's descriptor (the backend keeps block metadata), so
@@ -301,9 +314,63 @@ class SchedulerSide:
         keys = self.keys.keys(request, start, limit)
         found = self._lookup(request, keys, start)
         found = self._other_groups_have(request, start, found)
+        if found and len(self.stores) == 1:  # (hybrid: every group loads; decided as stored)
+            found = self._load_or_recompute(request, keys, start, found)
         if found:
             self._hits[request.request_id] = (start, found)
         return found * bs, bool(found) and self.load_async
+
+    def _load_or_recompute(self, request: Any, keys: Sequence[str], start: int, found: int) -> int:
+        """How many of the ``found`` stored blocks to load: kvcore's decision (load only when
+        reading is expected to beat computing), asked once per request until it is allocated
+        (vLLM asks again while a request waits for blocks)."""
+        rid = request.request_id
+        choice = self._choices.get(rid)
+        if choice is not None and choice.found == found:
+            return choice.blocks
+        store = self.stores[0]
+        backend = store.handle.get()
+        if backend is None:
+            return found
+        piece = store.slices[0]
+        bare = backend.request(  # names only: the size of a block as this store keeps it
+            f"{rid}/size",
+            keys[:found],
+            start_block=start,
+            token_ids=self._tokens(request, start + found),
+            timeout_s=self.settings.lookup_timeout_s,
+            rank=piece.rank,
+            world_size=piece.world,
+        )
+        choice = self.decider.decide(
+            [StoredRun(found, backend.read_rate)],
+            block_bytes=backend.block_nbytes(bare) * len(store.slices),
+            block_tokens=self.block_size,
+            start_tokens=start * self.block_size,
+            prompt_tokens=int(request.num_tokens),
+            policy=self._request_policy(request),
+        )
+        self._choices[rid] = choice
+        return choice.blocks
+
+    def _request_policy(self, request: Any) -> Any:
+        """The request's own ``kv_transfer_params["kvcore_load_policy"]``, if it has one (a
+        bad value is logged, counted and ignored: the engine's setting applies)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        value = params.get("kvcore_load_policy") if isinstance(params, dict) else None
+        if value is None:
+            return None
+        try:
+            return check_load_policy(value, "kv_transfer_params.kvcore_load_policy")
+        except ValueError as exc:
+            self.counters.add(lookup_bad_load_policy=1)
+            log.warning(
+                "request %s: %s; using load_policy=%s",
+                request.request_id,
+                exc,
+                self.settings.load_policy,
+            )
+            return None
 
     def _other_groups_have(self, request: Any, start: int, found: int) -> int:
         """``found`` blocks from ``start`` as far as every other group can restore them: a
@@ -356,6 +423,8 @@ class SchedulerSide:
             n = min(n, found)
         all_ids = blocks.get_block_ids()
         keys = self.keys.keys(request, start, start + n)
+        choice = self._choices.pop(request.request_id, None)
+        paced = choice is not None and choice.why in ("auto", "measuring") and choice.blocks == n
         run = BlockRun(
             req_id=request.request_id,
             start_block=start,
@@ -363,6 +432,7 @@ class SchedulerSide:
             block_ids=list(all_ids[self.groups[0].index][start : start + n]),
             token_ids=self._tokens(request, start + n),
             group=self.groups[0].index,
+            expected_s=choice.expected_s if paced and choice is not None else None,
         )
         self._loads.append(run)
         self._last_load[request.request_id] = run
@@ -431,12 +501,17 @@ class SchedulerSide:
             self._tracked.pop(req_id, None)
             self._hits.pop(req_id, None)
             self._last_load.pop(req_id, None)
+            self._choices.pop(req_id, None)
         spec = so.scheduled_spec_decode_tokens or {}
         scheduled: list[tuple[str, int]] = [
             (r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs
         ]
         cached = so.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        # what this step computes, for the prefill rate (its time comes back from the workers)
+        self._step_batch = [
+            (so.num_scheduled_tokens.get(req_id, 0), computed) for req_id, computed in scheduled
+        ]
         for req_id, computed_before in scheduled:
             tracked = self._tracked.get(req_id)
             if tracked is None:
@@ -511,6 +586,7 @@ class SchedulerSide:
 
         (A backend that found an object corrupt drops it, so the new save heals the store.)
         """
+        self._learn_rates(connector_output)
         if self.events is not None and connector_output.kv_cache_events is not None:
             self.events.receive(connector_output.kv_cache_events)
         # a background load that failed: vLLM recomputes the whole request, store it again
@@ -528,6 +604,38 @@ class SchedulerSide:
             if bad and tracked is not None:
                 tracked.saved_upto = min(tracked.saved_upto, run.start_block + bad[0])
                 del self._last_load[req_id]
+
+    def _learn_rates(self, connector_output: Any) -> None:
+        """The step's forward seconds (timed by the workers) against what it computed feed the
+        prefill rate; where the workers read in other processes, their loads feed the store's
+        read rate here too (in one process, the shared facade measured them itself)."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None) or {}
+        batch, self._step_batch = self._step_batch, []
+        steps = float(data.get("forward_steps", 0.0))
+        if steps and batch:
+            self.decider.prefill.observe_step(float(data["forward_seconds"]) / steps, batch)
+        if self.lookup_role == "lookup" and data.get("load_bytes"):
+            backend = self.stores[0].handle.get()
+            if backend is not None:
+                backend.read_rate.observe(int(data["load_bytes"]), float(data["load_seconds"]))
+        self.counters.add(**self._decision_deltas())
+
+    def _decision_deltas(self) -> dict[str, float]:
+        """The decision's counters since the last step (``decide_*``)."""
+        now = self.decider.counters.snapshot()
+        out = {
+            f"decide_{name}": value - self._decider_seen.get(name, 0.0)
+            for name, value in now.items()
+            if value != self._decider_seen.get(name, 0.0)
+        }
+        self._decider_seen = now
+        return out
+
+    def decision_figures(self) -> dict[str, float]:
+        """What the decision works from now: the store's read rate, the engine's prefill."""
+        backend = self.stores[0].handle.get()
+        return self.decider.stats(None if backend is None else backend.read_rate)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """vLLM without the hybrid manager: the one group's blocks."""
@@ -549,10 +657,17 @@ class SchedulerSide:
         return tracked.has_saves, None
 
     def close(self) -> None:
+        log.info("KVCoreConnector load decisions: %s", self.decision_figures())
         if self.follower is not None:
             self.follower.close()
         for handle in self.handles:
             handle.close()
+
+
+def _tokens_per_step(vllm_config: Any) -> int | None:
+    """vLLM's token budget of one step (a long prefill takes several)."""
+    value = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    return int(value) if value else None
 
 
 def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:

@@ -187,6 +187,12 @@ def write_model(path: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     return path
 
 
+#: A ``load_policy`` for every connector of a spec that names none (the test suite sets
+#: ``always``: its engines check what a restore delivers, whichever way the load-or-recompute
+#: decision would go for a tiny model; the decision has tests and a benchmark of its own)
+LOAD_POLICY_ENV = "KVCORE_VLLM_SESSION_LOAD_POLICY"
+
+
 def start_engine(spec: dict[str, Any]) -> Any:
     """A ``vllm.LLM`` for ``spec`` (the keys of the module docstring; ``steps`` unused)."""
     from vllm import LLM
@@ -233,6 +239,9 @@ def start_engine(spec: dict[str, Any]) -> Any:
     if spec.get("kv_transfer_config") is not None:  # another connector, for comparisons
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     elif connector is not None:
+        policy = os.environ.get(LOAD_POLICY_ENV)
+        if policy and "load_policy" not in connector:
+            connector = {**connector, "load_policy": policy}
         transfer: dict[str, Any] = {
             "kv_connector": "KVCoreConnector",
             "kv_role": "kv_both",

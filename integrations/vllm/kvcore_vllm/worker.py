@@ -120,6 +120,7 @@ class WorkerSide:
         self._with_saves: set[str] = set()  # reqs the scheduler delays freeing for
         self._finished: set[str] = set()  # of those, the ones vLLM finished
         self._load_errors: set[int] = set()
+        self._step_t0: float | None = None
         #: whether vLLM can map a failed block's id back to its request: with one KV cache
         #: group, block ids are unique and a background load that failed part-way keeps the
         #: blocks before the failure; with several, vLLM accepts only whole failed requests
@@ -208,6 +209,19 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------
 
+    # -- the step's compute, timed for the load-or-recompute decision ---------------------
+
+    def step_started(self) -> None:
+        """vLLM bound this step's metadata: its forward pass is next (after sync loads)."""
+        self._step_t0 = time.monotonic()
+
+    def step_computed(self) -> None:
+        """The step's forward pass ended: its seconds (loads excluded) go to the scheduler,
+        which knows what the step computed (``forward_seconds``, ``forward_steps``)."""
+        t0, self._step_t0 = self._step_t0, None
+        if t0 is not None:
+            self.counters.add(forward_seconds=time.monotonic() - t0, forward_steps=1)
+
     def start_load_kv(self, meta: StepMetadata) -> None:
         if not meta.loads:
             return
@@ -225,6 +239,8 @@ class WorkerSide:
         failed = self._collect_loads(pending, t0)
         with self._lock:
             self._load_errors.update(failed)
+        if self._step_t0 is not None:  # the step's compute starts once its loads are in
+            self._step_t0 = time.monotonic()
 
     def _submit_loads(self, runs: list[BlockRun]) -> list[tuple[BlockRun, list[Future | None]]]:
         """Start reading ``runs``: for each, one read per slice this rank holds."""
@@ -249,19 +265,26 @@ class WorkerSide:
     ) -> list[int]:
         """Wait for ``pending`` loads, count them, and return vLLM's ids of the blocks that
         did not load (a block is restored when every slice of it is)."""
-        nbytes = asked = done = runs = 0
+        nbytes = asked = done = runs = cut = 0
+        expected = 0.0
         failed: list[int] = []
         other_groups: dict[str, float] = {}
         for run, futures in pending:
             got = run.num_blocks
+            was_cut = False
             for fut in futures:
                 read = 0
                 if fut is not None:
                     try:
-                        read = int(fut.result().num_blocks)
+                        result = fut.result()
+                        read = int(result.num_blocks)
+                        was_cut |= result.outcome == "cut"
                     except Exception as exc:
                         log.warning("KVCoreConnector: load of %s failed: %s", run.req_id, exc)
                 got = min(got, read)
+            if run.expected_s is not None:  # the decision's estimate, against what it took
+                expected += run.expected_s
+                cut += (run.num_blocks - got) if was_cut else 0
             nbytes += got * self.io[run.group].layout.block_bytes * len(self.slices)
             failed.extend(run.block_ids[got:])
             if run.group == self._primary.group.index:  # the blocks vLLM counts as restored
@@ -281,6 +304,13 @@ class WorkerSide:
             load_bytes=nbytes,
             load_seconds=time.monotonic() - t0,
         )
+        if expected:
+            # paced loads (the scheduler's decision expected them to take ``expected``)
+            self.counters.add(
+                load_expected_seconds=expected,
+                load_paced_seconds=time.monotonic() - t0,
+                load_cut_blocks=cut,
+            )
         return failed
 
     def _finished_loads(self) -> tuple[set[str], set[str]]:
@@ -500,5 +530,5 @@ class WorkerSide:
             "token_ids": run.token_ids,
         }
         if what == "load":
-            return ReadTask.model_construct(**fields)
+            return ReadTask.model_construct(**fields, expected_s=run.expected_s)
         return WriteTask.model_construct(**fields, block_meta=run.block_meta)

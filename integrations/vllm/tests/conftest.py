@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvcore_vllm.session import EngineRun, run_in_subprocess, write_model
+from kvcore_vllm.session import LOAD_POLICY_ENV, EngineRun, run_in_subprocess, write_model
 
 HERE = Path(__file__).resolve().parent
 PACKAGE_ROOT = HERE.parent
@@ -31,6 +31,9 @@ _netns_note = "not attempted (KV_MOONCAKE_NETNS=0)"
 
 def pytest_configure(config: pytest.Config) -> None:
     global _netns_note
+    # these engines check what a restore delivers: they load whatever is found (the
+    # load-or-recompute decision has its own tests, which name their policy)
+    os.environ.setdefault(LOAD_POLICY_ENV, "always")
     if os.environ.get("KV_MOONCAKE_NETNS", "auto") != "0":
         from kv_mooncake.testing import isolate_loopback
 

@@ -1,0 +1,316 @@
+"""bench_vllm's ``shaped`` part: load or recompute, on the real CPU engine, behind a slow link.
+
+kvcore over Mooncake: a ``mooncake_master`` and a storage node (this process) on 127.0.0.1,
+inside this process's private loopback-only network namespace (``isolate_loopback``), whose
+``lo`` is shaped with ``tc`` (tbf) to each rate of ``--rates``. Every engine is a fresh
+process in the same namespace, so every block it reads crosses the shaped link. The model: a
+random 6-layer Llama (8 KV heads of 128, hidden 256; 24 KiB of KV per token), blocks of 32
+tokens; the prompt (``--shaped-tokens``) is stored once by an engine on the unshaped link.
+
+Per rate, per repetition (the order of the three rotating): a fresh engine with no connector
+(``recompute``), one with ``load_policy="always"`` (kvcore before 0.3) and one with ``auto``
+(the default), each serving a 64-token warm-up prompt and then the stored prompt; vLLM's TTFT
+of the stored prompt. The rate each link delivered is measured, not assumed: the ``always``
+engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and rate, ``auto`` over the
+better of the other two per repetition (goal <= 1.10 at every rate), whether ``auto`` loaded
+(``num_cached_tokens``) and the tokens of every arm against the recomputing engine's.
+
+- **together** (at ``--together-rate``): four stored prompts arriving in one batch; mean TTFT
+  of ``auto`` over the better of ``always`` and recompute (goal <= 1.10).
+- **slowdown** (at ``--slowdown-rate``, where ``auto`` loads): the link drops tenfold
+  ``--slowdown-after-s`` after the warm-up ends (the stored prompt's load under way); TTFT of
+  ``auto`` (which cuts a load behind its estimate) and ``always`` over recompute (goal for
+  ``auto`` <= 1.25).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchutil import Report
+
+#: the random model of this part (24 KiB of KV per token, as in the issue's measurements)
+SHAPED_MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 4096,
+    "max_position_embeddings": 8192,
+}
+BURST = "256kb"
+
+
+def tc(rate_mbit: float | None) -> None:
+    """Shape this namespace's ``lo`` to ``rate_mbit`` (None: unshaped)."""
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    if rate_mbit is not None:
+        subprocess.run(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                BURST,
+                "latency",
+                "50ms",
+            ],
+            check=True,
+        )
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rates", default="120,240,490,1000,2000", help="shaped: link rates, Mbit/s")
+    ap.add_argument("--shaped-tokens", type=int, default=4000, help="shaped: the stored prompt")
+    ap.add_argument("--together-rate", type=float, default=490)
+    ap.add_argument("--together-tokens", type=int, default=2000)
+    ap.add_argument("--slowdown-rate", type=float, default=1000)
+    ap.add_argument("--slowdown-after-s", type=float, default=0.3)
+
+
+def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report: Report) -> str:
+    from kv_mooncake.testing import MooncakeCluster
+    from kvcore_vllm.session import write_model
+
+    if netns_note is not None:
+        return f"skipped: no private network namespace to shape ({netns_note})"
+    from kvcore_vllm import session
+
+    session.MODEL_SIZES.setdefault("shaped", SHAPED_MODEL)
+    model = write_model(Path(workdir) / "shaped-model", "shaped")
+    rng = random.Random(7)
+    vocab = SHAPED_MODEL["vocab_size"]
+    prompt = [rng.randrange(1, vocab) for _ in range(args.shaped_tokens)]
+    together = [[rng.randrange(1, vocab) for _ in range(args.together_tokens)] for _ in range(4)]
+    warm = {
+        "op": "generate",
+        "name": "warm",
+        "max_tokens": 2,
+        "prompts": [[rng.randrange(1, vocab) for _ in range(64)]],
+    }
+    base = {
+        "model": str(model),
+        "block_size": 32,
+        "max_model_len": SHAPED_MODEL["max_position_embeddings"],
+        "kv_cache_bytes": 1 << 30,
+        "log_stats": True,
+    }
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    tc(None)
+    notes: list[str] = []
+    with MooncakeCluster(storage_bytes=2 << 30) as cluster:
+        store = {
+            "backend": "mooncake",
+            "backend_config": cluster.config(close_timeout_s=2.0, local_buffer_size=128 << 20),
+            "namespace": "shaped",
+        }
+        arms = {
+            "recompute": None,
+            "always": {**store, "load_policy": "always"},
+            "auto": {**store, "load_policy": "auto"},
+        }
+        fill_steps = [warm, _gen("long", [prompt]), _gen("four", together)]
+        _engine(base, arms["always"], fill_steps, workdir, "shaped-fill")
+        reference: dict[str, list[list[int]]] = {}
+        for rate in rates:
+            tc(rate)
+            res = _compare(
+                args,
+                base,
+                arms,
+                [warm, _gen("long", [prompt])],
+                workdir,
+                f"r{int(rate)}",
+                reference,
+                "long",
+            )
+            _report_rate(report, f"{int(rate)}mbit", res)
+        tc(args.together_rate)
+        res = _compare(
+            args, base, arms, [warm, _gen("four", together)], workdir, "together", reference, "four"
+        )
+        _report_rate(report, f"together_{int(args.together_rate)}mbit", res, mean=True)
+        tc(args.slowdown_rate)
+        res = _compare(
+            args,
+            base,
+            arms,
+            [warm, _gen("long", [prompt])],
+            workdir,
+            "slowdown",
+            reference,
+            "long",
+            slowdown=(args.slowdown_rate, args.slowdown_after_s),
+        )
+        _report_slowdown(report, int(args.slowdown_rate), res)
+        tc(None)
+    return "; ".join(notes) or (
+        f"measured: one master and a 2 GiB storage node on 127.0.0.1 in a private loopback-only "
+        f"namespace, lo shaped by tbf (burst {BURST}); fresh engine per run"
+    )
+
+
+def _gen(name: str, prompts: list[list[int]]) -> dict[str, Any]:
+    return {"op": "generate", "name": name, "prompts": prompts, "max_tokens": 4}
+
+
+def _engine(
+    base: dict[str, Any],
+    connector: dict[str, Any] | None,
+    steps: list[dict[str, Any]],
+    workdir: Path,
+    label: str,
+    slowdown: tuple[float, float] | None = None,
+) -> Any:
+    from kvcore_vllm.session import run_in_subprocess
+
+    spec = {**base, "connector": connector, "steps": [*steps, {"op": "log_stats", "name": "stats"}]}
+    watcher = None
+    if slowdown is not None:
+        watcher = threading.Thread(
+            target=_slow_down_after_warmup,
+            args=(workdir / f"{label}.results.jsonl", *slowdown),
+            daemon=True,
+        )
+        watcher.start()
+    try:
+        return run_in_subprocess(spec, workdir, label, timeout_s=900)
+    finally:
+        if watcher is not None:
+            watcher.join(timeout=1)
+            tc(slowdown[0] if slowdown else None)
+
+
+def _slow_down_after_warmup(results: Path, rate: float, after_s: float) -> None:
+    """Cut the link tenfold ``after_s`` after the engine reported its warm-up."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if results.exists() and results.stat().st_size > 0:
+            time.sleep(after_s)
+            subprocess.run(
+                [
+                    "tc",
+                    "qdisc",
+                    "change",
+                    "dev",
+                    "lo",
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate / 10}mbit",
+                    "burst",
+                    BURST,
+                    "latency",
+                    "50ms",
+                ],
+                check=False,
+            )
+            return
+        time.sleep(0.005)
+
+
+def _compare(
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    arms: dict[str, dict[str, Any] | None],
+    steps: list[dict[str, Any]],
+    workdir: Path,
+    label: str,
+    reference: dict[str, list[list[int]]],
+    step: str,
+    slowdown: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    names = list(arms)
+    out: dict[str, Any] = {
+        n: {"ttft": [], "cached": [], "same": True, "metrics": []} for n in names
+    }
+    for rep in range(args.reps):
+        order = names[rep % 3 :] + names[: rep % 3]
+        for name in order:
+            if slowdown is not None:
+                tc(slowdown[0])
+            runs = _engine(
+                base,
+                arms[name],
+                steps,
+                workdir,
+                f"shaped-{label}-{name}-{rep}",
+                slowdown if name != "recompute" else None,
+            )
+            result = runs.step(step)
+            if name == "recompute" and step not in reference:
+                reference[step] = result["tokens"]
+            ttft = result["ttft_s"]
+            out[name]["ttft"].append(statistics.fmean(ttft))
+            out[name]["cached"].append(sum(result["num_cached_tokens"]))
+            out[name]["metrics"].append(runs.step("stats").get("metrics", runs.step("stats")))
+            if step in reference:
+                out[name]["same"] &= result["tokens"] == reference[step]
+    return out
+
+
+def _best_static(res: dict[str, Any]) -> list[float]:
+    return [min(a, r) for a, r in zip(res["always"]["ttft"], res["recompute"]["ttft"], strict=True)]
+
+
+def _report_rate(report: Report, tag: str, res: dict[str, Any], mean: bool = False) -> None:
+    what = "mean_ttft" if mean else "ttft"
+    for name in ("recompute", "always", "auto"):
+        report.figure(f"shaped_{tag}_{what}_{name}_s", res[name]["ttft"], "s")
+    report.ratio(
+        f"shaped_{tag}_auto_vs_best_static", res["auto"]["ttft"], _best_static(res), goal="<= 1.10"
+    )
+    rates = [
+        m.get("load_bytes", 0) / m["load_seconds"] / 1e6
+        for m in res["always"]["metrics"]
+        if m.get("load_seconds")
+    ]
+    if rates:
+        report.figure(f"shaped_{tag}_link_read_mb_s", rates, "MB/s")
+    report.notes[f"shaped_{tag}"] = {
+        "auto_cached_tokens": res["auto"]["cached"],
+        "always_cached_tokens": res["always"]["cached"],
+        "tokens_match": {n: res[n]["same"] for n in res},
+        "auto_decisions": [
+            {k: v for k, v in m.items() if k.startswith(("decide_", "load_", "lookup_probe"))}
+            for m in res["auto"]["metrics"]
+        ],
+    }
+
+
+def _report_slowdown(report: Report, rate: int, res: dict[str, Any]) -> None:
+    tag = f"slowdown_{rate}mbit"
+    for name in ("recompute", "always", "auto"):
+        report.figure(f"shaped_{tag}_ttft_{name}_s", res[name]["ttft"], "s")
+    report.ratio(
+        f"shaped_{tag}_auto_vs_recompute",
+        res["auto"]["ttft"],
+        res["recompute"]["ttft"],
+        goal="<= 1.25",
+    )
+    report.ratio(
+        f"shaped_{tag}_always_vs_recompute", res["always"]["ttft"], res["recompute"]["ttft"]
+    )
+    report.notes[f"shaped_{tag}"] = {
+        "auto_cached_tokens": res["auto"]["cached"],
+        "tokens_match": {n: res[n]["same"] for n in res},
+        "auto_loads": [
+            {k: v for k, v in m.items() if k.startswith(("decide_", "load_"))}
+            for m in res["auto"]["metrics"]
+        ],
+    }

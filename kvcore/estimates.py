@@ -1,0 +1,275 @@
+"""What loading and computing cost now: a store's read rate and an engine's prefill rate.
+
+Both are measured, never assumed: :class:`ReadRate` by the facade from every read it serves
+(:attr:`kvcore.Backend.read_rate`), :class:`PrefillRate` by an engine adapter from its own
+steps. Each is a least-squares fit of seconds over what the work was made of, with older
+samples weighing less (``half_life_s``), so an estimate follows a store that slowed down within
+a few seconds and falls back to "unknown" (:attr:`ReadRate.known` False) when nothing was
+measured for a while, which is when :class:`kvcore.load_costs.LoadDecider` measures again.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["DecayingFit", "PrefillRate", "ReadRate"]
+
+#: below this much sample weight (about one fresh sample) an estimate is "unknown"
+KNOWN_WEIGHT = 0.5
+
+
+class DecayingFit:
+    """``seconds ≈ Σ coef[i] * x[i]`` with non-negative coefficients, fitted by least squares
+    over every sample seen, each weighing ``0.5 ** (age / half_life_s)``.
+
+    Non-negative because every feature is an amount of work (calls, bytes, tokens): a negative
+    cost would make more work look cheaper. The fit is the best one over the subsets of
+    features (a handful: 2**d - 1 tiny solves), which is exact non-negative least squares for
+    these sizes. Not thread-safe: its owner locks.
+    """
+
+    def __init__(self, features: int, half_life_s: float, clock: Callable[[], float]) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self._clock = clock
+        self._xx = np.zeros((features, features))
+        self._xy = np.zeros(features)
+        self._yy = 0.0
+        self._weight = 0.0
+        self._at = clock()
+        self._coef: np.ndarray | None = None
+        self._subsets = [
+            list(s)
+            for r in range(1, features + 1)
+            for s in itertools.combinations(range(features), r)
+        ]
+
+    def _decay(self) -> None:
+        now = self._clock()
+        factor = 0.5 ** ((now - self._at) / self.half_life_s)
+        self._at = now
+        if factor < 1.0:
+            self._xx *= factor
+            self._xy *= factor
+            self._yy *= factor
+            self._weight *= factor
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        self._decay()
+        v = np.asarray(x, dtype=np.float64)
+        self._xx += np.outer(v, v)
+        self._xy += v * y
+        self._yy += y * y
+        self._weight += 1.0
+        self._coef = None
+
+    @property
+    def weight(self) -> float:
+        """The samples' total weight now (a fresh sample weighs 1)."""
+        self._decay()
+        return self._weight
+
+    def coefficients(self) -> np.ndarray | None:
+        """The fitted coefficients (None before the first sample)."""
+        if self._weight <= 0:
+            return None
+        if self._coef is None:
+            self._coef = self._solve()
+        return self._coef
+
+    def _solve(self) -> np.ndarray:
+        d = len(self._xy)
+        best, best_err = np.zeros(d), math.inf
+        # Features come in the order they are trusted alone (bytes before calls, tokens before
+        # steps): one sample is explained by the first. They differ by many orders of magnitude (calls against bytes): solve on columns
+        # scaled to unit size. A tiny ridge keeps a subset the samples cannot tell apart
+        # solvable. Subsets go from the fewest features up (in feature order), and a larger one
+        # is taken only when it fits clearly better: from two short steps, a per-step and a
+        # per-token cost explain everything, and extrapolating them is safer than a made-up
+        # quadratic term.
+        scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-300))
+        xx = self._xx / np.outer(scale, scale)
+        xy = self._xy / scale
+        tolerance = 1e-9 * max(self._yy, 1e-30)
+        for subset in self._subsets:
+            a = xx[np.ix_(subset, subset)] + 1e-10 * np.eye(len(subset))
+            try:
+                sol = np.linalg.solve(a, xy[subset])
+            except np.linalg.LinAlgError:
+                continue
+            if (sol < 0).any():
+                continue
+            scaled = np.zeros(d)
+            scaled[subset] = sol
+            err = self._yy - 2 * scaled @ xy + scaled @ xx @ scaled
+            if err < best_err - tolerance:
+                best, best_err = scaled / scale, err
+        return best
+
+
+class ReadRate:
+    """How fast one store delivers reads now: ``seconds ≈ bytes / bytes_per_s +
+    per_call_s * calls``.
+
+    Fed by :class:`kvcore.Backend` around every read it passes to the backend
+    (:meth:`started`/:meth:`finished`); an adapter whose reads run in another process feeds
+    what they took with :meth:`observe`. Reads that overlap share the store: what is measured
+    is the store's busy time (some read in flight) against the bytes and calls it served, so N
+    concurrent reads of B bytes count as N·B bytes in their common time, not as N separate
+    rates. A sample is taken whenever the store goes idle, or every ``sample_s`` of continuous
+    busy time.
+    """
+
+    def __init__(
+        self,
+        *,
+        half_life_s: float = 60.0,
+        sample_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._fit = DecayingFit(2, half_life_s, clock)
+        self._lock = threading.Lock()
+        self._sample_s = sample_s
+        self._in_flight = 0
+        self._since = 0.0  # start of the busy time not yet sampled
+        self._bytes = 0
+        self._calls = 0
+        self.samples = 0
+
+    def started(self) -> None:
+        """A read was handed to the store."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = self._clock()
+            self._in_flight += 1
+
+    def finished(self, nbytes: int) -> None:
+        """A read came back with ``nbytes`` bytes (0: nothing read, and nothing learnt of
+        the store's rate beyond the time the call took)."""
+        with self._lock:
+            self._in_flight = max(0, self._in_flight - 1)
+            self._bytes += nbytes
+            self._calls += 1
+            now = self._clock()
+            busy = now - self._since
+            if self._in_flight == 0 or busy >= self._sample_s:
+                if self._bytes > 0 and busy > 0:
+                    self._fit.add((self._bytes, self._calls), busy)
+                    self.samples += 1
+                self._bytes = self._calls = 0
+                self._since = now
+
+    def observe(self, nbytes: int, seconds: float, calls: int = 1) -> None:
+        """A read measured elsewhere (another process): ``nbytes`` in ``seconds``."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._fit.add((nbytes, calls), seconds)
+            self.samples += 1
+
+    @property
+    def known(self) -> bool:
+        """Whether enough was measured lately to estimate from."""
+        with self._lock:
+            return self._fit.weight >= KNOWN_WEIGHT and self._fit.coefficients() is not None
+
+    def estimate_s(self, nbytes: int, calls: int = 1) -> float | None:
+        """Seconds a read of ``nbytes`` (in ``calls`` calls) is expected to take; None unknown."""
+        with self._lock:
+            if self._fit.weight < KNOWN_WEIGHT:
+                return None
+            coef = self._fit.coefficients()
+        if coef is None:
+            return None
+        return float(coef[0] * nbytes + coef[1] * calls)
+
+    def figures(self) -> dict[str, float]:
+        """``bytes_per_s`` and ``per_call_s`` now (empty while unknown)."""
+        with self._lock:
+            coef = self._fit.coefficients() if self._fit.weight >= KNOWN_WEIGHT else None
+        if coef is None:
+            return {}
+        return {
+            "bytes_per_s": 1.0 / coef[0] if coef[0] > 0 else math.inf,
+            "per_call_s": float(coef[1]),
+        }
+
+
+class PrefillRate:
+    """How fast an engine computes prompt tokens now, as a function of context length:
+    ``seconds ≈ per_token_s * tokens + per_step_s * steps + per_pair_s * token_pairs``.
+
+    ``token_pairs`` is attention's share: computing ``n`` tokens after ``c`` already in context
+    attends over about ``n * (c + n / 2)`` pairs, which is what makes a long prompt's later
+    tokens dearer than its first ones. The adapter feeds every step it timed
+    (:meth:`observe_step`) and asks :meth:`estimate_s`; ``tokens_per_step`` is the engine's
+    budget per step (vLLM's ``max_num_batched_tokens``), so a long prefill costs its steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens_per_step: int | None = None,
+        half_life_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tokens_per_step = tokens_per_step
+        self._fit = DecayingFit(3, half_life_s, clock)
+        self._lock = threading.Lock()
+        self.samples = 0
+
+    def observe_step(self, seconds: float, batch: Iterable[tuple[int, int]]) -> None:
+        """One engine step took ``seconds`` computing ``batch``: ``(tokens, context)`` per
+        request (``context``: tokens already computed before this step's)."""
+        tokens = pairs = 0.0
+        for n, context in batch:
+            tokens += n
+            pairs += n * (context + n / 2)
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._fit.add((tokens, 1.0, pairs), seconds)
+            self.samples += 1
+
+    @property
+    def known(self) -> bool:
+        with self._lock:
+            return self._fit.weight >= KNOWN_WEIGHT and self._fit.coefficients() is not None
+
+    def estimate_s(self, tokens: int, context: int = 0) -> float | None:
+        """Seconds to compute ``tokens`` tokens after ``context``; None while unknown."""
+        if tokens <= 0:
+            return 0.0
+        with self._lock:
+            if self._fit.weight < KNOWN_WEIGHT:
+                return None
+            coef = self._fit.coefficients()
+        if coef is None:
+            return None
+        per_step = self.tokens_per_step or tokens
+        steps = math.ceil(tokens / per_step)
+        return float(coef[0] * tokens + coef[1] * steps + coef[2] * tokens * (context + tokens / 2))
+
+    def figures(self) -> dict[str, float]:
+        """The fitted costs now, and the rate of a 1,024-token prefill (empty while unknown)."""
+        with self._lock:
+            coef = self._fit.coefficients() if self._fit.weight >= KNOWN_WEIGHT else None
+        if coef is None:
+            return {}
+        one_k = self.estimate_s(1024) or 0.0
+        return {
+            "per_token_s": float(coef[0]),
+            "per_step_s": float(coef[1]),
+            "per_token_pair_s": float(coef[2]),
+            "tokens_per_s_1k": 1024 / one_k if one_k > 0 else math.inf,
+        }

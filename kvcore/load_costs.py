@@ -1,0 +1,372 @@
+"""Load or recompute: the one decision every engine adapter asks before it loads stored blocks.
+
+A stored block is worth loading only if reading it is faster than computing it. For a request
+whose leading run of ``found`` blocks is stored, :meth:`LoadDecider.decide` chooses how many
+leading blocks ``k`` to load so that the request's expected time to its first token is least::
+
+    T(k) = wait_link + read(k * block_bytes)  +  prefill(tokens past block k)
+    T(0) = wait_engine + prefill(every token past what the engine holds)
+
+- ``read`` comes from the store's :class:`kvcore.estimates.ReadRate`, which the facade
+  measures from the reads it serves (per opened backend, so per tier of a stack);
+- ``prefill`` from the engine's :class:`kvcore.estimates.PrefillRate`, fed by the adapter
+  from its own step timings, with attention's growth in context length;
+- ``wait_link`` is the loads this decider already chose that are still reading (they share
+  the store), ``wait_engine`` the prefills it chose that are still computing: four requests
+  arriving together do not all count on an idle store.
+
+Reading costs the same per block while computing a block costs more the later it lies, so
+``T`` is concave in ``k``: the least is at ``k = 0`` or at a run's end (the end of what a faster
+tier holds, or ``found``), the only candidates compared. A decision stands unless the other
+choice wins by ``margin`` (a fraction), so requests in a row do not flap on noise. With no
+read measured lately, the load is the measurement (``measuring``): it runs paced to break even
+against recomputing what it saves, and is cut as soon as it falls behind that pace. With no
+prefill measured yet it loads (kvcore's behaviour before this decision existed), counted as
+``uninformed``. (:func:`probe_read` measures a store by a short read where an adapter wants a
+figure before any load.)
+
+A load runs against its estimate: :attr:`LoadChoice.expected_s` goes with the load (a
+:class:`kvcore.ReadTask`'s ``expected_s``) and a load that falls behind it by more than the
+slack is cut, its unread blocks recomputed: a store that slows down mid-load costs about the
+estimate, not the slow read.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import get_args
+
+from kvcore.backend import Backend
+from kvcore.config import LoadPolicy
+from kvcore.estimates import PrefillRate, ReadRate
+from kvcore.host_memory import HostBuffer
+from kvcore.metrics import Counters
+from kvcore.requests import BlockRequest, HostBuffers
+
+__all__ = [
+    "LOAD_POLICIES",
+    "PROBE_BYTES",
+    "LoadChoice",
+    "LoadDecider",
+    "LoadPace",
+    "LoadPolicy",
+    "StoredRun",
+    "check_load_policy",
+    "probe_read",
+]
+
+#: :data:`LoadPolicy`: ``auto``: load when loading is expected to be faster; ``always``: load
+#: whatever is found (kvcore before 0.3); ``never``: recompute everything
+LOAD_POLICIES: tuple[str, ...] = get_args(LoadPolicy)
+
+#: how much a probe read asks for when the store's rate is unknown (a few blocks' worth)
+PROBE_BYTES = 1 << 20
+
+
+def check_load_policy(value: object, field: str = "load_policy") -> LoadPolicy:
+    """``value`` as a :data:`LoadPolicy`, or a ValueError naming ``field``."""
+    if value not in LOAD_POLICIES:
+        raise ValueError(f"{field} must be one of {', '.join(LOAD_POLICIES)}; got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """``blocks`` consecutive stored blocks of a request, read from a store measured by
+    ``rate``; a stack's tiers give one run each, the fastest first."""
+
+    blocks: int
+    rate: ReadRate
+
+
+@dataclass(frozen=True, slots=True)
+class LoadChoice:
+    """What to load of one request, and what the decider expected of it."""
+
+    #: leading blocks to load (0: recompute everything)
+    blocks: int
+    #: leading blocks the store holds
+    found: int
+    #: ``auto``, ``always``, ``never``, ``measuring`` (the store's rate unknown: a load paced
+    #: to break even, :attr:`expected_s`), ``uninformed`` (no prefill measured yet: loads)
+    why: str
+    #: expected seconds to read ``blocks`` (0 when none), wait for the store included
+    expected_s: float = 0.0
+    #: expected seconds to the first token loading ``blocks`` and recomputing ``found``
+    #: (None where unknown)
+    ttft_load_s: float | None = None
+    ttft_recompute_s: float | None = None
+
+    @property
+    def declined(self) -> int:
+        return self.found - self.blocks
+
+    @property
+    def saved_s(self) -> float:
+        """Expected seconds this choice saves against recomputing (0 where unknown)."""
+        if self.blocks == 0 or self.ttft_load_s is None or self.ttft_recompute_s is None:
+            return 0.0
+        return max(0.0, self.ttft_recompute_s - self.ttft_load_s)
+
+
+class LoadDecider:
+    """The load-or-recompute decision of one engine (one adapter instance). Thread-safe.
+
+    ``prefill``: the engine's :class:`PrefillRate`, which the adapter feeds. ``margin``: how much
+    faster the other choice must be expected to be before the decision changes. ``serial``:
+    whether loads block the engine's compute (vLLM's synchronous loads run inside the step):
+    then the store and the engine are one queue, else two.
+    """
+
+    def __init__(
+        self,
+        prefill: PrefillRate,
+        *,
+        policy: LoadPolicy = "auto",
+        margin: float = 0.05,
+        serial: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.prefill = prefill
+        self.policy = check_load_policy(policy)
+        self.margin = margin
+        self.serial = serial
+        self.counters = Counters()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._loading = False  # the last informed decision (the hysteresis' side)
+        self._link_free_at = 0.0
+        self._engine_free_at = 0.0
+        self._ratio_sum = 0.0  # actual / expected load seconds, over settled loads
+        self._ratio_n = 0
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def decide(
+        self,
+        runs: Sequence[StoredRun],
+        *,
+        block_bytes: int,
+        block_tokens: int,
+        start_tokens: int,
+        prompt_tokens: int,
+        policy: LoadPolicy | None = None,
+    ) -> LoadChoice:
+        """How many of the stored leading blocks to load.
+
+        ``runs``: the stored blocks from ``start_tokens`` on (the engine holds the tokens
+        before it), per store; ``block_bytes``: what one block reads (every rank's share this
+        decider's store serves); ``prompt_tokens``: the tokens the request needs computed or
+        loaded before its first token.
+        """
+        found = sum(run.blocks for run in runs)
+        chosen = self.policy if policy is None else check_load_policy(policy, "policy")
+        if found <= 0:
+            return LoadChoice(0, 0, chosen)
+        if chosen == "never":
+            return self._count(LoadChoice(0, found, "never"))
+        now = self._clock()
+        with self._lock:
+            link_free = max(now, self._link_free_at)
+            engine_free = max(now, self._engine_free_at)
+        recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
+        # the candidates: 0 and the end of every run (T is concave in k between them)
+        read_s, k = 0.0, 0
+        informed = recompute is not None
+        options: list[tuple[int, float | None, float]] = []
+        for run in runs:
+            if run.blocks <= 0:
+                continue
+            part = run.rate.estimate_s(run.blocks * block_bytes)
+            if part is None:
+                informed = False
+                break
+            read_s += part
+            k += run.blocks
+            rest = self.prefill.estimate_s(
+                max(1, prompt_tokens - start_tokens - k * block_tokens),
+                start_tokens + k * block_tokens,
+            )
+            if rest is None:
+                options.append((k, None, read_s))
+                continue
+            done = link_free + read_s
+            ttft = (done if self.serial else max(done, engine_free)) + rest - now
+            options.append((k, ttft, read_s))
+        if chosen == "auto" and not informed and recompute is not None and options == []:
+            # the store's rate is unknown (nothing read lately): load, paced to break even,
+            # so the load itself is the measurement: one slower than recomputing what it
+            # saves is cut (LoadPace) and its rest recomputed, one faster runs to the end
+            rest = self.prefill.estimate_s(
+                max(1, prompt_tokens - start_tokens - found * block_tokens),
+                start_tokens + found * block_tokens,
+            )
+            if rest is not None and recompute - rest > 0:
+                pace = (recompute - rest) / (1 + CUT_SLACK)
+                choice = LoadChoice(found, found, "measuring", pace, None, recompute)
+                return self._commit(self._count(choice), link_free, engine_free, now)
+        if chosen == "always" or not informed or recompute is None:
+            why = "always" if chosen == "always" else "uninformed"
+            expected = options[-1][2] if options and len(options) == len(runs) else 0.0
+            ttft0 = None if recompute is None else engine_free - now + recompute
+            choice = LoadChoice(
+                found, found, why, expected, options[-1][1] if options else None, ttft0
+            )
+            return self._commit(self._count(choice), link_free, engine_free, now)
+        t0 = engine_free - now + recompute
+        best_k, best_t, best_read = 0, t0, 0.0
+        for cand_k, cand_t, cand_read in options:
+            if cand_t is not None and cand_t < best_t:
+                best_k, best_t, best_read = cand_k, cand_t, cand_read
+        # hysteresis: keep the side taken last unless the other wins by the margin
+        if best_k and not self._loading and best_t > t0 * (1 - self.margin):
+            best_k, best_t, best_read = 0, t0, 0.0
+        elif not best_k and self._loading and options:
+            last_k, last_t, last_read = options[-1]
+            if last_t is not None and last_t <= t0 * (1 + self.margin):
+                best_k, best_t, best_read = last_k, last_t, last_read
+        with self._lock:
+            self._loading = best_k > 0
+        choice = LoadChoice(
+            best_k,
+            found,
+            "auto",
+            best_read,
+            best_t if best_k else (options[-1][1] if options else None),
+            t0,
+        )
+        return self._commit(self._count(choice), link_free, engine_free, now)
+
+    def _commit(
+        self, choice: LoadChoice, link_free: float, engine_free: float, now: float
+    ) -> LoadChoice:
+        """Book the chosen work on the store's and the engine's queues."""
+        with self._lock:
+            if choice.blocks:
+                self._link_free_at = link_free + choice.expected_s
+                if self.serial:
+                    self._engine_free_at = self._link_free_at
+            elif choice.ttft_recompute_s is not None:
+                self._engine_free_at = now + choice.ttft_recompute_s
+                if self.serial:
+                    self._link_free_at = self._engine_free_at
+        return choice
+
+    def _count(self, choice: LoadChoice) -> LoadChoice:
+        c = self.counters
+        c.add("decisions")
+        c.add(f"decisions_{choice.why}")
+        if choice.blocks:
+            c.add("loads_taken")
+            c.add("blocks_loaded", choice.blocks)
+            c.add("expected_load_s", choice.expected_s)
+            c.add("expected_saved_s", choice.saved_s)
+        else:
+            c.add("loads_declined")
+        if choice.declined:
+            c.add("blocks_declined", choice.declined)
+        return choice
+
+    # -- what happened ---------------------------------------------------------------------
+
+    def settle(self, choice: LoadChoice, actual_s: float, blocks_done: int) -> None:
+        """A load chosen by :meth:`decide` ended after ``actual_s`` with ``blocks_done``
+        blocks read (fewer than chosen: cut or failed): the estimate against the actual."""
+        if choice.blocks <= 0:
+            return
+        c = self.counters
+        c.add("loads_settled")
+        c.add("settled_expected_s", choice.expected_s)
+        c.add("settled_actual_s", actual_s)
+        if blocks_done < choice.blocks:
+            c.add("loads_short")
+            c.add("blocks_short", choice.blocks - blocks_done)
+        if choice.expected_s > 0:
+            with self._lock:
+                self._ratio_sum += actual_s / choice.expected_s
+                self._ratio_n += 1
+
+    def cut(self, blocks: int) -> None:
+        """A load fell behind its estimate and was cut with ``blocks`` unread (recomputed)."""
+        self.counters.add("loads_cut")
+        self.counters.add("blocks_cut", blocks)
+
+    def stats(self, rate: ReadRate | None = None) -> dict[str, float]:
+        """The decision's counters, the estimates it works from now (``read_*`` of ``rate``,
+        ``prefill_*``) and ``load_actual_vs_expected`` (mean over settled loads)."""
+        out = self.counters.snapshot()
+        with self._lock:
+            if self._ratio_n:
+                out["load_actual_vs_expected"] = self._ratio_sum / self._ratio_n
+        if rate is not None:
+            out.update({f"read_{k}": v for k, v in rate.figures().items()})
+        out.update({f"prefill_{k}": v for k, v in self.prefill.figures().items()})
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+#: a load is cut once it is this much (a fraction) behind its expected time...
+CUT_SLACK = 0.5
+#: ...plus this many seconds (a short load's jitter is not a slowdown)
+CUT_GRACE_S = 0.1
+#: a paced load reads in spans expected to take about this long, so a store that slows down
+#: tenfold is noticed within ten of them
+SPAN_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPace:
+    """A load of ``blocks`` blocks expected to take ``expected_s``, started at ``started``: how
+    it is split into spans, and whether it is behind (then cut)."""
+
+    expected_s: float
+    blocks: int
+    started: float
+
+    def span_blocks(self) -> int:
+        """Blocks per span: about :data:`SPAN_S` of the expected read each, at least one."""
+        if self.blocks <= 0 or self.expected_s <= SPAN_S:
+            return max(1, self.blocks)
+        return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
+
+    def behind(self, done: int, now: float | None = None) -> bool:
+        """Whether, with ``done`` blocks read by ``now``, the load is behind its expected time
+        by more than the slack (:data:`CUT_SLACK`, :data:`CUT_GRACE_S`)."""
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        due = self.expected_s * min(1.0, done / max(1, self.blocks))
+        return elapsed > due * (1 + CUT_SLACK) + CUT_GRACE_S
+
+
+def probe_read(backend: Backend, request: BlockRequest, max_bytes: int = PROBE_BYTES) -> int:
+    """Measure ``backend``'s read rate now: read the leading blocks of ``request`` (built
+    without buffers) that fit in ``max_bytes`` (at least one) into scratch memory, so the read
+    lands in :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is
+    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks have
+    no known size, that does not read host memory, or that was opened for lookups only (its
+    rate comes from the process that reads: :meth:`ReadRate.observe`) is not probed (0).
+    """
+    sizes = backend.part_sizes(request)
+    if (
+        not sizes
+        or request.num_blocks <= 0
+        or backend.capabilities.io != "host"
+        or backend.context.role == "lookup"
+    ):
+        return 0
+    per_block = sum(sizes)
+    n = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
+    with HostBuffer(n * per_block, pinned=False) as scratch:
+        base = scratch.ptr
+        ptrs = tuple(
+            tuple(base + i * per_block + sum(sizes[:j]) for j in range(len(sizes)))
+            for i in range(n)
+        )
+        host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
+        return int(backend.read(request.slice(0, n, host=host)))

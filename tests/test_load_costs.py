@@ -1,0 +1,353 @@
+"""kvcore.estimates and kvcore.load_costs: what loading and computing cost now, and the one
+load-or-recompute decision every adapter asks.
+
+Clocks are fake wherever a rate is asserted (no test depends on how fast this machine is); the
+transfer manager's cut is driven by a store whose reads slow down after a number of calls
+(work, not time, decides when), checked against the load's own expected time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+from memory_backend import MemoryBackend
+from test_correctness import cache_of, keys, lay, part_bytes
+
+import kvcore
+from kvcore import hookimpl
+from kvcore.estimates import DecayingFit, PrefillRate, ReadRate
+from kvcore.load_costs import (
+    CUT_GRACE_S,
+    CUT_SLACK,
+    LoadChoice,
+    LoadDecider,
+    LoadPace,
+    StoredRun,
+    check_load_policy,
+    probe_read,
+)
+from kvcore.transfer import TransferManager
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+MB = 1 << 20
+BLOCK_TOKENS = 32
+BLOCK_BYTES = 768 << 10  # 24 KiB per token, 32 tokens
+
+
+def rate_of(bytes_per_s: float, clock: Clock, per_call_s: float = 0.001) -> ReadRate:
+    rate = ReadRate(clock=clock)
+    for n in (1 * MB, 4 * MB, 16 * MB):
+        rate.observe(n, per_call_s + n / bytes_per_s)
+    return rate
+
+
+def prefill_of(tokens_per_s: float, clock: Clock, per_pair_s: float = 0.0) -> PrefillRate:
+    """An engine computing ``tokens_per_s`` (plus attention's share), fed as steps."""
+    prefill = PrefillRate(tokens_per_step=2048, clock=clock)
+    for n, ctx in ((64, 0), (512, 0), (2048, 0), (1, 600), (2048, 2048)):
+        prefill.observe_step(0.002 + n / tokens_per_s + per_pair_s * n * (ctx + n / 2), [(n, ctx)])
+    return prefill
+
+
+# -- the estimates --------------------------------------------------------------------------
+
+
+def test_a_fit_recovers_non_negative_costs_and_forgets_old_samples() -> None:
+    clock = Clock()
+    fit = DecayingFit(2, half_life_s=10.0, clock=clock)
+    for calls, n in itertools.product((1, 2), (1e6, 4e6, 9e6)):
+        fit.add((n, calls), n / 100e6 + 0.002 * calls)
+    coef = fit.coefficients()
+    assert coef is not None and np.allclose(coef, [1 / 100e6, 0.002], rtol=1e-6)
+    # the store gets ten times slower; a minute later (six half-lives) the fit says so
+    clock.now += 60
+    for n in (1e6, 4e6, 9e6):
+        fit.add((n, 1), 0.002 + n / 10e6)
+    coef = fit.coefficients()
+    assert coef is not None and 1 / coef[0] < 12e6
+    # samples that a negative cost would fit better still give non-negative costs
+    fit2 = DecayingFit(2, half_life_s=10.0, clock=clock)
+    fit2.add((1e6, 1), 0.5)
+    fit2.add((2e6, 1), 0.1)
+    assert (fit2.coefficients() >= 0).all()
+
+
+def test_two_short_steps_extrapolate_per_step_and_per_token_not_a_made_up_quadratic() -> None:
+    clock = Clock()
+    prefill = PrefillRate(tokens_per_step=2048, clock=clock)
+    prefill.observe_step(0.010 + 64 * 0.0003, [(64, 0)])
+    prefill.observe_step(0.010 + 0.0003, [(1, 64)])
+    estimate = prefill.estimate_s(4096)
+    assert estimate == pytest.approx(2 * 0.010 + 4096 * 0.0003, rel=1e-3)
+
+
+def test_prefill_grows_with_context_when_the_steps_show_it() -> None:
+    clock = Clock()
+    prefill = prefill_of(4000, clock, per_pair_s=1e-8)
+    short, late = prefill.estimate_s(1024, 0), prefill.estimate_s(1024, 6000)
+    assert short is not None and late is not None
+    assert late - short == pytest.approx(1024 * 6000 * 1e-8, rel=0.01)
+    figures = prefill.figures()
+    assert figures["per_token_pair_s"] == pytest.approx(1e-8, rel=1e-3)
+
+
+def test_overlapping_reads_share_the_store_busy_time_counts_not_each_call() -> None:
+    clock = Clock()
+    rate = ReadRate(clock=clock, sample_s=10.0)
+    # two reads of 10 MB overlap fully over one second: the store did 20 MB/s, not 10
+    rate.started()
+    rate.started()
+    clock.now += 1.0
+    rate.finished(10 * MB)
+    rate.finished(10 * MB)
+    figures = rate.figures()
+    assert figures["bytes_per_s"] == pytest.approx(20 * MB, rel=1e-6)
+
+
+def test_a_rate_unknown_until_measured_and_again_after_a_long_silence() -> None:
+    clock = Clock()
+    rate = ReadRate(clock=clock, half_life_s=30.0)
+    assert not rate.known and rate.estimate_s(MB) is None and rate.figures() == {}
+    rate.observe(MB, 0.01)
+    assert rate.known and rate.estimate_s(MB) is not None
+    clock.now += 120  # four half-lives: a sample weighs 1/16
+    assert not rate.known
+
+
+def test_the_facade_times_every_read_into_its_read_rate() -> None:
+    from test_runner import SIZE, _Buffers, _keys
+
+    with kvcore.open_backend(MemoryBackend, context={"namespace": "rate"}) as backend:
+        assert not backend.read_rate.known
+        buffers = _Buffers(8, fill=7)
+        req = backend.request(
+            "w", _keys(8), host=buffers.host(), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
+        )
+        assert backend.write(req) == 8
+        assert backend.read_rate.samples == 0  # writes are not reads
+        back = _Buffers(8)
+        got = backend.read(
+            backend.request(
+                "r", _keys(8), host=back.host(), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
+            )
+        )
+        assert got == 8 and backend.read_rate.samples == 1 and backend.read_rate.known
+        assert backend.block_nbytes(req) == SIZE
+
+
+def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store() -> None:
+    from test_runner import SIZE, _Buffers, _keys
+
+    with kvcore.open_backend(MemoryBackend, context={"namespace": "probe"}) as backend:
+        req = backend.request(
+            "w",
+            _keys(16),
+            host=_Buffers(16, fill=3).host(),
+            parts=("obj",),
+            part_bytes=(SIZE,),
+            timeout_s=30,
+        )
+        assert backend.write(req) == 16
+        bare = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,), timeout_s=30)
+        assert probe_read(backend, bare, max_bytes=4 * SIZE) == 4
+        assert backend.read_rate.known
+        missing = backend.request(
+            "p", _keys(4, "nope"), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
+        )
+        assert probe_read(backend, missing) == 0
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+def decide(decider: LoadDecider, rate: ReadRate, found: int = 125, **kw) -> LoadChoice:
+    return decider.decide(
+        [StoredRun(found, rate)],
+        block_bytes=BLOCK_BYTES,
+        block_tokens=BLOCK_TOKENS,
+        start_tokens=0,
+        prompt_tokens=found * BLOCK_TOKENS + 1,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("store_mb_s", "loads"),
+    [(15, False), (28, False), (40, False), (120, True), (240, True)],
+)
+def test_auto_loads_only_where_reading_beats_computing(store_mb_s: float, loads: bool) -> None:
+    clock = Clock()
+    # 4,000 tokens in 1.6 s (2,500 tokens/s) against 96 MB: the crossover is near 60 MB/s
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    choice = decide(decider, rate_of(store_mb_s * 1e6, clock))
+    assert (choice.blocks == choice.found) is loads and (choice.blocks == 0) is not loads
+    assert choice.ttft_recompute_s == pytest.approx(1.6 + 2 * 0.002, rel=0.05)
+    stats = decider.stats()
+    assert stats["decisions"] == 1
+    assert stats["loads_taken" if loads else "loads_declined"] == 1
+    assert stats.get("blocks_declined", 0) == (0 if loads else 125)
+
+
+def test_always_and_never_force_the_choice_and_a_request_may_override() -> None:
+    clock = Clock()
+    slow, fast = rate_of(10e6, clock), rate_of(1e9, clock)
+    always = LoadDecider(prefill_of(2500, clock), policy="always", clock=clock)
+    assert decide(always, slow).blocks == 125
+    never = LoadDecider(prefill_of(2500, clock), policy="never", clock=clock)
+    assert decide(never, fast).blocks == 0
+    assert decide(never, fast, policy="auto").blocks == 125
+    with pytest.raises(ValueError, match="policy must be one of auto, always, never"):
+        decide(never, fast, policy="sometimes")
+    with pytest.raises(ValueError, match="load_policy must be one of"):
+        check_load_policy("fast")
+
+
+def test_with_no_prefill_measured_it_loads_and_says_so() -> None:
+    clock = Clock()
+    decider = LoadDecider(PrefillRate(clock=clock), clock=clock)
+    choice = decide(decider, rate_of(10e6, clock))
+    assert (choice.blocks, choice.why) == (125, "uninformed")
+
+
+def test_with_no_read_measured_the_load_is_the_measurement_paced_to_break_even() -> None:
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    choice = decide(decider, ReadRate(clock=clock))
+    assert (choice.blocks, choice.why) == (125, "measuring")
+    # cut (LoadPace: behind by CUT_SLACK) once slower than recomputing the 4,000 tokens it saves
+    assert choice.expected_s * (1 + CUT_SLACK) == pytest.approx(1.6, rel=0.05)
+    assert decide(decider, ReadRate(clock=clock), policy="always").why == "always"
+
+
+def test_decisions_do_not_flap_inside_the_margin() -> None:
+    clock = Clock()
+    prefill = prefill_of(2500, clock)
+    decider = LoadDecider(prefill, margin=0.1, clock=clock)
+    # reading 96 MB at 62 MB/s takes ~1.55 s against ~1.6 s computing: inside the margin
+    near = rate_of(62e6, clock)
+    assert decide(decider, near).blocks == 0  # not better by 10 %: stays recomputing
+    assert decide(decider, rate_of(90e6, clock)).blocks == 125  # clearly better: loads
+    clock.now += 100  # let the booked load end
+    assert decide(decider, near).blocks == 125  # near the line again: stays loading
+    clock.now += 100
+    assert decide(decider, rate_of(40e6, clock)).blocks == 0
+
+
+def test_requests_arriving_together_share_the_store_and_the_engine() -> None:
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2500, clock), margin=0.0, clock=clock)
+    rate = rate_of(80e6, clock)  # 1.2 s to read one request, 1.6 s to compute it
+    choices = [decide(decider, rate) for _ in range(4)]
+    loaded = [c.blocks > 0 for c in choices]
+    assert loaded[0] and not all(loaded)  # the store is booked by the first ones
+    assert any(loaded[1:]) or not loaded[1]
+    # the time each one expects grows with what was booked before it
+    assert choices[1].ttft_load_s > choices[0].ttft_load_s
+
+
+def test_a_faster_tier_can_be_loaded_alone() -> None:
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    fast, slow = rate_of(2e9, clock), rate_of(5e6, clock)
+    choice = decider.decide(
+        [StoredRun(60, fast), StoredRun(65, slow)],
+        block_bytes=BLOCK_BYTES,
+        block_tokens=BLOCK_TOKENS,
+        start_tokens=0,
+        prompt_tokens=125 * BLOCK_TOKENS + 1,
+    )
+    assert (choice.blocks, choice.found) == (60, 125)
+
+
+def test_estimates_are_settled_against_what_the_loads_took() -> None:
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    choice = decide(decider, rate_of(200e6, clock))
+    decider.settle(choice, choice.expected_s * 1.1, choice.blocks)
+    decider.settle(choice, choice.expected_s * 0.9, choice.blocks - 5)
+    decider.cut(5)
+    stats = decider.stats(rate_of(200e6, clock))
+    assert stats["load_actual_vs_expected"] == pytest.approx(1.0)
+    assert (stats["loads_short"], stats["blocks_short"], stats["loads_cut"]) == (1, 5, 1)
+    assert stats["read_bytes_per_s"] == pytest.approx(200e6, rel=1e-3)
+    assert stats["prefill_tokens_per_s_1k"] > 0
+
+
+# -- the cut --------------------------------------------------------------------------------
+
+
+def test_a_pace_splits_a_load_into_short_spans_and_says_when_it_is_behind() -> None:
+    pace = LoadPace(expected_s=1.0, blocks=100, started=0.0)
+    assert pace.span_blocks() == 2
+    assert not pace.behind(50, now=0.6)
+    assert pace.behind(10, now=0.1 * 1.5 + CUT_GRACE_S + 0.01)
+    assert LoadPace(expected_s=0.001, blocks=7, started=0.0).span_blocks() == 7
+
+
+class _SlowsDown(MemoryBackend):
+    """Reads take ``fast_s`` each for the first ``fast_calls`` calls, then ``slow_s``."""
+
+    fast_calls = 4
+    fast_s = 0.0
+    slow_s = 0.0
+    calls = 0
+    lock = threading.Lock()
+
+    @hookimpl
+    def kvcore_read(self, request):
+        with self.lock:
+            type(self).calls += 1
+            n = type(self).calls
+        time.sleep(self.fast_s if n <= self.fast_calls else self.slow_s)
+        return MemoryBackend.kvcore_read(self, request)
+
+
+@pytest.mark.parametrize("storage_io", ["host_resident", "staged"])
+def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recompute(
+    storage_io: str,
+) -> None:
+    layout = lay(num_blocks=40)
+    src, dst = cache_of(layout, np.uint16, seed=3), cache_of(layout, np.uint16, fill=False)
+    backend = kvcore.open_backend(_SlowsDown, context={"layout": layout})
+    cfg = {"layout": layout, "max_model_len": 32 * 40}
+    if storage_io == "staged":
+        cfg.update(storage_io="staged", pipeline_blocks=2)
+    tm = TransferManager(cfg, src, backend)
+    try:
+        ks = keys(32, seed=3)
+        ids = list(range(32))
+        assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": ids}).result().ok
+        tm.restore_caches(dst)
+        # timed by work: the first calls are fast, every later one takes twice the whole
+        # load's expected time, so the load is behind as soon as a slow span ends
+        _SlowsDown.calls, _SlowsDown.fast_calls = 0, 2
+        _SlowsDown.fast_s, _SlowsDown.slow_s = 0.0, 2 * (0.2 + CUT_GRACE_S)
+        r = tm.read(
+            {"task_id": "r", "keys": ks, "device_block_ids": ids, "expected_s": 0.2}
+        ).result()
+        assert r.outcome == "cut" and not r.ok and 0 < r.num_blocks < 32
+        assert r.block_ids == ids[: r.num_blocks]  # a leading run, every byte as stored
+        for i in r.block_ids:
+            assert part_bytes(src, i) == part_bytes(dst, i)
+        assert _SlowsDown.calls < 32  # it stopped, not read to the end
+        # without an expected time the same slow store is read to the end
+        tm.restore_caches(cache_of(layout, np.uint16, fill=False))
+        _SlowsDown.calls, _SlowsDown.slow_s = 0, 0.0
+        whole = tm.read({"task_id": "r2", "keys": ks, "device_block_ids": ids}).result()
+        assert (whole.outcome, whole.num_blocks) == ("complete", 32)
+    finally:
+        tm.close()
+        backend.close()
+        _SlowsDown.slow_s = _SlowsDown.fast_s = 0.0
