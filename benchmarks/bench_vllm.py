@@ -141,8 +141,12 @@ def main() -> None:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    model = "" if shaped_only else write_model(
-        REPO / "integrations" / "vllm" / ".cache" / "models" / args.model, args.model
+    model = (
+        ""
+        if shaped_only
+        else write_model(
+            REPO / "integrations" / "vllm" / ".cache" / "models" / args.model, args.model
+        )
     )
     size = MODEL_SIZES[args.model]
     if parts & {"ttft", "itl"} and args.prompt_tokens >= size["max_position_embeddings"]:
