@@ -22,6 +22,9 @@ import numpy as np
 
 __all__ = ["DecayingFit", "PrefillRate", "ReadRate"]
 
+#: how far beyond the largest read measured a read rate is trusted (a factor)
+EXTRAPOLATION = 8
+
 #: below this much sample weight (about one fresh sample) an estimate is "unknown"
 KNOWN_WEIGHT = 0.5
 
@@ -145,6 +148,8 @@ class ReadRate:
         self._bytes = 0
         self._calls = 0
         self.samples = 0
+        self._half_life_s = half_life_s
+        self._largest = (0, 0.0)  # (bytes, when) of the largest sample lately
 
     def started(self) -> None:
         """A read was handed to the store."""
@@ -164,8 +169,7 @@ class ReadRate:
             busy = now - self._since
             if self._in_flight == 0 or busy >= self._sample_s:
                 if self._bytes > 0 and busy > 0:
-                    self._fit.add((self._bytes, self._calls), busy)
-                    self.samples += 1
+                    self._add(self._bytes, self._calls, busy)
                 self._bytes = self._calls = 0
                 self._since = now
 
@@ -174,8 +178,25 @@ class ReadRate:
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            self._fit.add((nbytes, calls), seconds)
-            self.samples += 1
+            self._add(nbytes, calls, seconds)
+
+    def _add(self, nbytes: int, calls: int, seconds: float) -> None:
+        self._fit.add((nbytes, calls), seconds)
+        self.samples += 1
+        now = self._clock()
+        largest, when = self._largest
+        if nbytes >= largest or now - when > 2 * self._half_life_s:
+            self._largest = (nbytes, now)
+
+    def trusted_for(self, nbytes: int) -> bool:
+        """Whether the fit may be extrapolated to a read of ``nbytes``: at most
+        :data:`EXTRAPOLATION` times the largest read measured lately. Small reads confound the
+        store's per-call latency with its bandwidth; a rate seen only on them says little of a
+        read a hundred times larger."""
+        with self._lock:
+            largest, when = self._largest
+            recent = self._clock() - when <= 2 * self._half_life_s
+        return recent and nbytes <= EXTRAPOLATION * largest
 
     @property
     def known(self) -> bool:

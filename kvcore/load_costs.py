@@ -19,7 +19,8 @@ Reading costs the same per block while computing a block costs more the later it
 ``T`` is concave in ``k``: the least is at ``k = 0`` or at a run's end (the end of what a faster
 tier holds, or ``found``), the only candidates compared. A decision stands unless the other
 choice wins by ``margin`` (a fraction), so requests in a row do not flap on noise. With no
-read measured lately, the load is the measurement (``measuring``): it runs paced to break even
+read measured lately (or only reads far smaller than this one:
+:meth:`ReadRate.trusted_for`), the load is the measurement (``measuring``): it runs paced to break even
 against recomputing what it saves, and is cut as soon as it falls behind that pace. With no
 prefill measured yet it loads (kvcore's behaviour before this decision existed), counted as
 ``uninformed``. (:func:`probe_read` measures a store by a short read where an adapter wants a
@@ -185,7 +186,8 @@ class LoadDecider:
         for run in runs:
             if run.blocks <= 0:
                 continue
-            part = run.rate.estimate_s(run.blocks * block_bytes)
+            nbytes = run.blocks * block_bytes
+            part = run.rate.estimate_s(nbytes) if run.rate.trusted_for(nbytes) else None
             if part is None:
                 informed = False
                 break

@@ -53,6 +53,17 @@ def rate_of(bytes_per_s: float, clock: Clock, per_call_s: float = 0.001) -> Read
     return rate
 
 
+def test_a_rate_seen_only_on_small_reads_is_not_extrapolated_to_a_large_one() -> None:
+    clock = Clock()
+    rate = ReadRate(clock=clock)
+    rate.observe(768 << 10, 0.017)  # one block, mostly latency
+    assert rate.trusted_for(4 * MB) and not rate.trusted_for(96 * MB)
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    assert decide(decider, rate).why == "measuring"  # the load is the measurement
+    rate.observe(64 * MB, 0.3)
+    assert rate.trusted_for(96 * MB) and decide(decider, rate).why == "auto"
+
+
 def prefill_of(tokens_per_s: float, clock: Clock, per_pair_s: float = 0.0) -> PrefillRate:
     """An engine computing ``tokens_per_s`` (plus attention's share), fed as steps."""
     prefill = PrefillRate(tokens_per_step=2048, clock=clock)
