@@ -401,6 +401,7 @@ class Backend:
         monitoring, which must not fail because one gauge is malformed.
         """
         out = self.metrics.snapshot()
+        out.update({f"read_{k}": v for k, v in self.read_rate.figures().items()})  # rate now
         own = self._guard.lifecycle("stats", self._pm.hook.kvcore_stats) or {}
         out.update(self._guard.numbers("stats", own, prefix="backend_"))
         return out

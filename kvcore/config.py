@@ -328,8 +328,8 @@ class EngineBackendSettings(StrictModel):
     Frozen: settings are read once, where the engine hands them over, and shared.
 
     .. versionadded:: 0.3
-    .. versionchanged:: 0.3 ``load_policy`` and ``load_margin``, the load-or-recompute
-       decision's (one for every adapter).
+    .. versionchanged:: 0.3 ``load_policy``, ``load_margin`` and ``prefill_tokens_per_s``, the
+       load-or-recompute decision's (one for every adapter).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -359,6 +359,13 @@ class EngineBackendSettings(StrictModel):
         description="auto: load stored blocks only when reading them is expected to be faster "
         "than computing them (from the store's measured read rate and the engine's measured "
         "prefill rate: kvcore.load_costs); always: load whatever is found; never: recompute",
+    )
+    prefill_tokens_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="auto: the engine's prefill rate to assume until the adapter has measured "
+        "one (adapters that see no engine step, SGLang's and LMCache's storage layers, use only "
+        "this); unset: such an adapter loads whatever is found",
     )
     load_margin: float = Field(
         default=0.05,

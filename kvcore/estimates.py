@@ -235,16 +235,24 @@ class PrefillRate:
     tokens dearer than its first ones. The adapter feeds every step it timed
     (:meth:`observe_step`) and asks :meth:`estimate_s`; ``tokens_per_step`` is the engine's
     budget per step (vLLM's ``max_num_batched_tokens``), so a long prefill costs its steps.
+    ``tokens_per_s`` is assumed until a step was measured (an operator's figure, for adapters
+    that see no engine step: SGLang's and LMCache's storage layers).
     """
 
     def __init__(
         self,
         *,
         tokens_per_step: int | None = None,
+        tokens_per_s: float | None = None,
         half_life_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if tokens_per_s is not None and tokens_per_s <= 0:
+            raise ValueError(f"tokens_per_s must be positive, got {tokens_per_s}")
         self.tokens_per_step = tokens_per_step
+        #: the rate assumed while nothing was measured (a setting: an adapter that cannot time
+        #: the engine's steps, or an engine's first request)
+        self.assumed_tokens_per_s = tokens_per_s
         self._fit = DecayingFit(3, half_life_s, clock)
         self._lock = threading.Lock()
         self.samples = 0
@@ -272,11 +280,10 @@ class PrefillRate:
         if tokens <= 0:
             return 0.0
         with self._lock:
-            if self._fit.weight < KNOWN_WEIGHT:
-                return None
-            coef = self._fit.coefficients()
+            coef = self._fit.coefficients() if self._fit.weight >= KNOWN_WEIGHT else None
         if coef is None:
-            return None
+            assumed = self.assumed_tokens_per_s
+            return None if assumed is None else tokens / assumed
         per_step = self.tokens_per_step or tokens
         steps = math.ceil(tokens / per_step)
         return float(coef[0] * tokens + coef[1] * steps + coef[2] * tokens * (context + tokens / 2))

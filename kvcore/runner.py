@@ -45,9 +45,11 @@ from typing import Any
 
 from kvcore import host_jobs as jobs
 from kvcore.backend import Backend
+from kvcore.config import LoadPolicy
 from kvcore.errors import describe
 from kvcore.handles import BackendHandle
 from kvcore.host_jobs import COUNTERS, Fill, HostJob, HostResult, JobOp, Requests
+from kvcore.load_costs import LoadChoice, LoadDecider, StoredRun
 from kvcore.metrics import Metrics, OnceLogger
 from kvcore.requests import FailureKind
 from kvcore.threads import QueueFullError, WorkerPool
@@ -313,6 +315,37 @@ class HostRunner:
                 return False
             job.cancelled = True
             return True
+
+    def plan_load(
+        self,
+        decider: LoadDecider,
+        found: int,
+        *,
+        block_bytes: int,
+        block_tokens: int,
+        start_tokens: int = 0,
+        prompt_tokens: int | None = None,
+        policy: LoadPolicy | None = None,
+    ) -> LoadChoice:
+        """How many of the ``found`` leading blocks a lookup found to load: ``decider``'s
+        choice (:mod:`kvcore.load_costs`) over this runner's store, weighed by its measured
+        read rate. ``prompt_tokens`` defaults to the tokens through the found blocks (an
+        engine that asks about stored pages only). A store that is not open: nothing loads.
+
+        .. versionadded:: 0.3
+        """
+        backend = self.opened
+        if backend is None or found <= 0:
+            return LoadChoice(0, max(0, found), "unavailable")
+        end = start_tokens + found * block_tokens
+        return decider.decide(
+            [StoredRun(found, backend.read_rate)],
+            block_bytes=block_bytes,
+            block_tokens=block_tokens,
+            start_tokens=start_tokens,
+            prompt_tokens=end if prompt_tokens is None else prompt_tokens,
+            policy=policy,
+        )
 
     def stats(self, prefix: str = "host.") -> dict[str, float]:
         """The runner's counters (``<prefix><name>.<op>``, :data:`COUNTERS`), latencies

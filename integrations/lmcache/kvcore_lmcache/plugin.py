@@ -21,6 +21,7 @@ threads; every failure is a miss (False, None), logged once per kind and counted
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -169,12 +170,22 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             if not keys:
                 return 0
             found = self._runner.lookup(partial(self._request, keys=keys), blocks=len(keys))
+            # found, unless reading them is expected to take longer than computing them
+            n = self._kv.worth_loading(found.leading, *self._chunk_cost())
             if pin:
-                for key in keys[: found.leading]:
+                for key in keys[:n]:
                     self.pin(key)
-            return found.leading
+            return n
 
         return self._kv.guard("contains", 0, ask)
+
+    def _chunk_cost(self) -> tuple[int | None, int | None]:
+        """Bytes and tokens of one full chunk, from LMCache's metadata (None: unknown)."""
+        meta = self.metadata
+        shape, dtype = getattr(meta, "kv_shape", None), getattr(meta, "kv_dtype", None)
+        if not shape or dtype is None:
+            return None, None
+        return math.prod(shape) * dtype.itemsize, int(meta.chunk_size)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import kvcore
+from kvcore.estimates import PrefillRate
+from kvcore.load_costs import LoadDecider
 from kvcore.registry import load_backend_class
 from kvcore_lmcache.settings import AdapterSettings
 
@@ -45,6 +47,13 @@ class Store:
             requires={"io": "host", "addressing": "key"},
             retry_s=settings.reopen_interval_s,
             on_open=on_open,
+        )
+        #: load or recompute (kvcore.load_costs): LMCache's storage layer sees no engine step,
+        #: so the prefill rate is the settings' ``prefill_tokens_per_s`` (unset: load all)
+        self.decider = LoadDecider(
+            PrefillRate(tokens_per_s=settings.prefill_tokens_per_s),
+            policy=settings.load_policy,
+            margin=settings.load_margin,
         )
         #: every lookup, load, store and removal of LMCache's objects, synchronous or as a
         #: task on its threads (``io_threads`` for lookups and loads, as many for stores)
@@ -82,6 +91,19 @@ class Store:
             )
         return None
 
+    def worth_loading(self, found: int, chunk_bytes: int | None, chunk_tokens: int | None) -> int:
+        """How many of ``found`` stored leading chunks LMCache should load: kvcore's
+        load-or-recompute decision over the store's measured read rate (``chunks_declined``
+        counts the rest). Chunks of unknown size or tokens: all of them, as before."""
+        if found <= 0 or not chunk_bytes or not chunk_tokens:
+            return max(0, found)
+        choice = self.runner.plan_load(
+            self.decider, found, block_bytes=chunk_bytes, block_tokens=chunk_tokens
+        )
+        if choice.declined:
+            self.counters.add("chunks_declined", choice.declined)
+        return choice.blocks
+
     def guard(self, op: str, default: T, fn: Callable[[], T]) -> T:
         """``fn()``, or ``default`` when it raises (logged once per kind, counted)."""
         try:
@@ -110,6 +132,7 @@ class Store:
             "open_failures": self.handle.open_failures,
             **self.runner.stats(),
             **self.counters.snapshot(),
+            **{f"decide.{k}": v for k, v in self.decider.stats().items()},
         }
         if backend is not None:
             out.update({f"kvcore_{k}": v for k, v in backend.stats().items()})

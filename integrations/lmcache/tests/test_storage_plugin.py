@@ -7,6 +7,7 @@ is a miss."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,3 +227,30 @@ def test_the_stores_admission_policy_is_honoured(managers, tmp_path):
         got.ref_count_down()
     status = plugin.report_status()
     assert status["host.blocks_refused.write"] == 2 and status["host.blocks_done.write"] == 2
+
+
+def test_lookups_answer_only_the_chunks_worth_loading(managers):
+    """LMCache's lookups go through kvcore's load-or-recompute decision (the rule of the
+    core's tests/test_load_costs.py), weighed by the store's read rate measured from the
+    plugin's own reads: an engine that computes a chunk ten times faster than this store reads
+    it gets fewer chunks than are stored; one ten times slower gets them all."""
+    keys = [key(i) for i in range(4)]
+    writer = managers()
+    put_and_wait(writer, keys, [1, 2, 3, 4])
+    plugin = plugin_of(writer)
+    for _ in range(3):  # reads measured by the store's facade
+        assert all(plugin.get_blocking(k) is not None for k in keys)
+    read_s = 4 * math.prod(SHAPE) * 2 / plugin.backend.read_rate.figures()["bytes_per_s"]
+    per_chunk_s = read_s / 4
+    outcomes = {}
+    for label, factor in (("slow_engine", 10.0), ("fast_engine", 0.1)):
+        tokens_per_s = 256 / (per_chunk_s * factor)
+        manager = managers(**{"storage_plugin.kvcore.prefill_tokens_per_s": tokens_per_s})
+        reader = plugin_of(manager)
+        for _ in range(3):
+            assert all(reader.get_blocking(k) is not None for k in keys)
+        outcomes[label] = (reader.batched_contains(keys), reader.report_status())
+    assert outcomes["slow_engine"][0] == 4
+    found, status = outcomes["fast_engine"]
+    assert found < 4 and status["chunks_declined"] == 4 - found
+    assert status["decide.loads_declined"] >= 1

@@ -292,7 +292,11 @@ class KVCoreHiCacheStorage(HiCacheStorage):
         """Flat counters: the adapter's (``pages_*``, ``errors.<op>``, ``failures.<op>``) and
         each opened backend's kvcore counters under ``kv.`` and ``side.``."""
         tiers = (("kv.", self._kv), ("side.", self._side_pools.tier))
-        return kvcore_counters(self._counters, tiers, self._closed)
+        out = kvcore_counters(self._counters, tiers, self._closed)
+        # the load-or-recompute decision's counters and prefill estimate (the store's read
+        # rate is the backend's: kv.read_bytes_per_s)
+        out.update({f"decide.{k}": v for k, v in self._io.decider.stats().items()})
+        return out
 
     def close(self) -> None:
         """Unregister the host memory and close the backends; later calls are misses."""
@@ -350,7 +354,9 @@ class KVCoreHiCacheStorage(HiCacheStorage):
     # -- internals: v1 and legacy (the KV pool, see kvcore_sglang.transfers and .legacy) -----
 
     def _exists(self, keys: list[str]) -> int:
-        return self._io.exists(*self._kv_route(), keys).leading
+        tier, fmt = self._kv_route()
+        found = self._io.exists(tier, fmt, keys).leading
+        return self._io.worth_loading(tier, fmt, found)  # found, unless reading is slower
 
     def _read_kv_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         tier, fmt = self._kv_route()

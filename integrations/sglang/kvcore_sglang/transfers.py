@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 import kvcore
+from kvcore.estimates import PrefillRate
+from kvcore.load_costs import LoadDecider
 from kvcore_sglang.pages import PageFormat, page_buffers
 from kvcore_sglang.settings import StorageSettings
 from kvcore_sglang.stats import TransferMetrics
@@ -48,6 +50,13 @@ class PageTransfers:
         self.counters = counters
         self.metrics = metrics
         self._tasks = itertools.count()
+        #: load or recompute (kvcore.load_costs): SGLang's storage layer sees no engine step,
+        #: so the prefill rate is the settings' ``prefill_tokens_per_s`` (unset: load all)
+        self.decider = LoadDecider(
+            PrefillRate(tokens_per_s=settings.prefill_tokens_per_s),
+            policy=settings.load_policy,
+            margin=settings.load_margin,
+        )
 
     def request(
         self,
@@ -99,6 +108,19 @@ class PageTransfers:
         """Which pages of ``keys`` are stored: the leading run, or each page (``each``)."""
         request = self.request("exists", tier, fmt, keys, rank=rank, world_size=world_size)
         return tier.runner.lookup(request, blocks=len(keys), each=each)
+
+    def worth_loading(self, tier: Tier, fmt: PageFormat, found: int) -> int:
+        """How many of ``found`` stored leading pages to prefetch: kvcore's load-or-recompute
+        decision over the tier's measured read rate (the pages declined are SGLang's to
+        compute: ``pages_declined``)."""
+        if found <= 0:
+            return 0
+        choice = tier.runner.plan_load(
+            self.decider, found, block_bytes=fmt.page_nbytes, block_tokens=fmt.page_size
+        )
+        if choice.declined:
+            self.counters.add("pages_declined", choice.declined)
+        return choice.blocks
 
     def read_pages(
         self,
