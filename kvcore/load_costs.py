@@ -95,7 +95,8 @@ class LoadChoice:
     #: leading blocks the store holds
     found: int
     #: ``auto``, ``always``, ``never``, ``measuring`` (the store's rate unknown: a load paced
-    #: to break even, :attr:`expected_s`), ``uninformed`` (no prefill measured yet: loads)
+    #: to break even, :attr:`expected_s`), ``uninformed`` (no prefill measured yet: loads),
+    #: ``unavailable`` (the store is not open: nothing loads)
     why: str
     #: expected seconds to read ``blocks`` (0 when none), wait for the store included
     expected_s: float = 0.0

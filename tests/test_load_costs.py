@@ -362,3 +362,26 @@ def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recom
         tm.close()
         backend.close()
         _SlowsDown.slow_s = _SlowsDown.fast_s = 0.0
+
+
+def test_a_runner_plans_a_load_over_its_own_stores_measured_rate() -> None:
+    from test_runner import SIZE
+
+    clock = Clock()
+    with kvcore.open_backend(MemoryBackend, context={"namespace": "plan"}) as backend:
+        runner = kvcore.HostRunner(backend)
+        decider = LoadDecider(PrefillRate(tokens_per_s=1e3, clock=clock), clock=clock)
+        # nothing read yet: the load is the measurement
+        assert runner.plan_load(decider, 8, block_bytes=SIZE, block_tokens=16).why == "measuring"
+        for n in (4, 8):  # a store of 64-byte blocks read at 1 kB/s: far slower than computing
+            backend.read_rate.observe(n * SIZE, n * SIZE / 1e3)
+        choice = runner.plan_load(decider, 8, block_bytes=SIZE, block_tokens=16)
+        assert (choice.blocks, choice.found, choice.why) == (0, 8, "auto")
+        assert (
+            runner.plan_load(decider, 8, block_bytes=SIZE, block_tokens=16, policy="always").blocks
+            == 8
+        )
+        assert runner.plan_load(decider, 0, block_bytes=SIZE, block_tokens=16).blocks == 0
+        runner.close()
+    closed = kvcore.HostRunner(lambda: None)
+    assert closed.plan_load(decider, 8, block_bytes=SIZE, block_tokens=16).why == "unavailable"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -85,6 +86,18 @@ class KVCoreL2AdapterConfig(L2AdapterConfigBase):
         fields = AdapterSettings.model_fields
         lines = [f"- {name}: {field.description}" for name, field in fields.items()]
         return "kvcore L2 adapter (adapter_params):\n" + "\n".join(lines)
+
+
+def _object_bytes(descs: dict[int, MemoryLayoutDesc]) -> int | None:
+    """Bytes of one stored object of the one KV group ``descs`` describes (None: several
+    groups, or none: the decision then loads what is found)."""
+    if len(descs) != 1:
+        return None
+    desc = next(iter(descs.values()))
+    return sum(
+        math.prod(shape) * dtype.itemsize
+        for shape, dtype in zip(desc.shapes, desc.dtypes, strict=True)
+    )
 
 
 class _Batch:
@@ -276,10 +289,18 @@ class KVCoreL2Adapter(L2AdapterInterface):
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             return [self._request(backend, batch, run) for run in batch.runs]
 
+        chunk_bytes = _object_bytes(group_layout_descs)
+
         def done(result: kvcore.HostResult) -> None:
+            hits = batch.answered(result.done)
+            # the leading run found, cut to what kvcore's load-or-recompute decision loads
+            run = next((n for n, i in enumerate(hits) if i != n), len(hits))
+            worth = self._kv.worth_loading(run, chunk_bytes, self.settings.chunk_tokens)
             found = Bitmap(len(keys))
             with self._lock:
-                for i in batch.answered(result.done):
+                for i in hits:
+                    if worth <= i < run:
+                        continue  # declined: LMCache recomputes it
                     found.set(i)
                     self._locks[keys[i]] = self._locks.get(keys[i], 0) + 1
                 self._looked_up[task_id] = found

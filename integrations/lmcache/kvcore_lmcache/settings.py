@@ -53,6 +53,12 @@ class AdapterSettings(EngineBackendSettings):
         "check it against the load buffer: same-size KV of another dtype is never loaded "
         "(backends that keep no block metadata: see docs/lmcache.md)",
     )
+    chunk_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="tokens per stored object (LMCache's chunk_size), for the load-or-recompute "
+        "decision of the L2 adapter's lookups (the storage plugin reads LMCache's metadata)",
+    )
     seed_usage: bool = Field(
         default=True,
         description="at start, list the store and report what it holds to LMCache (usage, "

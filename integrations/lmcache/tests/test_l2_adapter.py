@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import key, load, lookup, memory_obj, random_obj, store
+from conftest import key, load, lookup, memory_obj, random_obj, store, wait_fd
 from kvcore_lmcache import l2_adapter_spec
 from kvcore_lmcache.keys import block_key, key_fields
 from kvcore_lmcache.l2 import PART, KVCoreL2Adapter
@@ -401,3 +401,32 @@ def test_the_stores_admission_policy_is_honoured(open_adapter, root):
     status = adapter.report_status()
     assert status["host.blocks_refused.write"] == 3 and status["host.blocks_done.write"] == 3
     assert status["kvcore_backend_admission_refused"] == 3
+
+
+def test_lookups_answer_only_the_objects_worth_loading(open_adapter):
+    """LMCache's L2 lookups go through kvcore's load-or-recompute decision (the rule of the
+    core's tests/test_load_costs.py), weighed by the store's read rate measured from the
+    adapter's own loads: an engine computing an object's tokens ten times faster than this
+    store reads it is answered fewer objects than are stored (and locks none of those);
+    ten times slower, all of them."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    keys = [key(i) for i in range(4)]
+    store(open_adapter(), keys, [random_obj(i) for i in range(4)])
+    descs = {0: MemoryLayoutDesc(shapes=[torch.Size([1024])], dtypes=[torch.float16])}
+    found = {}
+    for label, factor in (("slow_engine", 10.0), ("fast_engine", 0.1)):
+        probe = open_adapter()
+        for _ in range(3):
+            assert load(probe, keys, [memory_obj(n=1024) for _ in keys]) == [0, 1, 2, 3]
+        per_object_s = 2048 / probe._kv.opened.read_rate.figures()["bytes_per_s"]
+        adapter = open_adapter(prefill_tokens_per_s=256 / (per_object_s * factor))
+        for _ in range(3):
+            assert load(adapter, keys, [memory_obj(n=1024) for _ in keys]) == [0, 1, 2, 3]
+        task = adapter.submit_lookup_and_lock_task(keys, descs)
+        wait_fd(adapter.get_lookup_and_lock_event_fd())
+        found[label] = adapter.query_lookup_and_lock_result(task).get_indices_list()
+        found[label + "_status"] = adapter.report_status()
+    assert found["slow_engine"] == [0, 1, 2, 3]
+    assert len(found["fast_engine"]) < 4
+    assert found["fast_engine_status"]["chunks_declined"] == 4 - len(found["fast_engine"])

@@ -64,6 +64,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 import kvcore
 from kvcore import events as ev
+from kvcore.estimates import PrefillRate
+from kvcore.load_costs import LoadDecider
 from kvcore.requests import HostBuffers
 from kvcore.runner import COUNTERS
 from kvcore_vllm.config import load_tier_settings
@@ -83,6 +85,8 @@ ANNOUNCED_CHUNKS = 200_000
 #: ``read`` for promotions, ``write`` for stores; :data:`kvcore.runner.COUNTERS`)
 _COUNTERS = {
     "events_unmapped": "store events naming objects outside this tier's key scope (skipped)",
+    "chunks_declined": "chunks found but answered absent: reading them was expected to take "
+    "longer than computing them (kvcore.load_costs; prefill_tokens_per_s)",
 }
 
 
@@ -175,6 +179,15 @@ class KVCoreTier(SecondaryTierManager):
             max_queued=(1 << 20, cfg.max_queued_stores),
         )
         self._closed = False
+        #: load or recompute (kvcore.load_costs): a tier sees no engine step, so the prefill
+        #: rate is the settings' ``prefill_tokens_per_s`` (unset: every chunk found is promoted)
+        self._decider = LoadDecider(
+            PrefillRate(tokens_per_s=cfg.prefill_tokens_per_s),
+            policy=cfg.load_policy,
+            margin=cfg.load_margin,
+        )
+        groups = getattr(offloading_spec, "tokens_per_block", None) or (0,)
+        self._chunk_tokens = int(groups[0]) * int(getattr(offloading_spec, "blocks_per_chunk", 1))
         self._lookups = _Lookups(self, tier_type)
         log.info(
             "kvcore tier %r: backend %r, %d chunks of %d bytes registered, namespace %r",
@@ -384,7 +397,22 @@ class KVCoreTier(SecondaryTierManager):
         build = partial(
             self._request, f"{req_id}/lookup", keys, None, timeout_s=self.settings.lookup_timeout_s
         )
-        return list(self._runner.lookup(build, blocks=len(keys), each=True).done)
+        found = list(self._runner.lookup(build, blocks=len(keys), each=True).done)
+        return self._worth_loading(found)
+
+    def _worth_loading(self, found: list[bool]) -> list[bool]:
+        """``found``, its leading run cut to what kvcore's decision would load (a chunk whose
+        read is expected to take longer than computing it is answered absent)."""
+        run = next((i for i, hit in enumerate(found) if not hit), len(found))
+        if run == 0 or self._chunk_tokens <= 0:
+            return found
+        choice = self._runner.plan_load(
+            self._decider, run, block_bytes=self._chunk_bytes, block_tokens=self._chunk_tokens
+        )
+        if choice.declined:
+            self._counts.add("chunks_declined", choice.declined)
+            found[choice.blocks : run] = [False] * choice.declined
+        return found
 
     def _translate(self, event: ev.StoreEvent) -> None:
         """One kvcore event as vLLM's tier-owned offloading events."""

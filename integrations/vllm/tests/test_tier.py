@@ -514,3 +514,38 @@ def test_a_tier_attaching_to_a_filled_store_announces_its_chunks(tmp_path) -> No
             late.shutdown()
     finally:
         writer.shutdown()
+
+
+def test_lookups_answer_only_the_chunks_worth_promoting(tmp_path) -> None:
+    """vLLM's lookups of the tier go through kvcore's load-or-recompute decision (the rule of
+    the core's tests/test_load_costs.py), weighed by the store's read rate the tier's own loads
+    measured: with an engine that computes a chunk ten times faster than this store reads it,
+    the chunks found are answered absent; ten times slower, they are hits."""
+    keys = [key(i) for i in range(1, 5)]
+    results = {}
+    for label, factor in (("slow_engine", 10.0), ("fast_engine", 0.1)):
+        root = tmp_path / label
+        tier, _ = make_tier("file", str(root))
+        try:
+            tier.submit_store(make_job(1, keys, [0, 1, 2, 3]))
+            assert all(r.success for r in drain(tier))
+            for _ in range(3):  # promotions, measured by the store's facade
+                tier.submit_load(make_job(2, keys, [4, 5, 6, 7]))
+                assert all(r.success for r in drain(tier))
+            rate = tier.backend.read_rate.figures()["bytes_per_s"]
+            chunk_s = tier._chunk_bytes / rate
+        finally:
+            tier.shutdown()
+        tokens_per_s = tier._chunk_tokens / (chunk_s * factor)
+        again, _ = make_tier("file", str(root), prefill_tokens_per_s=tokens_per_s)
+        try:
+            for _ in range(3):
+                again.submit_load(make_job(3, keys, [4, 5, 6, 7]))
+                assert all(r.success for r in drain(again))
+            results[label] = lookup_and_wait(again, keys, ctx=ReqContext(req_id=label))
+            declined = again._counts.snapshot().get("chunks_declined", 0)
+        finally:
+            again.shutdown()
+        results[label + "_declined"] = declined
+    assert results["slow_engine"] == [LookupResult.HIT] * 4
+    assert LookupResult.MISS in results["fast_engine"] and results["fast_engine_declined"] >= 1
