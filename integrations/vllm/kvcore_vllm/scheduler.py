@@ -154,7 +154,10 @@ class SchedulerSide:
         #: load or recompute (kvcore.load_costs): fed with this engine's step timings (the
         #: workers time each forward pass; the scheduler knows what it computed)
         self.decider = LoadDecider(
-            PrefillRate(tokens_per_step=_tokens_per_step(vllm_config)),
+            PrefillRate(
+                tokens_per_step=_tokens_per_step(vllm_config),
+                tokens_per_s=settings.prefill_tokens_per_s,  # until a step was measured
+            ),
             policy=settings.load_policy,
             margin=settings.load_margin,
             serial=not self.load_async,  # sync loads run inside the step, before its compute
