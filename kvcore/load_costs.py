@@ -334,10 +334,20 @@ class LoadPace:
     started: float
 
     def span_blocks(self) -> int:
-        """Blocks per span: about :data:`SPAN_S` of the expected read each, at least one."""
+        """Blocks of the first span: about :data:`SPAN_S` of the expected read, at least one."""
         if self.blocks <= 0 or self.expected_s <= SPAN_S:
             return max(1, self.blocks)
         return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
+
+    def next_span(self, done: int, now: float | None = None) -> int:
+        """Blocks of the span after ``done`` blocks were read: about :data:`SPAN_S` at the rate
+        this load has delivered so far (the expected rate before any), at least one. A fast
+        store gets few, large calls; a slow one short spans, so a slowdown shows within one."""
+        left = self.blocks - done
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        if done <= 0 or elapsed <= 0:
+            return min(left, self.span_blocks())
+        return max(1, min(left, math.ceil(done / elapsed * SPAN_S)))
 
     def behind(self, done: int, now: float | None = None) -> bool:
         """Whether, with ``done`` blocks read by ``now``, the load is behind its expected time

@@ -305,6 +305,11 @@ def test_a_pace_splits_a_load_into_short_spans_and_says_when_it_is_behind() -> N
     assert not pace.behind(50, now=0.6)
     assert pace.behind(10, now=0.1 * 1.5 + CUT_GRACE_S + 0.01)
     assert LoadPace(expected_s=0.001, blocks=7, started=0.0).span_blocks() == 7
+    # later spans follow the rate the load delivers: 50 blocks in 0.1 s -> 10 blocks a span
+    assert pace.next_span(0, now=0.0) == 2
+    assert pace.next_span(50, now=0.1) == 10
+    assert pace.next_span(99, now=0.1) == 1  # never past the end
+    assert pace.next_span(1, now=10.0) == 1  # a crawl: one block at a time
 
 
 class _SlowsDown(MemoryBackend):
@@ -341,10 +346,10 @@ def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recom
         ids = list(range(32))
         assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": ids}).result().ok
         tm.restore_caches(dst)
-        # timed by work: the first calls are fast, every later one takes twice the whole
+        # timed by work: the first call is fast, every later one takes twice the whole
         # load's expected time, so the load is behind as soon as a slow span ends
-        _SlowsDown.calls, _SlowsDown.fast_calls = 0, 2
-        _SlowsDown.fast_s, _SlowsDown.slow_s = 0.0, 2 * (0.2 + CUT_GRACE_S)
+        _SlowsDown.calls, _SlowsDown.fast_calls = 0, 1
+        _SlowsDown.fast_s, _SlowsDown.slow_s = 0.005, 2 * (0.2 + CUT_GRACE_S)
         r = tm.read(
             {"task_id": "r", "keys": ks, "device_block_ids": ids, "expected_s": 0.2}
         ).result()

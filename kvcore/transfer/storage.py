@@ -378,12 +378,16 @@ class DirectIO(StorageIO):
             if count:
                 self._call("read", job, 0, count, fut, prog, timings)
             return
-        # paced: short spans, each its own call, so a load behind its estimate stops between
-        # two of them (a call under way on the engine's blocks is never abandoned)
-        for lo, n in _chunks(count, pace.span_blocks()):
+        # paced: spans of ~SPAN_S each at the rate seen so far, each its own call, so a load
+        # behind its estimate stops between two of them (a call under way on the engine's
+        # blocks is never abandoned)
+        lo = 0
+        while lo < count:
+            n = pace.next_span(lo)
             got = self._call("read", job, lo, n, fut, prog, timings)
             if got is None or got < n or cut_if_behind(pace, prog, lo + n, count):
                 return
+            lo += n
 
     def write(
         self,
