@@ -295,7 +295,9 @@ def _target_families(target: Any) -> list[Metric]:
             out += _target_families(backend)
         return out
     stats = target.stats() if hasattr(target, "stats") else {}
-    own = {k: v for k, v in stats.items() if k.startswith("backend_")}
+    # the backend's own gauges, and the read rate the facade measures (read_bytes_per_s,
+    # read_per_call_s: what the load-or-recompute decision weighs a load with)
+    own = {k: v for k, v in stats.items() if k.startswith(("backend_", "read_"))}
     return metrics.families(extra=own)
 
 

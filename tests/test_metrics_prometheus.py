@@ -65,6 +65,8 @@ def test_collector_in_an_engines_own_registry(manager):
     backend_write = frozenset({("backend", "memory"), ("op", "write")})
     assert s[("kvcore_backend_calls_total", backend_write)] >= 1
     assert s[("kvcore_backend_backend_objects", frozenset({("backend", "memory")}))] == 6
+    # the read rate the facade measured (the load-or-recompute decision's store side)
+    assert s[("kvcore_backend_read_bytes_per_s", frozenset({("backend", "memory")}))] > 0
 
 
 def test_each_scrape_reads_current_values(manager):
