@@ -318,7 +318,7 @@ class LoadDecider:
 #: a load is cut once it is this much (a fraction) behind its expected time...
 CUT_SLACK = 0.5
 #: ...plus this many seconds (a short load's jitter is not a slowdown)
-CUT_GRACE_S = 0.1
+CUT_GRACE_S = 0.05
 #: a paced load reads in spans expected to take about this long, so a store that slows down
 #: tenfold is noticed within ten of them
 SPAN_S = 0.02
@@ -334,7 +334,8 @@ class LoadPace:
     started: float
 
     def span_blocks(self) -> int:
-        """Blocks of the first span: about :data:`SPAN_S` of the expected read, at least one."""
+        """Blocks per span at the expected rate: about :data:`SPAN_S` of the read, at least
+        one (the first span is one block: a store slower than expected shows at once)."""
         if self.blocks <= 0 or self.expected_s <= SPAN_S:
             return max(1, self.blocks)
         return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
@@ -346,7 +347,7 @@ class LoadPace:
         left = self.blocks - done
         elapsed = (time.monotonic() if now is None else now) - self.started
         if done <= 0 or elapsed <= 0:
-            return min(left, self.span_blocks())
+            return min(left, 1)
         return max(1, min(left, math.ceil(done / elapsed * SPAN_S)))
 
     def behind(self, done: int, now: float | None = None) -> bool:

@@ -19,7 +19,7 @@ from test_correctness import cache_of, keys, lay, part_bytes
 
 import kvcore
 from kvcore import hookimpl
-from kvcore.estimates import DecayingFit, PrefillRate, ReadRate
+from kvcore.estimates import DecayingFit, PrefillRate, ReadRate, pair_cost_of
 from kvcore.load_costs import (
     CUT_GRACE_S,
     CUT_SLACK,
@@ -102,6 +102,33 @@ def test_two_short_steps_extrapolate_per_step_and_per_token_not_a_made_up_quadra
     prefill.observe_step(0.010 + 0.0003, [(1, 64)])
     estimate = prefill.estimate_s(4096)
     assert estimate == pytest.approx(2 * 0.010 + 4096 * 0.0003, rel=1e-3)
+
+
+def test_short_steps_extrapolate_with_attention_from_the_models_shapes() -> None:
+    """A fresh engine timed only short steps (a warm-up): without the model's shapes, a long
+    prefill is extrapolated linearly; with them, attention's growth is in the estimate, and
+    once steps as long as the prefill were timed, they decide."""
+    clock = Clock()
+    ratio = pair_cost_of(layers=6, hidden=256, heads=8, kv_heads=8, head_dim=128, intermediate=512)
+    assert ratio == pytest.approx(
+        4 * 1024 * 6 / (2 * 6 * (256 * 3072 + 1024 * 256 + 3 * 256 * 512))
+    )
+
+    def engine(n: int, ctx: int) -> float:  # what this engine really takes
+        return 0.01 + 1e-4 * (n + ratio * n * (ctx + n / 2))
+
+    plain = PrefillRate(clock=clock)
+    shaped = PrefillRate(pair_cost=ratio, clock=clock)
+    for rate in (plain, shaped):
+        rate.observe_step(engine(32, 0), [(32, 0)])
+        rate.observe_step(engine(1, 64), [(1, 64)])
+    truth = engine(4000, 0)
+    assert plain.estimate_s(4000) < 0.8 * truth  # linear: attention missing
+    assert shaped.estimate_s(4000) == pytest.approx(truth, rel=0.02)
+    # timed long steps, which then decide (here the engine is twice as slow as its shapes say)
+    for n in (2000, 4000):
+        shaped.observe_step(2 * engine(n, 0), [(n, 0)])
+    assert shaped.estimate_s(4000) == pytest.approx(2 * truth, rel=0.1)
 
 
 def test_prefill_grows_with_context_when_the_steps_show_it() -> None:
@@ -306,7 +333,7 @@ def test_a_pace_splits_a_load_into_short_spans_and_says_when_it_is_behind() -> N
     assert pace.behind(10, now=0.1 * 1.5 + CUT_GRACE_S + 0.01)
     assert LoadPace(expected_s=0.001, blocks=7, started=0.0).span_blocks() == 7
     # later spans follow the rate the load delivers: 50 blocks in 0.1 s -> 10 blocks a span
-    assert pace.next_span(0, now=0.0) == 2
+    assert pace.next_span(0, now=0.0) == 1  # the first span: one block, to see the store
     assert pace.next_span(50, now=0.1) == 10
     assert pace.next_span(99, now=0.1) == 1  # never past the end
     assert pace.next_span(1, now=10.0) == 1  # a crawl: one block at a time

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.estimates import PrefillRate
+from kvcore.estimates import PrefillRate, pair_cost_of
 from kvcore.load_costs import LoadChoice, LoadDecider, StoredRun, check_load_policy
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
@@ -157,6 +157,7 @@ class SchedulerSide:
             PrefillRate(
                 tokens_per_step=_tokens_per_step(vllm_config),
                 tokens_per_s=settings.prefill_tokens_per_s,  # until a step was measured
+                pair_cost=_pair_cost(vllm_config),  # attention's share, from the shapes
             ),
             policy=settings.load_policy,
             margin=settings.load_margin,
@@ -671,6 +672,27 @@ def _tokens_per_step(vllm_config: Any) -> int | None:
     """vLLM's token budget of one step (a long prefill takes several)."""
     value = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
     return int(value) if value else None
+
+
+def _pair_cost(vllm_config: Any) -> float | None:
+    """Attention's cost per token pair relative to a token's, from the model's shapes (None
+    where they are not those of a plain decoder: the prefill rate then learns it from steps)."""
+    model = getattr(vllm_config, "model_config", None)
+    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    try:
+        hidden = int(hf.hidden_size)
+        heads = int(hf.num_attention_heads)
+        head_dim = int(getattr(hf, "head_dim", None) or hidden // heads)
+        return pair_cost_of(
+            layers=int(hf.num_hidden_layers),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            intermediate=int(hf.intermediate_size),
+        )
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return None
 
 
 def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
