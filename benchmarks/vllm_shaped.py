@@ -81,6 +81,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--together-tokens", type=int, default=2000)
     ap.add_argument("--slowdown-rate", type=float, default=1000)
     ap.add_argument("--slowdown-after-s", type=float, default=0.3)
+    ap.add_argument(
+        "--shaped-parts",
+        default="rates,together,slowdown",
+        help="shaped: which of its parts to run (comma-separated)",
+    )
 
 
 def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report: Report) -> str:
@@ -127,37 +132,26 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
         fill_steps = [warm, _gen("long", [prompt]), _gen("four", together)]
         _engine(base, arms["always"], fill_steps, workdir, "shaped-fill")
         reference: dict[str, list[list[int]]] = {}
-        for rate in rates:
+        parts = {p.strip() for p in args.shaped_parts.split(",")}
+        long_steps = [warm, _gen("long", [prompt])]
+        for rate in rates if "rates" in parts else []:
             tc(rate)
             res = _compare(
-                args,
-                base,
-                arms,
-                [warm, _gen("long", [prompt])],
-                workdir,
-                f"r{int(rate)}",
-                reference,
-                "long",
+                args, base, arms, long_steps, workdir, f"r{int(rate)}", reference, "long"
             )
             _report_rate(report, f"{int(rate)}mbit", res)
-        tc(args.together_rate)
-        res = _compare(
-            args, base, arms, [warm, _gen("four", together)], workdir, "together", reference, "four"
-        )
-        _report_rate(report, f"together_{int(args.together_rate)}mbit", res, mean=True)
-        tc(args.slowdown_rate)
-        res = _compare(
-            args,
-            base,
-            arms,
-            [warm, _gen("long", [prompt])],
-            workdir,
-            "slowdown",
-            reference,
-            "long",
-            slowdown=(args.slowdown_rate, args.slowdown_after_s),
-        )
-        _report_slowdown(report, int(args.slowdown_rate), res)
+        if "together" in parts:
+            tc(args.together_rate)
+            steps = [warm, _gen("four", together)]
+            res = _compare(args, base, arms, steps, workdir, "together", reference, "four")
+            _report_rate(report, f"together_{int(args.together_rate)}mbit", res, mean=True)
+        if "slowdown" in parts:
+            tc(args.slowdown_rate)
+            slow = (args.slowdown_rate, args.slowdown_after_s)
+            res = _compare(
+                args, base, arms, long_steps, workdir, "slowdown", reference, "long", slowdown=slow
+            )
+            _report_slowdown(report, int(args.slowdown_rate), res)
         tc(None)
     return "; ".join(notes) or (
         f"measured: one master and a 2 GiB storage node on 127.0.0.1 in a private loopback-only "

@@ -96,9 +96,11 @@ class LoadChoice:
     found: int
     #: ``auto``, ``always``, ``never``, ``measuring`` (the store's rate unknown: a load paced
     #: to break even, :attr:`expected_s`), ``uninformed`` (no prefill measured yet: loads),
-    #: ``unavailable`` (the store is not open: nothing loads)
+    #: ``unavailable`` (the store is not open: nothing loads), ``unmeasured`` (the rate is
+    #: being measured by another request's load: recompute)
     why: str
-    #: expected seconds to read ``blocks`` (0 when none), wait for the store included
+    #: expected seconds from now until ``blocks`` are read (0 when none): the wait for loads
+    #: chosen before it that share the store included; a ``measuring`` load's break-even pace
     expected_s: float = 0.0
     #: expected seconds to the first token loading ``blocks`` and recomputing ``found``
     #: (None where unknown)
@@ -207,7 +209,14 @@ class LoadDecider:
         if chosen == "auto" and not informed and recompute is not None and options == []:
             # the store's rate is unknown (nothing read lately): load, paced to break even,
             # so the load itself is the measurement: one slower than recomputing what it
-            # saves is cut (LoadPace) and its rest recomputed, one faster runs to the end
+            # saves is cut (LoadPace) and its rest recomputed, one faster runs to the end.
+            # One measurement at a time: requests arriving while it runs recompute (loads
+            # started together would share the store and each look slow)
+            if link_free > now:
+                choice = LoadChoice(
+                    0, found, "unmeasured", 0.0, None, engine_free - now + recompute
+                )
+                return self._commit(self._count(choice), link_free, engine_free, now)
             rest = self.prefill.estimate_s(
                 max(1, prompt_tokens - start_tokens - found * block_tokens),
                 start_tokens + found * block_tokens,
@@ -218,7 +227,7 @@ class LoadDecider:
                 return self._commit(self._count(choice), link_free, engine_free, now)
         if chosen == "always" or not informed or recompute is None:
             why = "always" if chosen == "always" else "uninformed"
-            expected = options[-1][2] if options and len(options) == len(runs) else 0.0
+            expected = options[-1][2] + link_free - now if len(options) == len(runs) else 0.0
             ttft0 = None if recompute is None else engine_free - now + recompute
             choice = LoadChoice(
                 found, found, why, expected, options[-1][1] if options else None, ttft0
@@ -242,7 +251,7 @@ class LoadDecider:
             best_k,
             found,
             "auto",
-            best_read,
+            link_free - now + best_read if best_k else 0.0,  # loads booked before share it
             best_t if best_k else (options[-1][1] if options else None),
             t0,
         )
@@ -253,8 +262,8 @@ class LoadDecider:
     ) -> LoadChoice:
         """Book the chosen work on the store's and the engine's queues."""
         with self._lock:
-            if choice.blocks:
-                self._link_free_at = link_free + choice.expected_s
+            if choice.blocks:  # expected_s counts from now (a wait for the store included)
+                self._link_free_at = max(link_free, now + choice.expected_s)
                 if self.serial:
                     self._engine_free_at = self._link_free_at
             elif choice.ttft_recompute_s is not None:
@@ -318,7 +327,7 @@ class LoadDecider:
 #: a load is cut once it is this much (a fraction) behind its expected time...
 CUT_SLACK = 0.5
 #: ...plus this many seconds (a short load's jitter is not a slowdown)
-CUT_GRACE_S = 0.05
+CUT_GRACE_S = 0.02
 #: a paced load reads in spans expected to take about this long, so a store that slows down
 #: tenfold is noticed within ten of them
 SPAN_S = 0.02
@@ -350,12 +359,23 @@ class LoadPace:
             return min(left, 1)
         return max(1, min(left, math.ceil(done / elapsed * SPAN_S)))
 
-    def behind(self, done: int, now: float | None = None) -> bool:
+    def behind(
+        self, done: int, now: float | None = None, last: tuple[int, float] | None = None
+    ) -> bool:
         """Whether, with ``done`` blocks read by ``now``, the load is behind its expected time
-        by more than the slack (:data:`CUT_SLACK`, :data:`CUT_GRACE_S`)."""
+        by more than the slack (:data:`CUT_SLACK`, :data:`CUT_GRACE_S`): in all, or in its
+        ``last`` span (blocks, seconds), so a store that slows down is left at once even by a
+        load that was ahead (reading the rest at the rate it has now would take longer than
+        its share of the estimate allows)."""
         elapsed = (time.monotonic() if now is None else now) - self.started
-        due = self.expected_s * min(1.0, done / max(1, self.blocks))
-        return elapsed > due * (1 + CUT_SLACK) + CUT_GRACE_S
+        per_block = self.expected_s / max(1, self.blocks)
+        due = per_block * min(done, self.blocks)
+        if elapsed > due * (1 + CUT_SLACK) + CUT_GRACE_S:
+            return True
+        if last is None:
+            return False
+        blocks, seconds = last
+        return seconds > blocks * per_block * (1 + CUT_SLACK) + CUT_GRACE_S
 
 
 def probe_read(backend: Backend, request: BlockRequest, max_bytes: int = PROBE_BYTES) -> int:

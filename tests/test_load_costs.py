@@ -295,6 +295,30 @@ def test_requests_arriving_together_share_the_store_and_the_engine() -> None:
     assert choices[1].ttft_load_s > choices[0].ttft_load_s
 
 
+def test_one_measurement_at_a_time_others_recompute_while_it_runs() -> None:
+    """Requests arriving together with the store's rate unknown: the first one's load is the
+    measurement; loads started beside it would share the store and each look slow, so the
+    others recompute until it ends."""
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    rate = ReadRate(clock=clock)
+    first, second = decide(decider, rate), decide(decider, rate)
+    assert (first.why, first.blocks) == ("measuring", 125)
+    assert (second.why, second.blocks) == ("unmeasured", 0)
+    clock.now += first.expected_s + 0.01  # the measuring load's time is over
+    assert decide(decider, rate).why == "measuring"
+
+
+def test_loads_booked_together_expect_to_share_the_store() -> None:
+    clock = Clock()
+    decider = LoadDecider(prefill_of(500, clock), clock=clock)  # computing is slow: all load
+    rate = rate_of(200e6, clock)
+    a, b = decide(decider, rate), decide(decider, rate)
+    assert a.blocks == b.blocks == 125
+    # the second load's expected time counts from now: it waits for the first one's share
+    assert b.expected_s == pytest.approx(2 * a.expected_s, rel=0.01)
+
+
 def test_a_faster_tier_can_be_loaded_alone() -> None:
     clock = Clock()
     decider = LoadDecider(prefill_of(2500, clock), clock=clock)
@@ -332,6 +356,9 @@ def test_a_pace_splits_a_load_into_short_spans_and_says_when_it_is_behind() -> N
     assert not pace.behind(50, now=0.6)
     assert pace.behind(10, now=0.1 * 1.5 + CUT_GRACE_S + 0.01)
     assert LoadPace(expected_s=0.001, blocks=7, started=0.0).span_blocks() == 7
+    # a load well ahead of its estimate whose last span crawled: left at once, lead or not
+    assert not pace.behind(60, now=0.3, last=(10, 0.1))
+    assert pace.behind(60, now=0.3, last=(10, 0.1 * 1.5 + CUT_GRACE_S + 0.01))
     # later spans follow the rate the load delivers: 50 blocks in 0.1 s -> 10 blocks a span
     assert pace.next_span(0, now=0.0) == 1  # the first span: one block, to see the store
     assert pace.next_span(50, now=0.1) == 10

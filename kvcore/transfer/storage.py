@@ -70,9 +70,16 @@ class BlockJob:
         prog.bytes += n * self.cache.layout.block_bytes
 
 
-def cut_if_behind(pace: LoadPace | None, prog: Progress, done: int, total: int) -> bool:
-    """Stop a paced read that fell behind its expected time (True: stopped)."""
-    if pace is None or done >= total or not pace.behind(done):
+def cut_if_behind(
+    pace: LoadPace | None,
+    prog: Progress,
+    done: int,
+    total: int,
+    last: tuple[int, float] | None = None,
+) -> bool:
+    """Stop a paced read that fell behind its expected time, in all or in its ``last`` span
+    (blocks, seconds) (True: stopped)."""
+    if pace is None or done >= total or not pace.behind(done, last=last):
         return False
     prog.stop(
         "cut",
@@ -384,8 +391,10 @@ class DirectIO(StorageIO):
         lo = 0
         while lo < count:
             n = pace.next_span(lo)
+            t0 = time.monotonic()
             got = self._call("read", job, lo, n, fut, prog, timings)
-            if got is None or got < n or cut_if_behind(pace, prog, lo + n, count):
+            last = (n, time.monotonic() - t0)
+            if got is None or got < n or cut_if_behind(pace, prog, lo + n, count, last):
                 return
             lo += n
 

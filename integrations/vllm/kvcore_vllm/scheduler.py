@@ -355,6 +355,7 @@ class SchedulerSide:
             policy=self._request_policy(request),
         )
         self._choices[rid] = choice
+        log.debug("request %s: %s", rid, choice)
         return choice.blocks
 
     def _request_policy(self, request: Any) -> Any:
