@@ -150,6 +150,7 @@ class ReadRate:
         self.samples = 0
         self._half_life_s = half_life_s
         self._largest = (0, 0.0)  # (bytes, when) of the largest sample lately
+        self._smallest = (0, 0.0)  # (bytes, when) of the smallest sample lately
 
     def started(self) -> None:
         """A read was handed to the store."""
@@ -187,16 +188,23 @@ class ReadRate:
         largest, when = self._largest
         if nbytes >= largest or now - when > 2 * self._half_life_s:
             self._largest = (nbytes, now)
+        smallest, when = self._smallest
+        if smallest == 0 or nbytes <= smallest or now - when > 2 * self._half_life_s:
+            self._smallest = (nbytes, now)
 
     def trusted_for(self, nbytes: int) -> bool:
         """Whether the fit may be extrapolated to a read of ``nbytes``: at most
-        :data:`EXTRAPOLATION` times the largest read measured lately. Small reads confound the
-        store's per-call latency with its bandwidth; a rate seen only on them says little of a
-        read a hundred times larger."""
+        :data:`EXTRAPOLATION` times the largest read measured lately, or any size once reads of
+        sizes at least twice apart were measured. Reads of one small size confound the store's
+        per-call latency with its bandwidth; a rate seen only on them says little of a read a
+        hundred times larger."""
         with self._lock:
             largest, when = self._largest
+            smallest, _ = self._smallest
             recent = self._clock() - when <= 2 * self._half_life_s
-        return recent and nbytes <= EXTRAPOLATION * largest
+        # reads of sizes at least twice apart tell latency from bandwidth: then a larger read
+        # is the bandwidth's, however large
+        return recent and (nbytes <= EXTRAPOLATION * largest or largest >= 2 * smallest)
 
     @property
     def known(self) -> bool:

@@ -52,6 +52,7 @@ from kvcore.requests import BlockRequest, HostBuffers
 
 __all__ = [
     "LOAD_POLICIES",
+    "PROBE_BUDGET_S",
     "PROBE_BYTES",
     "LoadChoice",
     "LoadDecider",
@@ -66,8 +67,10 @@ __all__ = [
 #: whatever is found (kvcore before 0.3); ``never``: recompute everything
 LOAD_POLICIES: tuple[str, ...] = get_args(LoadPolicy)
 
-#: how much a probe read asks for when the store's rate is unknown (a few blocks' worth)
-PROBE_BYTES = 1 << 20
+#: a probe read (:func:`probe_read`) stops after this long (once two sizes were read)...
+PROBE_BUDGET_S = 0.03
+#: ...or this many bytes
+PROBE_BYTES = 16 << 20
 
 
 def check_load_policy(value: object, field: str = "load_policy") -> LoadPolicy:
@@ -153,6 +156,15 @@ class LoadDecider:
         self._ratio_n = 0
 
     # -- the decision ----------------------------------------------------------------------
+
+    def needs_probe(
+        self, runs: Sequence[StoredRun], block_bytes: int, policy: LoadPolicy | None = None
+    ) -> bool:
+        """Whether to measure the first run's store (:func:`probe_read`) before :meth:`decide`:
+        ``auto`` only, and only while its rate is unknown for a read this size."""
+        if (policy or self.policy) != "auto" or not runs or runs[0].blocks <= 0:
+            return False
+        return not runs[0].rate.trusted_for(runs[0].blocks * block_bytes)
 
     def decide(
         self,
@@ -378,13 +390,21 @@ class LoadPace:
         return seconds > blocks * per_block * (1 + CUT_SLACK) + CUT_GRACE_S
 
 
-def probe_read(backend: Backend, request: BlockRequest, max_bytes: int = PROBE_BYTES) -> int:
-    """Measure ``backend``'s read rate now: read the leading blocks of ``request`` (built
-    without buffers) that fit in ``max_bytes`` (at least one) into scratch memory, so the read
-    lands in :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is
-    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks have
-    no known size, that does not read host memory, or that was opened for lookups only (its
-    rate comes from the process that reads: :meth:`ReadRate.observe`) is not probed (0).
+def probe_read(
+    backend: Backend,
+    request: BlockRequest,
+    *,
+    budget_s: float = PROBE_BUDGET_S,
+    max_bytes: int = PROBE_BYTES,
+) -> int:
+    """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
+    blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
+    blocks (two sizes at least: a store's per-call latency and its bandwidth told apart) until
+    ``budget_s`` has passed or ``max_bytes`` were read, so the reads land in
+    :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is dropped (the
+    engine loads its blocks itself, if it decides to). A backend whose blocks have no known
+    size, that does not read host memory, or that was opened for lookups only (its rate comes
+    from the process that reads: :meth:`ReadRate.observe`) is not probed (0).
     """
     sizes = backend.part_sizes(request)
     if (
@@ -395,12 +415,20 @@ def probe_read(backend: Backend, request: BlockRequest, max_bytes: int = PROBE_B
     ):
         return 0
     per_block = sum(sizes)
-    n = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
-    with HostBuffer(n * per_block, pinned=False) as scratch:
+    most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
+    read, step, t0 = 0, 1, time.monotonic()
+    with HostBuffer(most * per_block, pinned=False) as scratch:
         base = scratch.ptr
-        ptrs = tuple(
-            tuple(base + i * per_block + sum(sizes[:j]) for j in range(len(sizes)))
-            for i in range(n)
-        )
-        host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
-        return int(backend.read(request.slice(0, n, host=host)))
+        while read < most:
+            n = min(step, most - read)
+            ptrs = tuple(
+                tuple(base + (read + i) * per_block + sum(sizes[:j]) for j in range(len(sizes)))
+                for i in range(n)
+            )
+            host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
+            got = int(backend.read(request.slice(read, read + n, host=host)))
+            read += got
+            if got < n or (step > 1 and time.monotonic() - t0 >= budget_s):
+                break
+            step *= 2
+    return read

@@ -164,6 +164,20 @@ def test_a_rate_unknown_until_measured_and_again_after_a_long_silence() -> None:
     assert not rate.known
 
 
+def test_reads_of_two_sizes_tell_latency_from_bandwidth_and_are_trusted_for_any_size() -> None:
+    clock = Clock()
+    rate = ReadRate(clock=clock)
+    rate.observe(MB, 0.005 + MB / 50e6)
+    assert not rate.trusted_for(96 * MB)
+    rate.observe(2 * MB, 0.005 + 2 * MB / 50e6)
+    assert rate.trusted_for(96 * MB)
+    assert rate.estimate_s(96 * MB) == pytest.approx(0.005 + 96 * MB / 50e6, rel=1e-3)
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)
+    assert not decider.needs_probe([StoredRun(125, rate)], BLOCK_BYTES)
+    assert decider.needs_probe([StoredRun(125, ReadRate(clock=clock))], BLOCK_BYTES)
+    assert not decider.needs_probe([StoredRun(125, ReadRate(clock=clock))], BLOCK_BYTES, "always")
+
+
 def test_the_facade_times_every_read_into_its_read_rate() -> None:
     from test_runner import SIZE, _Buffers, _keys
 
@@ -200,7 +214,8 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         assert backend.write(req) == 16
         bare = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,), timeout_s=30)
         assert probe_read(backend, bare, max_bytes=4 * SIZE) == 4
-        assert backend.read_rate.known
+        assert backend.read_rate.known and backend.read_rate.samples == 3  # 1, 2, then 1 block
+        assert backend.read_rate.trusted_for(1 << 30)  # two sizes: latency and bandwidth
         missing = backend.request(
             "p", _keys(4, "nope"), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
         )

@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.estimates import PrefillRate, pair_cost_of
-from kvcore.load_costs import LoadChoice, LoadDecider, StoredRun, check_load_policy
+from kvcore.load_costs import (
+    LoadChoice,
+    LoadDecider,
+    StoredRun,
+    check_load_policy,
+    probe_read,
+)
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
 from kvcore_vllm.context import Slice, backend_context, slice_plan
@@ -346,13 +352,21 @@ class SchedulerSide:
             rank=piece.rank,
             world_size=piece.world,
         )
+        runs = [StoredRun(found, backend.read_rate)]
+        block_bytes = backend.block_nbytes(bare) * len(store.slices)
+        policy = self._request_policy(request)
+        if self.decider.needs_probe(runs, block_bytes, policy):
+            # the store's rate is unknown for a read this size: measure it now (a few short
+            # reads, ~30 ms), before the decision (a lookup-only client cannot: the decision
+            # then paces the load itself)
+            self.counters.add(lookup_probes=1, lookup_probe_blocks=probe_read(backend, bare))
         choice = self.decider.decide(
-            [StoredRun(found, backend.read_rate)],
-            block_bytes=backend.block_nbytes(bare) * len(store.slices),
+            runs,
+            block_bytes=block_bytes,
             block_tokens=self.block_size,
             start_tokens=start * self.block_size,
             prompt_tokens=int(request.num_tokens),
-            policy=self._request_policy(request),
+            policy=policy,
         )
         self._choices[rid] = choice
         log.debug("request %s: %s", rid, choice)
