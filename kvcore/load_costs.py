@@ -416,19 +416,38 @@ def probe_read(
         return 0
     per_block = sum(sizes)
     most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
-    read, step, t0 = 0, 1, time.monotonic()
     with HostBuffer(most * per_block, pinned=False) as scratch:
         base = scratch.ptr
-        while read < most:
-            n = min(step, most - read)
-            ptrs = tuple(
-                tuple(base + (read + i) * per_block + sum(sizes[:j]) for j in range(len(sizes)))
-                for i in range(n)
-            )
-            host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
-            got = int(backend.read(request.slice(read, read + n, host=host)))
-            read += got
-            if got < n or (step > 1 and time.monotonic() - t0 >= budget_s):
-                break
-            step *= 2
+        # a zero-copy client (Mooncake) reads only into memory registered with it
+        backend.register_buffer(base, scratch.nbytes)
+        try:
+            read = _probe_reads(backend, request, base, sizes, most, budget_s)
+        finally:
+            backend.unregister_buffer(base)
+    return read
+
+
+def _probe_reads(
+    backend: Backend,
+    request: BlockRequest,
+    base: int,
+    sizes: list[int],
+    most: int,
+    budget_s: float,
+) -> int:
+    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` (after two sizes)."""
+    per_block = sum(sizes)
+    read, step, t0 = 0, 1, time.monotonic()
+    while read < most:
+        n = min(step, most - read)
+        ptrs = tuple(
+            tuple(base + (read + i) * per_block + sum(sizes[:j]) for j in range(len(sizes)))
+            for i in range(n)
+        )
+        host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
+        got = int(backend.read(request.slice(read, read + n, host=host)))
+        read += got
+        if got < n or (step > 1 and time.monotonic() - t0 >= budget_s):
+            break
+        step *= 2
     return read
