@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -52,26 +51,9 @@ BURST = "256kb"
 
 def tc(rate_mbit: float | None) -> None:
     """Shape this namespace's ``lo`` to ``rate_mbit`` (None: unshaped)."""
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
-    if rate_mbit is not None:
-        subprocess.run(
-            [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "tbf",
-                "rate",
-                f"{rate_mbit}mbit",
-                "burst",
-                BURST,
-                "latency",
-                "50ms",
-            ],
-            check=True,
-        )
+    from kv_mooncake.testing import shape_loopback
+
+    shape_loopback(None if rate_mbit is None else f"{rate_mbit}mbit", burst=BURST)
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -196,24 +178,9 @@ def _slow_down_after_warmup(results: Path, rate: float, after_s: float) -> None:
     while time.monotonic() < deadline:
         if results.exists() and results.stat().st_size > 0:
             time.sleep(after_s)
-            subprocess.run(
-                [
-                    "tc",
-                    "qdisc",
-                    "change",
-                    "dev",
-                    "lo",
-                    "root",
-                    "tbf",
-                    "rate",
-                    f"{rate / 10}mbit",
-                    "burst",
-                    BURST,
-                    "latency",
-                    "50ms",
-                ],
-                check=False,
-            )
+            from kv_mooncake.testing import shape_loopback
+
+            shape_loopback(f"{rate / 10}mbit", burst=BURST, change=True)
             return
         time.sleep(0.005)
 

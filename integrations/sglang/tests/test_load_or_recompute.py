@@ -11,10 +11,10 @@ over the unshaped link, measured first, so the test holds on any machine.
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
 from conftest import _NETNS, page_indices, page_keys
+from kv_mooncake.testing import shape_loopback
 from kvcore_sglang.testing import create_storage, extra_config, fill_random, mha_host_pool
 from kvcore_sglang.testing import storage_config as make_storage_config
 
@@ -22,26 +22,7 @@ PAGES = 8
 
 
 def _shape(rate: str | None) -> None:
-    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
-    if rate is not None:
-        subprocess.run(
-            [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "tbf",
-                "rate",
-                rate,
-                "burst",
-                "8kb",
-                "latency",
-                "2s",
-            ],
-            check=True,
-        )
+    shape_loopback(rate, burst="8kb", latency="2s")
 
 
 @pytest.mark.skipif(

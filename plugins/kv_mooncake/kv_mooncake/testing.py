@@ -50,6 +50,7 @@ __all__ = [
     "find_master_binary",
     "free_port",
     "isolate_loopback",
+    "shape_loopback",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -298,6 +299,23 @@ def isolate_loopback() -> str | None:
         flags = struct.unpack("16sh22x", fcntl.ioctl(s, 0x8913, request))[1]  # SIOCGIFFLAGS
         fcntl.ioctl(s, 0x8914, struct.pack("16sh22x", b"lo", flags | 0x1))  # SIOCSIFFLAGS, IFF_UP
     return None
+
+
+def shape_loopback(
+    rate: str | None, *, burst: str = "256kb", latency: str = "50ms", change: bool = False
+) -> None:
+    """Shape this network namespace's ``lo`` with tc's token bucket filter to ``rate`` (e.g.
+    ``"490mbit"``; None: unshaped). ``change``: alter the running qdisc in place (a link that
+    slows down under a transfer). Use after :func:`isolate_loopback` only: it shapes whatever
+    ``lo`` the process sees."""
+    if change and rate is not None:
+        cmd = ["tc", "qdisc", "change", "dev", "lo", "root", "tbf", "rate", rate]
+        subprocess.run([*cmd, "burst", burst, "latency", latency], check=False)
+        return
+    subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
+    if rate is not None:
+        cmd = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate]
+        subprocess.run([*cmd, "burst", burst, "latency", latency], check=True)
 
 
 @atexit.register
