@@ -269,7 +269,7 @@ class Backend:
         """Leading blocks fully read into the request's buffers (and matching their digests,
         where kept: a corrupt block is never counted); 0 on any backend failure. Timed into
         :attr:`read_rate` (``versionchanged 0.3``)."""
-        self._check_buffers(request)
+        self._check_buffers(request, "read")
         rate = self.read_rate
         rate.started()
         done = 0
@@ -309,7 +309,7 @@ class Backend:
                 host = None if request.host is None else request.host.slice(0, admitted)
                 device = None if request.device is None else request.device.slice(0, admitted)
                 request = request.slice(0, admitted, host=host, device=device)
-        self._check_buffers(request)
+        self._check_buffers(request, "write")
         if self._digests is not None:
             done = self._digests.write(request)
         else:
@@ -443,16 +443,16 @@ class Backend:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check_buffers(self, request: BlockRequest) -> None:
+    def _check_buffers(self, request: BlockRequest, op: str) -> None:
         """The door check of a read or write: what the hook spec promises a backend.
 
         O(1) per request (plus the part sizes): requests built by :meth:`request` and sliced
         by the core are well-formed by construction, so nothing below re-checks them.
         """
-        if self.context.role == "lookup":
+        if self.context.role == "lookup" and (op == "write" or not self.capabilities.lookup_reads):
             raise ValueError(
                 f"backend {self.name!r} was opened for lookups (context role 'lookup'): it "
-                "reads and writes nothing; open it with role 'data' to move blocks"
+                f"cannot {op}; open it with role 'data' to move blocks"
             )
         want = self.capabilities.io
         n = request.num_blocks

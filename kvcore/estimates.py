@@ -75,6 +75,14 @@ class DecayingFit:
         self._weight += 1.0
         self._coef = None
 
+    def slope(self, feature: int) -> float | None:
+        """Seconds per unit of ``feature`` fitted on it alone (every other feature's cost
+        counted as this one's); None before a sample with some of it."""
+        self._decay()
+        if self._weight <= 0 or self._xx[feature, feature] <= 0:
+            return None
+        return float(self._xy[feature] / self._xx[feature, feature])
+
     @property
     def weight(self) -> float:
         """The samples' total weight now (a fresh sample weighs 1)."""
@@ -205,6 +213,24 @@ class ReadRate:
         # reads of sizes at least twice apart tell latency from bandwidth: then a larger read
         # is the bandwidth's, however large
         return recent and (nbytes <= EXTRAPOLATION * largest or largest >= 2 * smallest)
+
+    def bound_s(self, nbytes: int) -> float | None:
+        """At most how long a read of ``nbytes`` takes at the store's rate now, for a read at
+        least as large as every read measured lately (None otherwise, or while unknown).
+
+        Every second of the reads measured is counted as bandwidth: a per-call latency only
+        makes a larger read relatively faster, so the bound holds however latency and
+        bandwidth share the time, even from reads of one size (which cannot tell them apart,
+        :meth:`trusted_for`). A decision that wins even at this bound needs no more reads to
+        take.
+        """
+        with self._lock:
+            largest, when = self._largest
+            recent = self._clock() - when <= 2 * self._half_life_s
+            if not recent or nbytes < largest or self._fit.weight < KNOWN_WEIGHT:
+                return None
+            per_byte = self._fit.slope(0)
+        return None if per_byte is None else per_byte * nbytes
 
     @property
     def known(self) -> bool:

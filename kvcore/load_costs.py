@@ -98,7 +98,8 @@ class LoadChoice:
     #: leading blocks the store holds
     found: int
     #: ``auto``, ``always``, ``never``, ``measuring`` (the store's rate unknown: a load paced
-    #: to break even, :attr:`expected_s`), ``uninformed`` (no prefill measured yet: loads),
+    #: to break even, :attr:`expected_s`), ``bounded`` (the store's rate known only from
+    #: smaller reads, whose bound already makes loading faster), ``uninformed`` (no prefill measured yet: loads),
     #: ``unavailable`` (the store is not open: nothing loads), ``unmeasured`` (the rate is
     #: being measured by another request's load: recompute)
     why: str
@@ -111,6 +112,13 @@ class LoadChoice:
     ttft_recompute_s: float | None = None
 
     @property
+    def paced(self) -> bool:
+        """Whether the load should run against :attr:`expected_s` (cut once behind it): the
+        loads kvcore chose for their speed, not the ones a policy forced or nothing
+        informed."""
+        return self.blocks > 0 and self.why in ("auto", "measuring", "bounded")
+
+    @property
     def declined(self) -> int:
         return self.found - self.blocks
 
@@ -120,6 +128,36 @@ class LoadChoice:
         if self.blocks == 0 or self.ttft_load_s is None or self.ttft_recompute_s is None:
             return 0.0
         return max(0.0, self.ttft_recompute_s - self.ttft_load_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What one decision is about (see :meth:`LoadDecider.decide`)."""
+
+    block_bytes: int
+    block_tokens: int
+    start_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Timeline:
+    """When the store and the engine are free, as a decision sees it at ``now``."""
+
+    now: float
+    link_free: float
+    engine_free: float
+    serial: bool
+
+
+def _estimated(rate: ReadRate, nbytes: int) -> float | None:
+    """A read's expected seconds, where the rate may be extrapolated that far."""
+    return rate.estimate_s(nbytes) if rate.trusted_for(nbytes) else None
+
+
+def _bounded(rate: ReadRate, nbytes: int) -> float | None:
+    """A read's seconds at most (:meth:`ReadRate.bound_s`)."""
+    return rate.bound_s(nbytes)
 
 
 class LoadDecider:
@@ -158,13 +196,36 @@ class LoadDecider:
     # -- the decision ----------------------------------------------------------------------
 
     def needs_probe(
-        self, runs: Sequence[StoredRun], block_bytes: int, policy: LoadPolicy | None = None
+        self,
+        runs: Sequence[StoredRun],
+        block_bytes: int,
+        policy: LoadPolicy | None = None,
+        *,
+        block_tokens: int = 0,
+        start_tokens: int = 0,
+        prompt_tokens: int = 0,
     ) -> bool:
         """Whether to measure the first run's store (:func:`probe_read`) before :meth:`decide`:
-        ``auto`` only, and only while its rate is unknown for a read this size."""
+        ``auto`` only, and only while its rate is unknown for a read this size. Given the
+        request (``block_tokens``, ``start_tokens``, ``prompt_tokens``, as :meth:`decide`
+        takes them), also not once the reads measured so far bound the load's time below
+        recomputing's (a fast store needs one short read, not a probe's several)."""
         if (policy or self.policy) != "auto" or not runs or runs[0].blocks <= 0:
             return False
-        return not runs[0].rate.trusted_for(runs[0].blocks * block_bytes)
+        if runs[0].rate.trusted_for(runs[0].blocks * block_bytes):
+            return False
+        if not block_tokens or prompt_tokens <= start_tokens:
+            return True
+        recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
+        if recompute is None:
+            return True
+        now = self._clock()
+        with self._lock:
+            at = _Timeline(
+                now, max(now, self._link_free_at), max(now, self._engine_free_at), self.serial
+            )
+        ask = _Ask(block_bytes, block_tokens, start_tokens, prompt_tokens)
+        return self._bounded(runs, ask, at, recompute) is None
 
     def decide(
         self,
@@ -194,30 +255,16 @@ class LoadDecider:
             link_free = max(now, self._link_free_at)
             engine_free = max(now, self._engine_free_at)
         recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
-        # the candidates: 0 and the end of every run (T is concave in k between them)
-        read_s, k = 0.0, 0
-        informed = recompute is not None
-        options: list[tuple[int, float | None, float]] = []
-        for run in runs:
-            if run.blocks <= 0:
-                continue
-            nbytes = run.blocks * block_bytes
-            part = run.rate.estimate_s(nbytes) if run.rate.trusted_for(nbytes) else None
-            if part is None:
-                informed = False
-                break
-            read_s += part
-            k += run.blocks
-            rest = self.prefill.estimate_s(
-                max(1, prompt_tokens - start_tokens - k * block_tokens),
-                start_tokens + k * block_tokens,
-            )
-            if rest is None:
-                options.append((k, None, read_s))
-                continue
-            done = link_free + read_s
-            ttft = (done if self.serial else max(done, engine_free)) + rest - now
-            options.append((k, ttft, read_s))
+        at = _Timeline(now, link_free, engine_free, self.serial)
+        ask = _Ask(block_bytes, block_tokens, start_tokens, prompt_tokens)
+        options, complete = self._options(runs, ask, at, _estimated)
+        informed = recompute is not None and complete
+        if chosen == "auto" and not informed and recompute is not None:
+            bounded = self._bounded(runs, ask, at, recompute)
+            if bounded is not None:
+                with self._lock:
+                    self._loading = True
+                return self._commit(self._count(bounded), link_free, engine_free, now)
         if chosen == "auto" and not informed and recompute is not None and options == []:
             # the store's rate is unknown (nothing read lately): load, paced to break even,
             # so the load itself is the measurement: one slower than recomputing what it
@@ -239,7 +286,7 @@ class LoadDecider:
                 return self._commit(self._count(choice), link_free, engine_free, now)
         if chosen == "always" or not informed or recompute is None:
             why = "always" if chosen == "always" else "uninformed"
-            expected = options[-1][2] + link_free - now if len(options) == len(runs) else 0.0
+            expected = options[-1][2] + link_free - now if complete and options else 0.0
             ttft0 = None if recompute is None else engine_free - now + recompute
             choice = LoadChoice(
                 found, found, why, expected, options[-1][1] if options else None, ttft0
@@ -268,6 +315,90 @@ class LoadDecider:
             t0,
         )
         return self._commit(self._count(choice), link_free, engine_free, now)
+
+    def decide_over(
+        self,
+        backend: Backend,
+        found: int,
+        *,
+        probe: BlockRequest | None = None,
+        block_bytes: int,
+        block_tokens: int,
+        start_tokens: int,
+        prompt_tokens: int,
+        policy: LoadPolicy | None = None,
+    ) -> LoadChoice:
+        """:meth:`decide` for ``found`` leading blocks stored in ``backend``, over its measured
+        read rate; where that rate is unknown for a read this size and ``probe`` (a request
+        for those blocks, built without buffers) is given, the store is measured first
+        (:func:`probe_read`: as few reads as it takes for the decision to be informed; counted
+        as ``probes`` and ``probe_blocks``). Every adapter's decision goes through here."""
+        runs = [StoredRun(found, backend.read_rate)]
+        ask = {
+            "block_tokens": block_tokens,
+            "start_tokens": start_tokens,
+            "prompt_tokens": prompt_tokens,
+        }
+        if probe is not None and self.needs_probe(runs, block_bytes, policy, **ask):
+            read = probe_read(
+                backend,
+                probe if probe.num_blocks <= found else probe.slice(0, found),
+                enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask),
+            )
+            self.counters.add("probes")
+            self.counters.add("probe_blocks", read)
+        return self.decide(runs, block_bytes=block_bytes, policy=policy, **ask)
+
+    def _bounded(
+        self, runs: Sequence[StoredRun], ask: _Ask, at: _Timeline, recompute: float
+    ) -> LoadChoice | None:
+        """A load that wins even at the stores' bounds (:meth:`ReadRate.bound_s`), or None.
+
+        Reads smaller than this one leave a store's latency and bandwidth confounded, but
+        bound its time: a load that wins at that bound by the margin is taken (its
+        ``expected_s`` the bound, so it is paced against it) with no more reads to measure."""
+        options, whole = self._options(runs, ask, at, _bounded)
+        t0 = at.engine_free - at.now + recompute
+        best = min(
+            (o for o in options if o[1] is not None), key=lambda o: o[1] or 0.0, default=None
+        )
+        if not whole or best is None or (best[1] or 0.0) >= t0 * (1 - self.margin):
+            return None
+        k, ttft, read_s = best
+        found = sum(run.blocks for run in runs)
+        return LoadChoice(k, found, "bounded", at.link_free - at.now + read_s, ttft, t0)
+
+    def _options(
+        self,
+        runs: Sequence[StoredRun],
+        ask: _Ask,
+        at: _Timeline,
+        read_of: Callable[[ReadRate, int], float | None],
+    ) -> tuple[list[tuple[int, float | None, float]], bool]:
+        """The candidates (0 excluded): (blocks, expected TTFT or None, read seconds) at the
+        end of every run, as far as ``read_of`` knows the runs' read times; and whether it
+        knew them all."""
+        read_s, k = 0.0, 0
+        options: list[tuple[int, float | None, float]] = []
+        for run in runs:
+            if run.blocks <= 0:
+                continue
+            part = read_of(run.rate, run.blocks * ask.block_bytes)
+            if part is None:
+                return options, False
+            read_s += part
+            k += run.blocks
+            rest = self.prefill.estimate_s(
+                max(1, ask.prompt_tokens - ask.start_tokens - k * ask.block_tokens),
+                ask.start_tokens + k * ask.block_tokens,
+            )
+            if rest is None:
+                options.append((k, None, read_s))
+                continue
+            done = at.link_free + read_s
+            ttft = (done if at.serial else max(done, at.engine_free)) + rest - at.now
+            options.append((k, ttft, read_s))
+        return options, True
 
     def _commit(
         self, choice: LoadChoice, link_free: float, engine_free: float, now: float
@@ -341,7 +472,9 @@ CUT_SLACK = 0.5
 #: ...plus this many seconds (a short load's jitter is not a slowdown)
 CUT_GRACE_S = 0.02
 #: a paced load reads in spans expected to take about this long, so a store that slows down
-#: tenfold is noticed within ten of them
+#: tenfold is noticed within ten of them (longer spans would pay a store's per-call latency
+#: less often, but a span started at the old rate runs ten times its length after a tenfold
+#: slowdown: 20 ms keeps that near 0.2 s)
 SPAN_S = 0.02
 
 
@@ -362,9 +495,10 @@ class LoadPace:
         return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
 
     def next_span(self, done: int, now: float | None = None) -> int:
-        """Blocks of the span after ``done`` blocks were read: about :data:`SPAN_S` at the rate
-        this load has delivered so far (the expected rate before any), at least one. A fast
-        store gets few, large calls; a slow one short spans, so a slowdown shows within one."""
+        """Blocks of the span after ``done`` blocks were read: about :data:`SPAN_S` at the
+        rate this load has delivered so far (the expected rate before any), at least one. A
+        fast store gets few, large calls; a slow one short spans, so a slowdown shows within
+        one."""
         left = self.blocks - done
         elapsed = (time.monotonic() if now is None else now) - self.started
         if done <= 0 or elapsed <= 0:
@@ -396,22 +530,25 @@ def probe_read(
     *,
     budget_s: float = PROBE_BUDGET_S,
     max_bytes: int = PROBE_BYTES,
+    enough: Callable[[], bool] | None = None,
 ) -> int:
     """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
     blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
     blocks (two sizes at least: a store's per-call latency and its bandwidth told apart) until
-    ``budget_s`` has passed or ``max_bytes`` were read, so the reads land in
-    :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is dropped (the
-    engine loads its blocks itself, if it decides to). A backend whose blocks have no known
-    size, that does not read host memory, or that was opened for lookups only (its rate comes
-    from the process that reads: :meth:`ReadRate.observe`) is not probed (0).
+    ``budget_s`` has passed or ``max_bytes`` were read, or, after any read, ``enough()`` says
+    what was read decides the question asked (:meth:`LoadDecider.needs_probe`), so the reads
+    land in :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is
+    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
+    have no known size, that does not read host memory, or that was opened for lookups only
+    and cannot read then (:attr:`kvcore.Capabilities.lookup_reads` False: its rate comes from
+    the process that reads, :meth:`ReadRate.observe`) is not probed (0).
     """
     sizes = backend.part_sizes(request)
     if (
         not sizes
         or request.num_blocks <= 0
         or backend.capabilities.io != "host"
-        or backend.context.role == "lookup"
+        or (backend.context.role == "lookup" and not backend.capabilities.lookup_reads)
     ):
         return 0
     per_block = sum(sizes)
@@ -421,7 +558,7 @@ def probe_read(
         # a zero-copy client (Mooncake) reads only into memory registered with it
         backend.register_buffer(base, scratch.nbytes)
         try:
-            read = _probe_reads(backend, request, base, sizes, most, budget_s)
+            read = _probe_reads(backend, request, base, sizes, most, budget_s, enough)
         finally:
             backend.unregister_buffer(base)
     return read
@@ -434,8 +571,10 @@ def _probe_reads(
     sizes: list[int],
     most: int,
     budget_s: float,
+    enough: Callable[[], bool] | None,
 ) -> int:
-    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` (after two sizes)."""
+    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` (after two sizes) or
+    ``enough()``."""
     per_block = sum(sizes)
     read, step, t0 = 0, 1, time.monotonic()
     while read < most:
@@ -448,6 +587,8 @@ def _probe_reads(
         got = int(backend.read(request.slice(read, read + n, host=host)))
         read += got
         if got < n or (step > 1 and time.monotonic() - t0 >= budget_s):
+            break
+        if enough is not None and enough():
             break
         step *= 2
     return read

@@ -49,9 +49,9 @@ from kvcore.config import LoadPolicy
 from kvcore.errors import describe
 from kvcore.handles import BackendHandle
 from kvcore.host_jobs import COUNTERS, Fill, HostJob, HostResult, JobOp, Requests
-from kvcore.load_costs import LoadChoice, LoadDecider, StoredRun
+from kvcore.load_costs import LoadChoice, LoadDecider
 from kvcore.metrics import Metrics, OnceLogger
-from kvcore.requests import FailureKind
+from kvcore.requests import BlockRequest, FailureKind
 from kvcore.threads import QueueFullError, WorkerPool
 
 __all__ = [
@@ -326,11 +326,15 @@ class HostRunner:
         start_tokens: int = 0,
         prompt_tokens: int | None = None,
         policy: LoadPolicy | None = None,
+        probe: BlockRequest | Callable[[Backend], BlockRequest] | None = None,
     ) -> LoadChoice:
         """How many of the ``found`` leading blocks a lookup found to load: ``decider``'s
         choice (:mod:`kvcore.load_costs`) over this runner's store, weighed by its measured
-        read rate. ``prompt_tokens`` defaults to the tokens through the found blocks (an
-        engine that asks about stored pages only). A store that is not open: nothing loads.
+        read rate (measured first by a few reads of ``probe``'s blocks where it is unknown:
+        :meth:`LoadDecider.decide_over`; ``probe`` a request without buffers, or what builds
+        it for the opened backend, as :meth:`lookup` takes). ``prompt_tokens`` defaults to the tokens through the
+        found blocks (an engine that asks about stored pages only). A store that is not open:
+        nothing loads.
 
         .. versionadded:: 0.3
         """
@@ -338,8 +342,10 @@ class HostRunner:
         if backend is None or found <= 0:
             return LoadChoice(0, max(0, found), "unavailable")
         end = start_tokens + found * block_tokens
-        return decider.decide(
-            [StoredRun(found, backend.read_rate)],
+        return decider.decide_over(
+            backend,
+            found,
+            probe=probe(backend) if callable(probe) else probe,
             block_bytes=block_bytes,
             block_tokens=block_tokens,
             start_tokens=start_tokens,

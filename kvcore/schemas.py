@@ -228,8 +228,14 @@ class Capabilities(StrictModel):
     ``block_meta``: the backend stores each block's metadata (``BlockRequest.block_meta``)
     with its objects and returns it from ``kvcore_describe``, to any process.
 
+    ``lookup_reads``: opened for lookups (:attr:`BackendContext.role` ``"lookup"``), the
+    backend still reads into host memory registered with it (a Mooncake client that mounts no
+    segment reads the others'; a file backend reads its files). kvcore then lets a scheduler
+    read a few blocks to measure the store's rate before its first load-or-recompute decision
+    (:func:`kvcore.load_costs.probe_read`); writes through such a backend stay refused.
+
     .. versionchanged:: 0.2 ``segmented_host``, ``checksums``.
-    .. versionchanged:: 0.3 ``block_meta``.
+    .. versionchanged:: 0.3 ``block_meta``, ``lookup_reads``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -244,6 +250,7 @@ class Capabilities(StrictModel):
     segmented_host: bool = False
     checksums: bool = False
     block_meta: bool = False
+    lookup_reads: bool = False
 
 
 #: What a backend is opened for (:attr:`BackendContext.role`)
@@ -256,7 +263,8 @@ class BackendContext(StrictModel):
     .. versionchanged:: 0.3 ``role``: ``"lookup"`` opens a backend that only answers
        queries (an engine's scheduler, which moves no data). Such a backend may leave out
        what moving data needs (Mooncake: no memory segment, no copy buffer); kvcore refuses
-       reads and writes through it. Backends written for 0.3 ignore the field.
+       writes through it, and reads unless it says it can (``Capabilities.lookup_reads``).
+       Backends written before 0.3 ignore the field.
     """
 
     layout: CacheLayout | None = None

@@ -222,6 +222,76 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         assert probe_read(backend, missing) == 0
 
 
+def test_reads_of_one_size_bound_a_larger_read_however_latency_and_bandwidth_share_them() -> None:
+    clock = Clock()
+    for latency, per_byte in ((0.0, 1 / 100e6), (0.005, 1 / 100e6), (0.02, 1 / 1e9)):
+        rate = ReadRate(clock=clock)
+        rate.observe(BLOCK_BYTES, latency + BLOCK_BYTES * per_byte)
+        assert rate.bound_s(BLOCK_BYTES // 2) is None  # a bound for larger reads only
+        for blocks in (1, 2, 125):
+            actual = latency + blocks * BLOCK_BYTES * per_byte
+            bound = rate.bound_s(blocks * BLOCK_BYTES)
+            assert bound is not None and bound >= actual * (1 - 1e-9)
+    assert ReadRate(clock=clock).bound_s(BLOCK_BYTES) is None
+
+
+class _LooksUpAndReads(MemoryBackend):
+    capabilities = kvcore.Capabilities(addressing="key", io="host", lookup_reads=True)
+
+
+def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_client() -> None:
+    from test_runner import SIZE, _Buffers, _keys
+
+    ctx = {"namespace": "probe-enough"}
+    data = kvcore.open_backend(_LooksUpAndReads, context=ctx)
+    looker = kvcore.open_backend(_LooksUpAndReads, context={**ctx, "role": "lookup"})
+    try:
+        host = _Buffers(16, fill=3).host()
+        assert (
+            data.write(data.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,)))
+            == 16
+        )
+        bare = data.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+        samples = data.read_rate.samples
+        assert probe_read(data, bare, enough=lambda: True) == 1  # what it read decides
+        assert data.read_rate.samples == samples + 1  # one read of one block
+        # a client opened for lookups reads where its backend says it can (lookup_reads), so
+        # a scheduler measures the store itself; it writes nothing
+        looker.plugin._objects = data.plugin._objects  # one store seen by both clients
+        probe = looker.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+        assert probe_read(looker, probe) >= 3 and looker.read_rate.known
+        with pytest.raises(ValueError, match=r"role 'lookup'.*cannot write"):
+            looker.write(
+                looker.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,))
+            )
+        # without the capability, nothing is read and nothing is raised
+        plain = kvcore.open_backend(MemoryBackend, context={**ctx, "role": "lookup"})
+        assert (
+            probe_read(plain, plain.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,)))
+            == 0
+        )
+        plain.close()
+    finally:
+        looker.close()
+        data.close()
+
+
+def test_a_rate_bounded_below_recomputing_needs_no_probe_and_loads() -> None:
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2500, clock), clock=clock)  # 4,001 tokens: ~1.6 s
+    ask = {"block_tokens": BLOCK_TOKENS, "start_tokens": 0, "prompt_tokens": 125 * 32 + 1}
+    fast, slow = ReadRate(clock=clock), ReadRate(clock=clock)
+    fast.observe(BLOCK_BYTES, 0.008)  # one block in 8 ms: 125 of them in 1 s at most
+    slow.observe(BLOCK_BYTES, 0.05)  # 50 ms: at most 6.3 s, or (all latency) 50 ms
+    assert not decider.needs_probe([StoredRun(125, fast)], BLOCK_BYTES, **ask)
+    assert decider.needs_probe([StoredRun(125, slow)], BLOCK_BYTES, **ask)
+    assert decider.needs_probe([StoredRun(125, fast)], BLOCK_BYTES)  # (no request: no bound)
+    choice = decide(decider, fast)
+    assert (choice.why, choice.blocks, choice.paced) == ("bounded", 125, True)
+    assert choice.expected_s == pytest.approx(125 * 0.008)  # paced against the bound
+    assert decide(LoadDecider(prefill_of(2500, clock), clock=clock), slow).why == "measuring"
+
+
 # -- the decision ---------------------------------------------------------------------------
 
 

@@ -171,7 +171,9 @@ class KVCoreStoragePlugin(StoragePluginInterface):
                 return 0
             found = self._runner.lookup(partial(self._request, keys=keys), blocks=len(keys))
             # found, unless reading them is expected to take longer than computing them
-            n = self._kv.worth_loading(found.leading, *self._chunk_cost())
+            n = self._kv.worth_loading(
+                found.leading, *self._chunk_cost(), probe=partial(self._request, keys=keys)
+            )
             if pin:
                 for key in keys[:n]:
                     self.pin(key)

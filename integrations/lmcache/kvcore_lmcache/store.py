@@ -91,14 +91,21 @@ class Store:
             )
         return None
 
-    def worth_loading(self, found: int, chunk_bytes: int | None, chunk_tokens: int | None) -> int:
+    def worth_loading(
+        self,
+        found: int,
+        chunk_bytes: int | None,
+        chunk_tokens: int | None,
+        probe: Callable[[kvcore.Backend], kvcore.BlockRequest] | None = None,
+    ) -> int:
         """How many of ``found`` stored leading chunks LMCache should load: kvcore's
-        load-or-recompute decision over the store's measured read rate (``chunks_declined``
-        counts the rest). Chunks of unknown size or tokens: all of them, as before."""
+        load-or-recompute decision over the store's measured read rate, measured first by a
+        few reads of ``probe``'s chunks where it is unknown (``chunks_declined`` counts the
+        rest). Chunks of unknown size or tokens: all of them, as before."""
         if found <= 0 or not chunk_bytes or not chunk_tokens:
             return max(0, found)
         choice = self.runner.plan_load(
-            self.decider, found, block_bytes=chunk_bytes, block_tokens=chunk_tokens
+            self.decider, found, block_bytes=chunk_bytes, block_tokens=chunk_tokens, probe=probe
         )
         if choice.declined:
             self.counters.add("chunks_declined", choice.declined)

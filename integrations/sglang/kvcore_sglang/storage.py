@@ -356,7 +356,7 @@ class KVCoreHiCacheStorage(HiCacheStorage):
     def _exists(self, keys: list[str]) -> int:
         tier, fmt = self._kv_route()
         found = self._io.exists(tier, fmt, keys).leading
-        return self._io.worth_loading(tier, fmt, found)  # found, unless reading is slower
+        return self._io.worth_loading(tier, fmt, found, keys)  # found, unless reading is slower
 
     def _read_kv_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         tier, fmt = self._kv_route()

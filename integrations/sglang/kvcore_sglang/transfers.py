@@ -109,14 +109,21 @@ class PageTransfers:
         request = self.request("exists", tier, fmt, keys, rank=rank, world_size=world_size)
         return tier.runner.lookup(request, blocks=len(keys), each=each)
 
-    def worth_loading(self, tier: Tier, fmt: PageFormat, found: int) -> int:
-        """How many of ``found`` stored leading pages to prefetch: kvcore's load-or-recompute
-        decision over the tier's measured read rate (the pages declined are SGLang's to
+    def worth_loading(
+        self, tier: Tier, fmt: PageFormat, found: int, keys: Sequence[str] = ()
+    ) -> int:
+        """How many of ``found`` stored leading pages (of ``keys``) to prefetch: kvcore's
+        load-or-recompute decision over the tier's measured read rate, measured first by a
+        few reads of those pages where it is unknown (the pages declined are SGLang's to
         compute: ``pages_declined``)."""
         if found <= 0:
             return 0
         choice = tier.runner.plan_load(
-            self.decider, found, block_bytes=fmt.page_nbytes, block_tokens=fmt.page_size
+            self.decider,
+            found,
+            block_bytes=fmt.page_nbytes,
+            block_tokens=fmt.page_size,
+            probe=self.request("probe", tier, fmt, keys[:found]) if keys else None,
         )
         if choice.declined:
             self.counters.add("pages_declined", choice.declined)

@@ -39,9 +39,7 @@ from kvcore.estimates import PrefillRate, pair_cost_of
 from kvcore.load_costs import (
     LoadChoice,
     LoadDecider,
-    StoredRun,
     check_load_policy,
-    probe_read,
 )
 from kvcore_vllm.backends import connector_handle
 from kvcore_vllm.config import ConnectorSettings
@@ -352,21 +350,18 @@ class SchedulerSide:
             rank=piece.rank,
             world_size=piece.world,
         )
-        runs = [StoredRun(found, backend.read_rate)]
-        block_bytes = backend.block_nbytes(bare) * len(store.slices)
-        policy = self._request_policy(request)
-        if self.decider.needs_probe(runs, block_bytes, policy):
-            # the store's rate is unknown for a read this size: measure it now (a few short
-            # reads, ~30 ms), before the decision (a lookup-only client cannot: the decision
-            # then paces the load itself)
-            self.counters.add(lookup_probes=1, lookup_probe_blocks=probe_read(backend, bare))
-        choice = self.decider.decide(
-            runs,
-            block_bytes=block_bytes,
+        choice = self.decider.decide_over(
+            backend,
+            found,
+            # the store's rate unknown for a read this size: the scheduler reads a few of
+            # these blocks first, through its own client (a lookup client that cannot read
+            # reads nothing: the decision then paces the load itself)
+            probe=bare,
+            block_bytes=backend.block_nbytes(bare) * len(store.slices),
             block_tokens=self.block_size,
             start_tokens=start * self.block_size,
             prompt_tokens=int(request.num_tokens),
-            policy=policy,
+            policy=self._request_policy(request),
         )
         self._choices[rid] = choice
         log.debug("request %s: %s", rid, choice)
@@ -443,7 +438,7 @@ class SchedulerSide:
         all_ids = blocks.get_block_ids()
         keys = self.keys.keys(request, start, start + n)
         choice = self._choices.pop(request.request_id, None)
-        paced = choice is not None and choice.why in ("auto", "measuring") and choice.blocks == n
+        paced = choice is not None and choice.paced and choice.blocks == n
         run = BlockRun(
             req_id=request.request_id,
             start_block=start,

@@ -42,7 +42,7 @@ moves whole chunks between the primary tier's memory and its store. Selected in
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from functools import partial
 from typing import Any, ClassVar, Literal
 
@@ -398,16 +398,22 @@ class KVCoreTier(SecondaryTierManager):
             self._request, f"{req_id}/lookup", keys, None, timeout_s=self.settings.lookup_timeout_s
         )
         found = list(self._runner.lookup(build, blocks=len(keys), each=True).done)
-        return self._worth_loading(found)
+        return self._worth_loading(found, build)
 
-    def _worth_loading(self, found: list[bool]) -> list[bool]:
+    def _worth_loading(
+        self, found: list[bool], probe: Callable[[kvcore.Backend], kvcore.BlockRequest]
+    ) -> list[bool]:
         """``found``, its leading run cut to what kvcore's decision would load (a chunk whose
         read is expected to take longer than computing it is answered absent)."""
         run = next((i for i, hit in enumerate(found) if not hit), len(found))
         if run == 0 or self._chunk_tokens <= 0:
             return found
         choice = self._runner.plan_load(
-            self._decider, run, block_bytes=self._chunk_bytes, block_tokens=self._chunk_tokens
+            self._decider,
+            run,
+            block_bytes=self._chunk_bytes,
+            block_tokens=self._chunk_tokens,
+            probe=probe,
         )
         if choice.declined:
             self._counts.add("chunks_declined", choice.declined)

@@ -485,8 +485,96 @@ def test_a_tp2_scheduler_looks_up_every_rank_through_one_client_that_mounts_no_m
         # two lookups, each one query per rank (rank 0 has all three blocks both times),
         # through the one client
         assert client.metrics.snapshot()["calls.query"] - queries_before == 2 * 2
-        with pytest.raises(ValueError, match="opened for lookups"):
-            client.read(client.request("no", keys))
+        # it reads (kvcore_load_costs.probe_read measures the store through it: Mooncake's
+        # capabilities say lookup_reads) into memory registered with it, and writes nothing
+        assert client.capabilities.lookup_reads
+        into = [np.zeros(part, np.uint8) for _ in range(6)]
+        for array in into:
+            client.register_buffer(array.ctypes.data, array.nbytes)
+        got = kvcore.HostBuffers(
+            ptrs=tuple((into[2 * i].ctypes.data, into[2 * i + 1].ctypes.data) for i in range(3)),
+            nbytes=(part, part),
+        )
+        assert client.read(client.request("probe", keys, host=got, rank=1, world_size=2)) == 3
+        assert all((into[i] == i).all() for i in range(6))
+        with pytest.raises(ValueError, match=r"opened for lookups .* cannot write"):
+            client.write(client.request("no", keys, host=host, rank=1, world_size=2))
+        for array in into:
+            client.unregister_buffer(array.ctypes.data)
+    finally:
+        side.close()
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_s", "loads", "probe_blocks"),
+    # computing at 1 token/s: loading wins at the bound of one block's read (a probe of one);
+    # computing at 1e12 tokens/s: it never wins, and reads of two sizes confirm it
+    [(1.0, 20, 1), (1e12, 0, 3)],
+)
+def test_a_scheduler_whose_workers_run_elsewhere_measures_the_store_before_deciding(
+    vllm_config: Any,
+    mooncake_cluster_factory: Any,
+    tokens_per_s: float,
+    loads: int,
+    probe_blocks: int,
+) -> None:
+    """The first load-or-recompute decision of a fresh engine (TP=2: the workers in other
+    processes, the scheduler's Mooncake client opened for lookups) is an informed one: the
+    scheduler reads a block or three through its lookup client (Mooncake's lookup_reads)
+    before it answers vLLM, as many as the decision needs."""
+    import copy
+
+    blocks_stored = 20
+    import numpy as np
+    from kvcore_vllm.keys import hashed_request
+    from kvcore_vllm.scheduler import SchedulerSide
+
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.distributed_executor_backend = "mp"
+    settings = ConnectorSettings(
+        backend="mooncake",
+        backend_config=cluster.config(),
+        namespace="probe-first",
+        load_policy="auto",
+        prefill_tokens_per_s=tokens_per_s,
+    )
+    side = SchedulerSide(config, _kv_cache_config(), settings)
+    try:
+        client = side.handles[0].get()
+        assert client is not None and client.context.role == "lookup"
+        # 20 full blocks and 4 tokens: more than one block's read may be extrapolated to
+        tokens = [(7 * i) % 500 + 1 for i in range(blocks_stored * BLOCK_SIZE + 4)]
+        request = hashed_request(config, "r1", tokens, max_tokens=4)
+        keys = side.keys.keys(request, 0, blocks_stored)
+        part = side.layout.part_bytes("k")
+        arrays = [np.full(part, i, np.uint8) for i in range(2 * blocks_stored)]
+        host = kvcore.HostBuffers(
+            ptrs=tuple(
+                (arrays[2 * i].ctypes.data, arrays[2 * i + 1].ctypes.data)
+                for i in range(blocks_stored)
+            ),
+            nbytes=(part, part),
+        )
+        for rank in (0, 1):
+            context = {"layout": side.layout, "rank": rank, "world_size": 2}
+            writer = kvcore.open_backend(
+                "mooncake", cluster.config(), context={**context, "namespace": "probe-first"}
+            )
+            try:
+                assert (
+                    writer.write(writer.request(f"fill-{rank}", keys, host=host)) == blocks_stored
+                )
+            finally:
+                writer.close()
+        assert not client.read_rate.known
+        assert side.get_num_new_matched_tokens(request, 0) == (loads * BLOCK_SIZE, False)
+        assert client.read_rate.known  # measured by the scheduler itself
+        decided = side.decider.counters.snapshot()
+        assert decided["probes"] == 1 and decided["probe_blocks"] == probe_blocks
+        why = "bounded" if loads else "auto"
+        assert decided[f"decisions_{why}"] == 1 and decided["decisions"] == 1
     finally:
         side.close()
 

@@ -69,6 +69,7 @@ class FileBackend:
         segmented_host=True,
         checksums=True,
         block_meta=True,
+        lookup_reads=True,  # (the role changes nothing: any process reads the files)
     )
 
     def __init__(self, config: FileConfig, context: kvcore.BackendContext) -> None:

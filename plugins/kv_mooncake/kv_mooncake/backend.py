@@ -101,8 +101,15 @@ class MooncakeBackend:
     config_model = MooncakeConfig
     # not persistent; segmented host buffers (a host-resident engine cache) go through the
     # multi-buffer calls, straight into and out of the cache's blocks
+    # lookup_reads: a client that mounts no segment still reads the others' into memory
+    # registered with it
     capabilities = kvcore.Capabilities(
-        addressing="key", io="host", shared=True, segmented_host=True, block_meta=True
+        addressing="key",
+        io="host",
+        shared=True,
+        segmented_host=True,
+        block_meta=True,
+        lookup_reads=True,
     )
 
     def __init__(self, config: MooncakeConfig, context: kvcore.BackendContext) -> None:
