@@ -248,7 +248,7 @@ def _report_rate(report: Report, tag: str, res: dict[str, Any], mean: bool = Fal
         "always_cached_tokens": res["always"]["cached"],
         "tokens_match": {n: res[n]["same"] for n in res},
         "auto_decisions": [
-            {k: v for k, v in m.items() if k.startswith(("decide_", "load_", "lookup_probe"))}
+            {k: v for k, v in m.items() if k.startswith(("decide_", "load_"))}
             for m in res["auto"]["metrics"]
         ],
     }

@@ -232,6 +232,17 @@ class ReadRate:
             per_byte = self._fit.slope(0)
         return None if per_byte is None else per_byte * nbytes
 
+    def tells_apart(self, nbytes: int) -> bool:
+        """Whether a read of ``nbytes`` would make :meth:`trusted_for` trust any size: it is
+        at least twice the smallest read measured lately or at most half the largest (with
+        nothing measured lately, no one read does)."""
+        with self._lock:
+            largest, when = self._largest
+            smallest, _ = self._smallest
+            if self._clock() - when > 2 * self._half_life_s or smallest <= 0:
+                return False
+        return nbytes >= 2 * smallest or 2 * nbytes <= largest
+
     @property
     def known(self) -> bool:
         """Whether enough was measured lately to estimate from."""

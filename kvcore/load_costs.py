@@ -99,7 +99,9 @@ class LoadChoice:
     found: int
     #: ``auto``, ``always``, ``never``, ``measuring`` (the store's rate unknown: a load paced
     #: to break even, :attr:`expected_s`), ``bounded`` (the store's rate known only from
-    #: smaller reads, whose bound already makes loading faster), ``uninformed`` (no prefill measured yet: loads),
+    #: smaller reads, whose bound already makes loading faster), ``unproven`` (a probe read
+    #: one size of a slow store within its budget, and that bound does not: recompute),
+    #: ``uninformed`` (no prefill measured yet: loads),
     #: ``unavailable`` (the store is not open: nothing loads), ``unmeasured`` (the rate is
     #: being measured by another request's load: recompute)
     why: str
@@ -347,6 +349,21 @@ class LoadDecider:
             )
             self.counters.add("probes")
             self.counters.add("probe_blocks", read)
+            recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
+            if (
+                read
+                and recompute is not None
+                and self.needs_probe(runs, block_bytes, policy, **ask)
+            ):
+                # the probe spent its budget on one size (a slow store) and its bound does not
+                # make loading faster: recompute, unproven (not a load paced to measure: what
+                # one read of a slow store took already says loading would likely lose)
+                now = self._clock()
+                with self._lock:
+                    engine_free = max(now, self._engine_free_at)
+                    link_free = max(now, self._link_free_at)
+                choice = LoadChoice(0, found, "unproven", 0.0, None, engine_free - now + recompute)
+                return self._commit(self._count(choice), link_free, engine_free, now)
         return self.decide(runs, block_bytes=block_bytes, policy=policy, **ask)
 
     def _bounded(
@@ -573,10 +590,16 @@ def _probe_reads(
     budget_s: float,
     enough: Callable[[], bool] | None,
 ) -> int:
-    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` (after two sizes) or
-    ``enough()``."""
+    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` has passed or
+    ``enough()``. Sizes the store was measured at lately are skipped: where one block was
+    read before, the first read is of two (one more size is what tells latency from
+    bandwidth)."""
     per_block = sum(sizes)
-    read, step, t0 = 0, 1, time.monotonic()
+    step = 1
+    rate = backend.read_rate
+    while rate.known and not rate.tells_apart(step * per_block) and step * 2 <= most:
+        step *= 2
+    read, t0 = 0, time.monotonic()
     while read < most:
         n = min(step, most - read)
         ptrs = tuple(
@@ -586,7 +609,9 @@ def _probe_reads(
         host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
         got = int(backend.read(request.slice(read, read + n, host=host)))
         read += got
-        if got < n or (step > 1 and time.monotonic() - t0 >= budget_s):
+        # past the budget, even after one read: a decision the reads leave open recomputes
+        # (LoadDecider.decide_over), and the next one reads the other size
+        if got < n or time.monotonic() - t0 >= budget_s:
             break
         if enough is not None and enough():
             break

@@ -23,6 +23,7 @@ from kvcore.estimates import DecayingFit, PrefillRate, ReadRate, pair_cost_of
 from kvcore.load_costs import (
     CUT_GRACE_S,
     CUT_SLACK,
+    PROBE_BUDGET_S,
     LoadChoice,
     LoadDecider,
     LoadPace,
@@ -274,6 +275,44 @@ def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_clie
     finally:
         looker.close()
         data.close()
+
+
+class _SlowReads(MemoryBackend):
+    """Every read takes longer than a probe's whole budget (so one read is all it gets)."""
+
+    @hookimpl
+    def kvcore_read(self, request):
+        time.sleep(2 * PROBE_BUDGET_S)
+        return MemoryBackend.kvcore_read(self, request)
+
+
+def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_proven() -> None:
+    from test_runner import SIZE, _Buffers, _keys
+
+    clock = Clock()
+    decider = LoadDecider(prefill_of(1e9, clock), clock=clock)  # computing is nearly free
+    with kvcore.open_backend(_SlowReads, context={"namespace": "slow-probe"}) as backend:
+        host = _Buffers(16, fill=3).host()
+        assert (
+            backend.write(
+                backend.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,))
+            )
+            == 16
+        )
+        probe = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 513}
+        first = decider.decide_over(backend, 16, probe=probe, **ask)
+        # one read of one block, past the budget: its bound leaves loading unproven
+        assert (first.why, first.blocks) == ("unproven", 0)
+        assert decider.counters.snapshot()["probe_blocks"] == 1
+        # the next decision reads the other size (two blocks), and then knows
+        second = decider.decide_over(backend, 16, probe=probe, **ask)
+        assert (second.why, second.blocks) == ("auto", 0)
+        assert decider.counters.snapshot()["probe_blocks"] == 3
+        assert backend.read_rate.trusted_for(1 << 30)
+        # a third needs no probe at all
+        assert decider.decide_over(backend, 16, probe=probe, **ask).why == "auto"
+        assert decider.counters.snapshot()["probes"] == 2
 
 
 def test_a_rate_bounded_below_recomputing_needs_no_probe_and_loads() -> None:

@@ -506,17 +506,16 @@ def test_a_tp2_scheduler_looks_up_every_rank_through_one_client_that_mounts_no_m
 
 
 @pytest.mark.parametrize(
-    ("tokens_per_s", "loads", "probe_blocks"),
+    ("tokens_per_s", "loads"),
     # computing at 1 token/s: loading wins at the bound of one block's read (a probe of one);
-    # computing at 1e12 tokens/s: it never wins, and reads of two sizes confirm it
-    [(1.0, 20, 1), (1e12, 0, 3)],
+    # computing at 1e12 tokens/s: it never wins
+    [(1.0, 20), (1e12, 0)],
 )
 def test_a_scheduler_whose_workers_run_elsewhere_measures_the_store_before_deciding(
     vllm_config: Any,
     mooncake_cluster_factory: Any,
     tokens_per_s: float,
     loads: int,
-    probe_blocks: int,
 ) -> None:
     """The first load-or-recompute decision of a fresh engine (TP=2: the workers in other
     processes, the scheduler's Mooncake client opened for lookups) is an informed one: the
@@ -572,9 +571,13 @@ def test_a_scheduler_whose_workers_run_elsewhere_measures_the_store_before_decid
         assert side.get_num_new_matched_tokens(request, 0) == (loads * BLOCK_SIZE, False)
         assert client.read_rate.known  # measured by the scheduler itself
         decided = side.decider.counters.snapshot()
-        assert decided["probes"] == 1 and decided["probe_blocks"] == probe_blocks
-        why = "bounded" if loads else "auto"
-        assert decided[f"decisions_{why}"] == 1 and decided["decisions"] == 1
+        assert decided["probes"] == 1 and decided["decisions"] == 1
+        if loads:  # one block's read bounds the load far below recomputing
+            assert decided["decisions_bounded"] == 1 and decided["probe_blocks"] == 1
+        else:  # reads of two sizes say recompute, or one (past the probe's budget on a busy
+            # machine: a fresh client's first read sets up its connection) leaves it unproven
+            probed = (decided.get("decisions_auto"), decided.get("decisions_unproven"))
+            assert (probed, decided["probe_blocks"]) in (((1, None), 3), ((None, 1), 1))
     finally:
         side.close()
 
