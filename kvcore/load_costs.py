@@ -609,9 +609,11 @@ def _probe_reads(
         host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
         got = int(backend.read(request.slice(read, read + n, host=host)))
         read += got
+        if not rate.known:  # the client's first read measures nothing: the budget starts now
+            t0 = time.monotonic()
         # past the budget, even after one read: a decision the reads leave open recomputes
         # (LoadDecider.decide_over), and the next one reads the other size
-        if got < n or time.monotonic() - t0 >= budget_s:
+        elif got < n or time.monotonic() - t0 >= budget_s:
             break
         if enough is not None and enough():
             break

@@ -145,6 +145,10 @@ def test_prefill_grows_with_context_when_the_steps_show_it() -> None:
 def test_overlapping_reads_share_the_store_busy_time_counts_not_each_call() -> None:
     clock = Clock()
     rate = ReadRate(clock=clock, sample_s=10.0)
+    rate.started()  # a client's first read pays for its setup: not a sample
+    clock.now += 0.5
+    rate.finished(1 * MB)
+    assert rate.samples == 0 and not rate.known
     # two reads of 10 MB overlap fully over one second: the store did 20 MB/s, not 10
     rate.started()
     rate.started()
@@ -196,7 +200,22 @@ def test_the_facade_times_every_read_into_its_read_rate() -> None:
                 "r", _keys(8), host=back.host(), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
             )
         )
-        assert got == 8 and backend.read_rate.samples == 1 and backend.read_rate.known
+        # the client's first read is not a sample (it pays for the client's setup)
+        assert got == 8 and backend.read_rate.samples == 0
+        assert (
+            backend.read(
+                backend.request(
+                    "r2",
+                    _keys(8),
+                    host=back.host(),
+                    parts=("obj",),
+                    part_bytes=(SIZE,),
+                    timeout_s=30,
+                )
+            )
+            == 8
+        )
+        assert backend.read_rate.samples == 1 and backend.read_rate.known
         assert backend.block_nbytes(req) == SIZE
 
 
@@ -214,8 +233,9 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         )
         assert backend.write(req) == 16
         bare = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,), timeout_s=30)
-        assert probe_read(backend, bare, max_bytes=4 * SIZE) == 4
-        assert backend.read_rate.known and backend.read_rate.samples == 3  # 1, 2, then 1 block
+        assert probe_read(backend, bare, max_bytes=8 * SIZE) == 8
+        # 1 block (the client's first read: not a sample), 2, 4, then 1
+        assert backend.read_rate.known and backend.read_rate.samples == 3
         assert backend.read_rate.trusted_for(1 << 30)  # two sizes: latency and bandwidth
         missing = backend.request(
             "p", _keys(4, "nope"), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
@@ -253,9 +273,10 @@ def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_clie
             == 16
         )
         bare = data.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
-        samples = data.read_rate.samples
         assert probe_read(data, bare, enough=lambda: True) == 1  # what it read decides
-        assert data.read_rate.samples == samples + 1  # one read of one block
+        assert data.read_rate.samples == 0  # (the client's first read: not a sample)
+        assert probe_read(data, bare, enough=lambda: True) == 1
+        assert data.read_rate.samples == 1  # one read of one block
         # a client opened for lookups reads where its backend says it can (lookup_reads), so
         # a scheduler measures the store itself; it writes nothing
         looker.plugin._objects = data.plugin._objects  # one store seen by both clients
@@ -292,26 +313,27 @@ def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_prove
     clock = Clock()
     decider = LoadDecider(prefill_of(1e9, clock), clock=clock)  # computing is nearly free
     with kvcore.open_backend(_SlowReads, context={"namespace": "slow-probe"}) as backend:
-        host = _Buffers(16, fill=3).host()
+        host = _Buffers(64, fill=3).host()
         assert (
             backend.write(
-                backend.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,))
+                backend.request("w", _keys(64), host=host, parts=("obj",), part_bytes=(SIZE,))
             )
-            == 16
+            == 64
         )
-        probe = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
-        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 513}
-        first = decider.decide_over(backend, 16, probe=probe, **ask)
-        # one read of one block, past the budget: its bound leaves loading unproven
+        probe = backend.request("p", _keys(64), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 64 * 32 + 1}
+        first = decider.decide_over(backend, 64, probe=probe, **ask)
+        # the client's first read (one block) measures nothing; the next (two blocks) ends
+        # past the budget, its bound not making loading faster: unproven
         assert (first.why, first.blocks) == ("unproven", 0)
-        assert decider.counters.snapshot()["probe_blocks"] == 1
-        # the next decision reads the other size (two blocks), and then knows
-        second = decider.decide_over(backend, 16, probe=probe, **ask)
-        assert (second.why, second.blocks) == ("auto", 0)
         assert decider.counters.snapshot()["probe_blocks"] == 3
+        # the next decision reads the other size (one block), and then knows
+        second = decider.decide_over(backend, 64, probe=probe, **ask)
+        assert (second.why, second.blocks) == ("auto", 0)
+        assert decider.counters.snapshot()["probe_blocks"] == 4
         assert backend.read_rate.trusted_for(1 << 30)
-        # a third needs no probe at all
-        assert decider.decide_over(backend, 16, probe=probe, **ask).why == "auto"
+        # later ones need no probe at all
+        assert decider.decide_over(backend, 64, probe=probe, **ask).why == "auto"
         assert decider.counters.snapshot()["probes"] == 2
 
 
