@@ -41,19 +41,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import get_args
 
 from kvcore.backend import Backend
 from kvcore.config import LoadPolicy
 from kvcore.estimates import PrefillRate, ReadRate
-from kvcore.host_memory import HostBuffer
+from kvcore.load_choice import LOAD_POLICIES, LoadChoice, StoredRun, check_load_policy
+from kvcore.load_pace import CUT_GRACE_S, CUT_SLACK, SPAN_S, LoadPace
 from kvcore.metrics import Counters
-from kvcore.requests import BlockRequest, HostBuffers
+from kvcore.requests import BlockRequest
+from kvcore.store_probe import PROBE_BUDGET_S, PROBE_BYTES, probe_read
 
 __all__ = [
+    "CUT_GRACE_S",
+    "CUT_SLACK",
     "LOAD_POLICIES",
     "PROBE_BUDGET_S",
     "PROBE_BYTES",
+    "SPAN_S",
     "LoadChoice",
     "LoadDecider",
     "LoadPace",
@@ -62,74 +66,6 @@ __all__ = [
     "check_load_policy",
     "probe_read",
 ]
-
-#: :data:`LoadPolicy`: ``auto``: load when loading is expected to be faster; ``always``: load
-#: whatever is found (kvcore before 0.3); ``never``: recompute everything
-LOAD_POLICIES: tuple[str, ...] = get_args(LoadPolicy)
-
-#: a probe read (:func:`probe_read`) stops after this long (once two sizes were read)...
-PROBE_BUDGET_S = 0.03
-#: ...or this many bytes
-PROBE_BYTES = 16 << 20
-
-
-def check_load_policy(value: object, field: str = "load_policy") -> LoadPolicy:
-    """``value`` as a :data:`LoadPolicy`, or a ValueError naming ``field``."""
-    if value not in LOAD_POLICIES:
-        raise ValueError(f"{field} must be one of {', '.join(LOAD_POLICIES)}; got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-@dataclass(frozen=True, slots=True)
-class StoredRun:
-    """``blocks`` consecutive stored blocks of a request, read from a store measured by
-    ``rate``; a stack's tiers give one run each, the fastest first."""
-
-    blocks: int
-    rate: ReadRate
-
-
-@dataclass(frozen=True, slots=True)
-class LoadChoice:
-    """What to load of one request, and what the decider expected of it."""
-
-    #: leading blocks to load (0: recompute everything)
-    blocks: int
-    #: leading blocks the store holds
-    found: int
-    #: ``auto``, ``always``, ``never``, ``measuring`` (the store's rate unknown: a load paced
-    #: to break even, :attr:`expected_s`), ``bounded`` (the store's rate known only from
-    #: smaller reads, whose bound already makes loading faster), ``unproven`` (a probe read
-    #: one size of a slow store within its budget, and that bound does not: recompute),
-    #: ``uninformed`` (no prefill measured yet: loads),
-    #: ``unavailable`` (the store is not open: nothing loads), ``unmeasured`` (the rate is
-    #: being measured by another request's load: recompute)
-    why: str
-    #: expected seconds from now until ``blocks`` are read (0 when none): the wait for loads
-    #: chosen before it that share the store included; a ``measuring`` load's break-even pace
-    expected_s: float = 0.0
-    #: expected seconds to the first token loading ``blocks`` and recomputing ``found``
-    #: (None where unknown)
-    ttft_load_s: float | None = None
-    ttft_recompute_s: float | None = None
-
-    @property
-    def paced(self) -> bool:
-        """Whether the load should run against :attr:`expected_s` (cut once behind it): the
-        loads kvcore chose for their speed, not the ones a policy forced or nothing
-        informed."""
-        return self.blocks > 0 and self.why in ("auto", "measuring", "bounded")
-
-    @property
-    def declined(self) -> int:
-        return self.found - self.blocks
-
-    @property
-    def saved_s(self) -> float:
-        """Expected seconds this choice saves against recomputing (0 where unknown)."""
-        if self.blocks == 0 or self.ttft_load_s is None or self.ttft_recompute_s is None:
-            return 0.0
-        return max(0.0, self.ttft_recompute_s - self.ttft_load_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,12 +80,20 @@ class _Ask:
 
 @dataclass(frozen=True, slots=True)
 class _Timeline:
-    """When the store and the engine are free, as a decision sees it at ``now``."""
+    """When the store and the engine are free, as a decision sees it at ``now``, and how many
+    requests a load would hold up (``delayed``: where loads run inside the engine's step,
+    every request whose first token is still due waits for a load chosen now)."""
 
     now: float
     link_free: float
     engine_free: float
     serial: bool
+    delayed: int = 0
+
+    def cost(self, ttft: float, read_s: float) -> float:
+        """What loading costs everyone: its own time to first token, plus its read time for
+        each request it holds up."""
+        return ttft + self.delayed * read_s
 
 
 def _estimated(rate: ReadRate, nbytes: int) -> float | None:
@@ -192,6 +136,7 @@ class LoadDecider:
         self._loading = False  # the last informed decision (the hysteresis' side)
         self._link_free_at = 0.0
         self._engine_free_at = 0.0
+        self._due: list[float] = []  # when the first tokens of the requests decided are due
         self._ratio_sum = 0.0  # actual / expected load seconds, over settled loads
         self._ratio_n = 0
 
@@ -221,11 +166,7 @@ class LoadDecider:
         recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
         if recompute is None:
             return True
-        now = self._clock()
-        with self._lock:
-            at = _Timeline(
-                now, max(now, self._link_free_at), max(now, self._engine_free_at), self.serial
-            )
+        at = self._timeline(self._clock())
         ask = _Ask(block_bytes, block_tokens, start_tokens, prompt_tokens)
         return self._bounded(runs, ask, at, recompute) is None
 
@@ -253,11 +194,9 @@ class LoadDecider:
         if chosen == "never":
             return self._count(LoadChoice(0, found, "never"))
         now = self._clock()
-        with self._lock:
-            link_free = max(now, self._link_free_at)
-            engine_free = max(now, self._engine_free_at)
+        at = self._timeline(now)
+        link_free, engine_free = at.link_free, at.engine_free
         recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
-        at = _Timeline(now, link_free, engine_free, self.serial)
         ask = _Ask(block_bytes, block_tokens, start_tokens, prompt_tokens)
         options, complete = self._options(runs, ask, at, _estimated)
         informed = recompute is not None and complete
@@ -295,16 +234,17 @@ class LoadDecider:
             )
             return self._commit(self._count(choice), link_free, engine_free, now)
         t0 = engine_free - now + recompute
-        best_k, best_t, best_read = 0, t0, 0.0
+        best_k, best_t, best_read, best_cost = 0, t0, 0.0, t0
         for cand_k, cand_t, cand_read in options:
-            if cand_t is not None and cand_t < best_t:
+            if cand_t is not None and at.cost(cand_t, cand_read) < best_cost:
                 best_k, best_t, best_read = cand_k, cand_t, cand_read
+                best_cost = at.cost(cand_t, cand_read)
         # hysteresis: keep the side taken last unless the other wins by the margin
-        if best_k and not self._loading and best_t > t0 * (1 - self.margin):
+        if best_k and not self._loading and best_cost > t0 * (1 - self.margin):
             best_k, best_t, best_read = 0, t0, 0.0
         elif not best_k and self._loading and options:
             last_k, last_t, last_read = options[-1]
-            if last_t is not None and last_t <= t0 * (1 + self.margin):
+            if last_t is not None and at.cost(last_t, last_read) <= t0 * (1 + self.margin):
                 best_k, best_t, best_read = last_k, last_t, last_read
         with self._lock:
             self._loading = best_k > 0
@@ -377,9 +317,11 @@ class LoadDecider:
         options, whole = self._options(runs, ask, at, _bounded)
         t0 = at.engine_free - at.now + recompute
         best = min(
-            (o for o in options if o[1] is not None), key=lambda o: o[1] or 0.0, default=None
+            (o for o in options if o[1] is not None),
+            key=lambda o: at.cost(o[1] or 0.0, o[2]),
+            default=None,
         )
-        if not whole or best is None or (best[1] or 0.0) >= t0 * (1 - self.margin):
+        if not whole or best is None or at.cost(best[1] or 0.0, best[2]) >= t0 * (1 - self.margin):
             return None
         k, ttft, read_s = best
         found = sum(run.blocks for run in runs)
@@ -417,6 +359,17 @@ class LoadDecider:
             options.append((k, ttft, read_s))
         return options, True
 
+    def _timeline(self, now: float) -> _Timeline:
+        with self._lock:
+            self._due = [due for due in self._due if due > now]
+            return _Timeline(
+                now,
+                max(now, self._link_free_at),
+                max(now, self._engine_free_at),
+                self.serial,
+                len(self._due) if self.serial else 0,
+            )
+
     def _commit(
         self, choice: LoadChoice, link_free: float, engine_free: float, now: float
     ) -> LoadChoice:
@@ -426,10 +379,16 @@ class LoadDecider:
                 self._link_free_at = max(link_free, now + choice.expected_s)
                 if self.serial:
                     self._engine_free_at = self._link_free_at
+                    # the load runs in the next step: every first token still due waits for it
+                    read_s = max(0.0, choice.expected_s - (link_free - now))
+                    self._due = [due + read_s for due in self._due]
             elif choice.ttft_recompute_s is not None:
                 self._engine_free_at = now + choice.ttft_recompute_s
                 if self.serial:
                     self._link_free_at = self._engine_free_at
+            ttft = choice.ttft_load_s if choice.blocks else choice.ttft_recompute_s
+            if self.serial and ttft is not None:
+                self._due.append(now + ttft)
         return choice
 
     def _count(self, choice: LoadChoice) -> LoadChoice:
@@ -482,140 +441,3 @@ class LoadDecider:
             out.update({f"read_{k}": v for k, v in rate.figures().items()})
         out.update({f"prefill_{k}": v for k, v in self.prefill.figures().items()})
         return {k: v for k, v in out.items() if math.isfinite(v)}
-
-
-#: a load is cut once it is this much (a fraction) behind its expected time...
-CUT_SLACK = 0.5
-#: ...plus this many seconds (a short load's jitter is not a slowdown)
-CUT_GRACE_S = 0.02
-#: a paced load reads in spans expected to take about this long, so a store that slows down
-#: tenfold is noticed within ten of them (longer spans would pay a store's per-call latency
-#: less often, but a span started at the old rate runs ten times its length after a tenfold
-#: slowdown: 20 ms keeps that near 0.2 s)
-SPAN_S = 0.02
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPace:
-    """A load of ``blocks`` blocks expected to take ``expected_s``, started at ``started``: how
-    it is split into spans, and whether it is behind (then cut)."""
-
-    expected_s: float
-    blocks: int
-    started: float
-
-    def span_blocks(self) -> int:
-        """Blocks per span at the expected rate: about :data:`SPAN_S` of the read, at least
-        one (the first span is one block: a store slower than expected shows at once)."""
-        if self.blocks <= 0 or self.expected_s <= SPAN_S:
-            return max(1, self.blocks)
-        return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
-
-    def next_span(self, done: int, now: float | None = None) -> int:
-        """Blocks of the span after ``done`` blocks were read: about :data:`SPAN_S` at the
-        rate this load has delivered so far (the expected rate before any), at least one. A
-        fast store gets few, large calls; a slow one short spans, so a slowdown shows within
-        one."""
-        left = self.blocks - done
-        elapsed = (time.monotonic() if now is None else now) - self.started
-        if done <= 0 or elapsed <= 0:
-            return min(left, 1)
-        return max(1, min(left, math.ceil(done / elapsed * SPAN_S)))
-
-    def behind(
-        self, done: int, now: float | None = None, last: tuple[int, float] | None = None
-    ) -> bool:
-        """Whether, with ``done`` blocks read by ``now``, the load is behind its expected time
-        by more than the slack (:data:`CUT_SLACK`, :data:`CUT_GRACE_S`): in all, or in its
-        ``last`` span (blocks, seconds), so a store that slows down is left at once even by a
-        load that was ahead (reading the rest at the rate it has now would take longer than
-        its share of the estimate allows)."""
-        elapsed = (time.monotonic() if now is None else now) - self.started
-        per_block = self.expected_s / max(1, self.blocks)
-        due = per_block * min(done, self.blocks)
-        if elapsed > due * (1 + CUT_SLACK) + CUT_GRACE_S:
-            return True
-        if last is None:
-            return False
-        blocks, seconds = last
-        return seconds > blocks * per_block * (1 + CUT_SLACK) + CUT_GRACE_S
-
-
-def probe_read(
-    backend: Backend,
-    request: BlockRequest,
-    *,
-    budget_s: float = PROBE_BUDGET_S,
-    max_bytes: int = PROBE_BYTES,
-    enough: Callable[[], bool] | None = None,
-) -> int:
-    """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
-    blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
-    blocks (two sizes at least: a store's per-call latency and its bandwidth told apart) until
-    ``budget_s`` has passed or ``max_bytes`` were read, or, after any read, ``enough()`` says
-    what was read decides the question asked (:meth:`LoadDecider.needs_probe`), so the reads
-    land in :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is
-    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
-    have no known size, that does not read host memory, or that was opened for lookups only
-    and cannot read then (:attr:`kvcore.Capabilities.lookup_reads` False: its rate comes from
-    the process that reads, :meth:`ReadRate.observe`) is not probed (0).
-    """
-    sizes = backend.part_sizes(request)
-    if (
-        not sizes
-        or request.num_blocks <= 0
-        or backend.capabilities.io != "host"
-        or (backend.context.role == "lookup" and not backend.capabilities.lookup_reads)
-    ):
-        return 0
-    per_block = sum(sizes)
-    most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
-    with HostBuffer(most * per_block, pinned=False) as scratch:
-        base = scratch.ptr
-        # a zero-copy client (Mooncake) reads only into memory registered with it
-        backend.register_buffer(base, scratch.nbytes)
-        try:
-            read = _probe_reads(backend, request, base, sizes, most, budget_s, enough)
-        finally:
-            backend.unregister_buffer(base)
-    return read
-
-
-def _probe_reads(
-    backend: Backend,
-    request: BlockRequest,
-    base: int,
-    sizes: list[int],
-    most: int,
-    budget_s: float,
-    enough: Callable[[], bool] | None,
-) -> int:
-    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` has passed or
-    ``enough()``. Sizes the store was measured at lately are skipped: where one block was
-    read before, the first read is of two (one more size is what tells latency from
-    bandwidth)."""
-    per_block = sum(sizes)
-    step = 1
-    rate = backend.read_rate
-    while rate.known and not rate.tells_apart(step * per_block) and step * 2 <= most:
-        step *= 2
-    read, t0 = 0, time.monotonic()
-    while read < most:
-        n = min(step, most - read)
-        ptrs = tuple(
-            tuple(base + (read + i) * per_block + sum(sizes[:j]) for j in range(len(sizes)))
-            for i in range(n)
-        )
-        host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
-        got = int(backend.read(request.slice(read, read + n, host=host)))
-        read += got
-        if not rate.known:  # the client's first read measures nothing: the budget starts now
-            t0 = time.monotonic()
-        # past the budget, even after one read: a decision the reads leave open recomputes
-        # (LoadDecider.decide_over), and the next one reads the other size
-        elif got < n or time.monotonic() - t0 >= budget_s:
-            break
-        if enough is not None and enough():
-            break
-        step *= 2
-    return read

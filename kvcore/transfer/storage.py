@@ -25,7 +25,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from kvcore.backend import Backend
-from kvcore.load_costs import LoadPace
+from kvcore.load_pace import LoadPace
 from kvcore.ops import TO_DEVICE, TO_HOST, HostBuffer
 from kvcore.requests import BlockRequest, DeviceBuffers, HostBuffers, Outcome
 from kvcore.runner import HostRunner

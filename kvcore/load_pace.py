@@ -1,0 +1,73 @@
+"""The pace of a load chosen for its speed: read in short spans, cut once behind its estimate.
+
+A load :class:`kvcore.load_costs.LoadDecider` chose carries its expected time
+(:attr:`kvcore.ReadTask.expected_s`); the transfer manager reads it span by span with a
+:class:`LoadPace` and stops it once it is behind, so a store that slows down mid-load costs
+about the estimate, not the slow read.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+__all__ = ["CUT_GRACE_S", "CUT_SLACK", "SPAN_S", "LoadPace"]
+
+#: a load is cut once it is this much (a fraction) behind its expected time...
+CUT_SLACK = 0.5
+#: ...plus this many seconds (a short load's jitter is not a slowdown)
+CUT_GRACE_S = 0.02
+#: a paced load reads in spans expected to take about this long, so a store that slows down
+#: tenfold is noticed within ten of them (longer spans would pay a store's per-call latency
+#: less often, but a span started at the old rate runs ten times its length after a tenfold
+#: slowdown: 20 ms keeps that near 0.2 s)
+SPAN_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPace:
+    """A load of ``blocks`` blocks expected to take ``expected_s``, started at ``started``: how
+    it is split into spans, and whether it is behind (then cut)."""
+
+    expected_s: float
+    blocks: int
+    started: float
+
+    def span_blocks(self) -> int:
+        """Blocks per span at the expected rate: about :data:`SPAN_S` of the read, at least
+        one (the first span is one block: a store slower than expected shows at once)."""
+        if self.blocks <= 0 or self.expected_s <= SPAN_S:
+            return max(1, self.blocks)
+        return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
+
+    def next_span(self, done: int, now: float | None = None) -> int:
+        """Blocks of the span after ``done`` blocks were read: about :data:`SPAN_S` at the
+        rate this load has delivered so far (the expected rate before any), at least one. A
+        fast store gets few, large calls; a slow one short spans, so a slowdown shows within
+        one."""
+        left = self.blocks - done
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        if done <= 0 or elapsed <= 0:
+            return min(left, 1)
+        return max(1, min(left, math.ceil(done / elapsed * SPAN_S)))
+
+    def behind(
+        self, done: int, now: float | None = None, last: tuple[int, float] | None = None
+    ) -> bool:
+        """Whether, with ``done`` blocks read by ``now``, the load is behind its expected time
+        by more than the slack (:data:`CUT_SLACK`, :data:`CUT_GRACE_S`): in all, or in its
+        ``last`` span (blocks, seconds), so a store that slows down is left at once even by a
+        load that was ahead (reading the rest at the rate it has now would take longer than
+        its share of the estimate allows)."""
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        per_block = self.expected_s / max(1, self.blocks)
+        due = per_block * min(done, self.blocks)
+        if elapsed > due * (1 + CUT_SLACK) + CUT_GRACE_S:
+            return True
+        if last is None:
+            return False
+        blocks, seconds = last
+        return seconds > blocks * per_block * (1 + CUT_SLACK) + CUT_GRACE_S

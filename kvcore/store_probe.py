@@ -1,0 +1,103 @@
+"""Measure a store's read rate now: a few short reads of stored blocks into scratch memory.
+
+:meth:`kvcore.load_costs.LoadDecider.decide_over` probes a store whose rate is unknown for the
+read a decision is about, before deciding.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvcore.backend import Backend
+from kvcore.host_memory import HostBuffer
+from kvcore.requests import BlockRequest, HostBuffers
+
+__all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "probe_read"]
+
+#: a probe read (:func:`probe_read`) stops after this long (once two sizes were read)...
+PROBE_BUDGET_S = 0.03
+#: ...or this many bytes
+PROBE_BYTES = 16 << 20
+
+
+def probe_read(
+    backend: Backend,
+    request: BlockRequest,
+    *,
+    budget_s: float = PROBE_BUDGET_S,
+    max_bytes: int = PROBE_BYTES,
+    enough: Callable[[], bool] | None = None,
+) -> int:
+    """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
+    blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
+    blocks (two sizes at least: a store's per-call latency and its bandwidth told apart) until
+    ``budget_s`` has passed or ``max_bytes`` were read, or, after any read, ``enough()`` says
+    what was read decides the question asked (:meth:`LoadDecider.needs_probe`), so the reads
+    land in :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is
+    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
+    have no known size, that does not read host memory, or that was opened for lookups only
+    and cannot read then (:attr:`kvcore.Capabilities.lookup_reads` False: its rate comes from
+    the process that reads, :meth:`ReadRate.observe`) is not probed (0).
+    """
+    sizes = backend.part_sizes(request)
+    if (
+        not sizes
+        or request.num_blocks <= 0
+        or backend.capabilities.io != "host"
+        or (backend.context.role == "lookup" and not backend.capabilities.lookup_reads)
+    ):
+        return 0
+    per_block = sum(sizes)
+    most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
+    with HostBuffer(most * per_block, pinned=False) as scratch:
+        base = scratch.ptr
+        # a zero-copy client (Mooncake) reads only into memory registered with it
+        backend.register_buffer(base, scratch.nbytes)
+        try:
+            read = _probe_reads(backend, request, base, sizes, most, budget_s, enough)
+        finally:
+            backend.unregister_buffer(base)
+    return read
+
+
+def _probe_reads(
+    backend: Backend,
+    request: BlockRequest,
+    base: int,
+    sizes: list[int],
+    most: int,
+    budget_s: float,
+    enough: Callable[[], bool] | None,
+) -> int:
+    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` has passed or
+    ``enough()``. Sizes the store was measured at lately are skipped: where one block was
+    read before, the first read is of two (one more size is what tells latency from
+    bandwidth)."""
+    per_block = sum(sizes)
+    step = 1
+    rate = backend.read_rate
+    while rate.known and not rate.tells_apart(step * per_block) and step * 2 <= most:
+        step *= 2
+    read, t0 = 0, time.monotonic()
+    while read < most:
+        n = min(step, most - read)
+        ptrs = tuple(
+            tuple(base + (read + i) * per_block + sum(sizes[:j]) for j in range(len(sizes)))
+            for i in range(n)
+        )
+        host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
+        got = int(backend.read(request.slice(read, read + n, host=host)))
+        read += got
+        if not rate.known:  # the client's first read measures nothing: the budget starts now
+            t0 = time.monotonic()
+        # past the budget, even after one read: a decision the reads leave open recomputes
+        # (LoadDecider.decide_over), and the next one reads the other size
+        elif got < n or time.monotonic() - t0 >= budget_s:
+            break
+        if enough is not None and enough():
+            break
+        step *= 2
+    return read
