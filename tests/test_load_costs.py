@@ -441,6 +441,21 @@ def test_requests_arriving_together_share_the_store_and_the_engine() -> None:
     assert choices[1].ttft_load_s > choices[0].ttft_load_s
 
 
+def test_where_loads_run_inside_the_step_a_load_holds_up_every_first_token_still_due() -> None:
+    """vLLM's synchronous loads run at the start of the step that schedules them: a load chosen
+    now delays every request whose first token is still due. Four requests at a rate where one
+    alone would load: the first loads; the others would each hold up the ones before them, and
+    recompute."""
+    clock = Clock()
+    rate = rate_of(80e6, clock)  # 1.2 s to read one request, 1.6 s to compute it
+    serial = LoadDecider(prefill_of(2500, clock), margin=0.0, serial=True, clock=clock)
+    loaded = [decide(serial, rate).blocks > 0 for _ in range(4)]
+    assert loaded == [True, False, False, False]
+    # once the first tokens are out, nothing is held up: a load is weighed alone again
+    clock.now += 60.0
+    assert decide(serial, rate).blocks > 0
+
+
 def test_one_measurement_at_a_time_others_recompute_while_it_runs() -> None:
     """Requests arriving together with the store's rate unknown: the first one's load is the
     measurement; loads started beside it would share the store and each look slow, so the
