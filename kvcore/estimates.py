@@ -215,9 +215,19 @@ class ReadRate:
             largest, when = self._largest
             smallest, _ = self._smallest
             recent = self._clock() - when <= 2 * self._half_life_s
-        # reads of sizes at least twice apart tell latency from bandwidth: then a larger read
-        # is the bandwidth's, however large
-        return recent and (nbytes <= EXTRAPOLATION * largest or largest >= 2 * smallest)
+            coef = self._fit.coefficients() if recent else None
+        if not recent:
+            return False
+        if nbytes <= EXTRAPOLATION * largest:
+            return True
+        # reads of sizes at least twice apart tell latency from bandwidth (then a larger read
+        # is the bandwidth's, however large) where bandwidth is a good share of the largest
+        # read's time (a third at least): a fit that calls nearly all of it latency rests on a
+        # difference of two times of a few milliseconds (a 6 GB/s "bandwidth" from two reads
+        # of a 120 MB/s link, measured)
+        if largest < 2 * smallest or coef is None:
+            return False
+        return bool(coef[1] <= 2 * coef[0] * largest)
 
     def bound_s(self, nbytes: int) -> float | None:
         """At most how long a read of ``nbytes`` takes at the store's rate now, for a read at

@@ -11,7 +11,10 @@ from typing import get_args
 from kvcore.config import LoadPolicy
 from kvcore.estimates import ReadRate
 
-__all__ = ["LOAD_POLICIES", "LoadChoice", "StoredRun", "check_load_policy"]
+__all__ = ["LOAD_POLICIES", "PACE_SLOWDOWN", "LoadChoice", "StoredRun", "check_load_policy"]
+
+#: the slowdown a load's pace guards against (a store ten times slower than measured, mid-load)
+PACE_SLOWDOWN = 10
 
 #: :data:`LoadPolicy`: ``auto``: load when loading is expected to be faster; ``always``: load
 #: whatever is found (kvcore before 0.3); ``never``: recompute everything
@@ -61,9 +64,16 @@ class LoadChoice:
     @property
     def paced(self) -> bool:
         """Whether the load should run against :attr:`expected_s` (cut once behind it): the
-        loads kvcore chose for their speed, not the ones a policy forced or nothing
-        informed."""
-        return self.blocks > 0 and self.why in ("auto", "measuring", "bounded")
+        loads kvcore chose for their speed (not the ones a policy forced or nothing informed)
+        that a store slowing down :data:`PACE_SLOWDOWN` times could make slower than
+        recomputing. One that would still be ahead reads at full speed: short spans cost each
+        its call's latency (a fast store's load took 0.087 s whole, 0.101 s paced)."""
+        if self.blocks <= 0 or self.why not in ("auto", "measuring", "bounded"):
+            return False
+        if self.ttft_load_s is None or self.ttft_recompute_s is None:
+            return True  # (measuring: the pace is the measurement)
+        slowed = self.ttft_load_s + (PACE_SLOWDOWN - 1) * self.expected_s
+        return slowed >= self.ttft_recompute_s
 
     @property
     def declined(self) -> int:

@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from kvcore.backend import Backend
 from kvcore.config import LoadPolicy
 from kvcore.estimates import PrefillRate, ReadRate
-from kvcore.load_choice import LOAD_POLICIES, LoadChoice, StoredRun, check_load_policy
+from kvcore.load_choice import (
+    LOAD_POLICIES,
+    PACE_SLOWDOWN,
+    LoadChoice,
+    StoredRun,
+    check_load_policy,
+)
 from kvcore.load_pace import CUT_GRACE_S, CUT_SLACK, SPAN_S, LoadPace
 from kvcore.metrics import Counters
 from kvcore.requests import BlockRequest
@@ -55,6 +61,7 @@ __all__ = [
     "CUT_GRACE_S",
     "CUT_SLACK",
     "LOAD_POLICIES",
+    "PACE_SLOWDOWN",
     "PROBE_BUDGET_S",
     "PROBE_BYTES",
     "SPAN_S",

@@ -236,7 +236,10 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         assert probe_read(backend, bare, max_bytes=8 * SIZE) == 8
         # 1 block (the client's first read: not a sample), 2, 4, then 1
         assert backend.read_rate.known and backend.read_rate.samples == 3
-        assert backend.read_rate.trusted_for(1 << 30)  # two sizes: latency and bandwidth
+        # two sizes tell latency from bandwidth; here (tiny blocks in memory) latency is
+        # nearly all of it, so the fit is not extrapolated far
+        assert backend.read_rate.trusted_for(4 * SIZE)
+        assert not backend.read_rate.trusted_for(1 << 30)
         missing = backend.request(
             "p", _keys(4, "nope"), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
         )
@@ -299,11 +302,12 @@ def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_clie
 
 
 class _SlowReads(MemoryBackend):
-    """Every read takes longer than a probe's whole budget (so one read is all it gets)."""
+    """Every read takes longer than a probe's whole budget (so one read is all it gets): a
+    per-call latency and as much again per block."""
 
     @hookimpl
     def kvcore_read(self, request):
-        time.sleep(2 * PROBE_BUDGET_S)
+        time.sleep(PROBE_BUDGET_S * (1 + request.num_blocks))
         return MemoryBackend.kvcore_read(self, request)
 
 
@@ -321,7 +325,12 @@ def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_prove
             == 64
         )
         probe = backend.request("p", _keys(64), parts=("obj",), part_bytes=(SIZE,))
-        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 64 * 32 + 1}
+        ask = {
+            "block_bytes": SIZE,
+            "block_tokens": 32,
+            "start_tokens": 0,
+            "prompt_tokens": 64 * 32 + 1,
+        }
         first = decider.decide_over(backend, 64, probe=probe, **ask)
         # the client's first read (one block) measures nothing; the next (two blocks) ends
         # past the budget, its bound not making loading faster: unproven
@@ -427,6 +436,31 @@ def test_decisions_do_not_flap_inside_the_margin() -> None:
     assert decide(decider, near).blocks == 125  # near the line again: stays loading
     clock.now += 100
     assert decide(decider, rate_of(40e6, clock)).blocks == 0
+
+
+def test_a_load_is_paced_only_where_a_tenfold_slowdown_could_make_it_lose() -> None:
+    # at full speed (0.08 s to read what takes 7.8 s to compute): read whole, no spans
+    assert not LoadChoice(187, 187, "auto", 0.08, 0.09, 7.8).paced
+    # near the crossover: paced, so a store that slows down is left mid-load
+    assert LoadChoice(125, 125, "auto", 0.84, 0.9, 1.6).paced
+    assert LoadChoice(125, 125, "measuring", 0.5, None, 1.6).paced  # the pace measures
+    assert not LoadChoice(125, 125, "always", 0.84, 0.9, 1.6).paced  # forced: never cut
+    assert not LoadChoice(0, 125, "auto", 0.0, None, 1.6).paced
+
+
+def test_two_reads_whose_fit_is_nearly_all_latency_are_not_extrapolated_far() -> None:
+    clock = Clock()
+    rate = ReadRate(clock=clock)
+    # 1 and 2 blocks in 10.0 and 10.2 ms: 0.2 ms of bandwidth per block under 9.8 ms of
+    # latency (a few milliseconds' noise would make it any bandwidth at all)
+    rate.observe(BLOCK_BYTES, 0.0100)
+    rate.observe(2 * BLOCK_BYTES, 0.0102)
+    assert rate.trusted_for(16 * BLOCK_BYTES) and not rate.trusted_for(125 * BLOCK_BYTES)
+    # 1 and 2 blocks in 7 and 13 ms: mostly bandwidth, trusted for any size
+    well = ReadRate(clock=clock)
+    well.observe(BLOCK_BYTES, 0.007)
+    well.observe(2 * BLOCK_BYTES, 0.013)
+    assert well.trusted_for(125 * BLOCK_BYTES)
 
 
 def test_requests_arriving_together_share_the_store_and_the_engine() -> None:

@@ -575,10 +575,11 @@ def test_a_scheduler_whose_workers_run_elsewhere_measures_the_store_before_decid
         # the client's first read (one block) pays for its connection and measures nothing
         if loads:  # the next (two blocks) bounds the load far below recomputing
             assert decided["decisions_bounded"] == 1 and decided["probe_blocks"] == 3
-        else:  # reads of two more sizes say recompute, or one (past the probe's budget, on a
-            # busy machine) leaves loading unproven
-            probed = (decided.get("decisions_auto"), decided.get("decisions_unproven"))
-            assert (probed, decided["probe_blocks"]) in (((1, None), 7), ((None, 1), 3))
+        else:  # reads of more sizes say recompute (1, 2, 4, ... blocks until they tell
+            # latency from bandwidth), or leave loading unproven (past the probe's budget, on a
+            # busy machine)
+            probed = decided.get("decisions_auto", 0) + decided.get("decisions_unproven", 0)
+            assert probed == 1 and decided["probe_blocks"] >= 3
     finally:
         side.close()
 
