@@ -227,6 +227,8 @@ def _ttft(
     )
     ttft: dict[str, list[float]] = {"recomputed": [], "restored_file": []}
     restored_tokens: list[int] = []
+    decisions: list[dict[str, float]] = []  # the restoring engine's load decisions, per rep
+    stats = {"op": "log_stats", "name": "stats"}
     tokens_match = True
     reference: list[list[int]] = []
     for rep in range(args.reps):
@@ -234,14 +236,19 @@ def _ttft(
         order = ("recompute", "restore") if rep % 2 == 0 else ("restore", "recompute")
         for what in order:
             connector = None if what == "recompute" else file_connector
+            steps = [warm, long] if connector is None else [warm, long, stats]
             runs[what] = run_in_subprocess(
-                {**base, "connector": connector, "steps": [warm, long]}, workdir, f"{what}-{rep}"
+                {**base, "connector": connector, "steps": steps}, workdir, f"{what}-{rep}"
             )
         plain, restored = runs["recompute"], runs["restore"]
         reference = plain.step("long")["tokens"]
         ttft["recomputed"].append(plain.step("long")["ttft_s"][0])
         ttft["restored_file"].append(restored.step("long")["ttft_s"][0])
         restored_tokens.append(restored.step("long")["num_cached_tokens"][0])
+        metrics = restored.step("stats").get("metrics", {})
+        decisions.append(
+            {k: v for k, v in metrics.items() if k.startswith(("decide_", "load_", "lookup_"))}
+        )
         tokens_match &= restored.step("long")["tokens"] == reference
     report.figure("ttft_recomputed_s", ttft["recomputed"], "s")
     report.figure("ttft_restored_kv_file_s", ttft["restored_file"], "s")
@@ -250,6 +257,7 @@ def _ttft(
     )
     report.notes["prompt_tokens"] = args.prompt_tokens
     report.notes["restored_tokens"] = restored_tokens
+    report.notes["restored_decisions"] = decisions
     report.notes["tokens_match"] = tokens_match
     return reference
 
