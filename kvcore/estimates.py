@@ -248,14 +248,18 @@ class ReadRate:
         return None if per_byte is None else per_byte * nbytes
 
     def tells_apart(self, nbytes: int) -> bool:
-        """Whether a read of ``nbytes`` would make :meth:`trusted_for` trust any size: it is
-        at least twice the smallest read measured lately or at most half the largest (with
-        nothing measured lately, no one read does)."""
+        """Whether a read of ``nbytes`` would tell more of latency from bandwidth than the
+        reads measured lately: one at least twice the smallest or at most half the largest;
+        where reads of two such sizes were measured and still left bandwidth unseen (nearly
+        all latency, :meth:`trusted_for`), only one at least twice the largest (with nothing
+        measured lately, no one read does)."""
         with self._lock:
             largest, when = self._largest
             smallest, _ = self._smallest
             if self._clock() - when > 2 * self._half_life_s or smallest <= 0:
                 return False
+        if largest >= 2 * smallest:
+            return nbytes >= 2 * largest
         return nbytes >= 2 * smallest or 2 * nbytes <= largest
 
     @property

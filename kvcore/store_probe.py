@@ -75,7 +75,8 @@ def _probe_reads(
     """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` has passed or
     ``enough()``. Sizes the store was measured at lately are skipped: where one block was
     read before, the first read is of two (one more size is what tells latency from
-    bandwidth)."""
+    bandwidth); where reads of two sizes left its bandwidth unseen, one at least twice the
+    largest (:meth:`kvcore.estimates.ReadRate.tells_apart`)."""
     per_block = sum(sizes)
     step = 1
     rate = backend.read_rate

@@ -456,6 +456,9 @@ def test_two_reads_whose_fit_is_nearly_all_latency_are_not_extrapolated_far() ->
     rate.observe(BLOCK_BYTES, 0.0100)
     rate.observe(2 * BLOCK_BYTES, 0.0102)
     assert rate.trusted_for(16 * BLOCK_BYTES) and not rate.trusted_for(125 * BLOCK_BYTES)
+    # the next probe reads a larger size, not the one or two blocks measured already
+    assert not rate.tells_apart(BLOCK_BYTES) and not rate.tells_apart(2 * BLOCK_BYTES)
+    assert rate.tells_apart(4 * BLOCK_BYTES)
     # 1 and 2 blocks in 7 and 13 ms: mostly bandwidth, trusted for any size
     well = ReadRate(clock=clock)
     well.observe(BLOCK_BYTES, 0.007)
