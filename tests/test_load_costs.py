@@ -233,13 +233,12 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         )
         assert backend.write(req) == 16
         bare = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,), timeout_s=30)
-        assert probe_read(backend, bare, max_bytes=8 * SIZE) == 8
+        assert probe_read(backend, bare, max_bytes=8 * SIZE, budget_s=60.0) == 8
         # 1 block (the client's first read: not a sample), 2, 4, then 1
         assert backend.read_rate.known and backend.read_rate.samples == 3
-        # two sizes tell latency from bandwidth; here (tiny blocks in memory) latency is
-        # nearly all of it, so the fit is not extrapolated far
+        # (how far the fit is trusted depends on how latency and bandwidth share these tiny
+        # reads on this machine: tested on fixed times below, not here)
         assert backend.read_rate.trusted_for(4 * SIZE)
-        assert not backend.read_rate.trusted_for(1 << 30)
         missing = backend.request(
             "p", _keys(4, "nope"), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
         )
@@ -303,11 +302,12 @@ def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_clie
 
 class _SlowReads(MemoryBackend):
     """Every read takes longer than a probe's whole budget (so one read is all it gets): a
-    per-call latency and as much again per block."""
+    per-call latency and twice as much per block (bandwidth well over a third of a read's
+    time, however late a busy machine wakes a sleep)."""
 
     @hookimpl
     def kvcore_read(self, request):
-        time.sleep(PROBE_BUDGET_S * (1 + request.num_blocks))
+        time.sleep(PROBE_BUDGET_S * (1 + 2 * request.num_blocks))
         return MemoryBackend.kvcore_read(self, request)
 
 
