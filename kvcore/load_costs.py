@@ -40,7 +40,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcore.backend import Backend
 from kvcore.config import LoadPolicy
@@ -55,7 +55,7 @@ from kvcore.load_choice import (
 from kvcore.load_pace import CUT_GRACE_S, CUT_SLACK, SPAN_S, LoadPace
 from kvcore.metrics import Counters
 from kvcore.requests import BlockRequest
-from kvcore.store_probe import PROBE_BUDGET_S, PROBE_BYTES, probe_read
+from kvcore.store_probe import PROBE_BUDGET_S, PROBE_BYTES, ProbeRead, probe_read
 
 __all__ = [
     "CUT_GRACE_S",
@@ -69,6 +69,7 @@ __all__ = [
     "LoadDecider",
     "LoadPace",
     "LoadPolicy",
+    "ProbeRead",
     "StoredRun",
     "check_load_policy",
     "probe_read",
@@ -162,8 +163,9 @@ class LoadDecider:
         """Whether to measure the first run's store (:func:`probe_read`) before :meth:`decide`:
         ``auto`` only, and only while its rate is unknown for a read this size. Given the
         request (``block_tokens``, ``start_tokens``, ``prompt_tokens``, as :meth:`decide`
-        takes them), also not once the reads measured so far bound the load's time below
-        recomputing's (a fast store needs one short read, not a probe's several)."""
+        takes them), also not while no prefill rate is known (the decision loads, whatever the
+        store's rate: ``uninformed``), and not once the reads measured so far bound the load's
+        time below recomputing's (a fast store needs one short read, not a probe's several)."""
         if (policy or self.policy) != "auto" or not runs or runs[0].blocks <= 0:
             return False
         if runs[0].rate.trusted_for(runs[0].blocks * block_bytes):
@@ -172,7 +174,7 @@ class LoadDecider:
             return True
         recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
         if recompute is None:
-            return True
+            return False  # nothing to weigh a read against: the decision loads, uninformed
         at = self._timeline(self._clock())
         ask = _Ask(block_bytes, block_tokens, start_tokens, prompt_tokens)
         return self._bounded(runs, ask, at, recompute) is None
@@ -283,35 +285,47 @@ class LoadDecider:
         (:func:`probe_read`: as few reads as it takes for the decision to be informed; counted
         as ``probes`` and ``probe_blocks``). Every adapter's decision goes through here."""
         runs = [StoredRun(found, backend.read_rate)]
+        stored = found
         ask = {
             "block_tokens": block_tokens,
             "start_tokens": start_tokens,
             "prompt_tokens": prompt_tokens,
         }
         if probe is not None and self.needs_probe(runs, block_bytes, policy, **ask):
-            read = probe_read(
+            read, short = probe_read(
                 backend,
                 probe if probe.num_blocks <= found else probe.slice(0, found),
                 enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask),
             )
             self.counters.add("probes")
             self.counters.add("probe_blocks", read)
+            if short:
+                # the run the lookup saw ends where a read came back short (a block removed
+                # since, corrupt, or the store failing): only what was read is worth deciding
+                # over, the rest is declined (a counted miss, never a failed load)
+                self.counters.add("probe_short")
+                found = read
+                runs = [StoredRun(found, backend.read_rate)]
             recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
             if (
                 read
+                and backend.read_rate.known
                 and recompute is not None
                 and self.needs_probe(runs, block_bytes, policy, **ask)
             ):
                 # the probe spent its budget on one size (a slow store) and its bound does not
                 # make loading faster: recompute, unproven (not a load paced to measure: what
-                # one read of a slow store took already says loading would likely lose)
+                # one read of a slow store took already says loading would likely lose). A
+                # probe that measured nothing (one block, the client's first read) leaves the
+                # rate unknown: the load is the measurement (decide: measuring)
                 now = self._clock()
                 with self._lock:
                     engine_free = max(now, self._engine_free_at)
                     link_free = max(now, self._link_free_at)
-                choice = LoadChoice(0, found, "unproven", 0.0, None, engine_free - now + recompute)
+                choice = LoadChoice(0, stored, "unproven", 0.0, None, engine_free - now + recompute)
                 return self._commit(self._count(choice), link_free, engine_free, now)
-        return self.decide(runs, block_bytes=block_bytes, policy=policy, **ask)
+        choice = self.decide(runs, block_bytes=block_bytes, policy=policy, **ask)
+        return choice if found == stored else replace(choice, found=stored)
 
     def _bounded(
         self, runs: Sequence[StoredRun], ask: _Ask, at: _Timeline, recompute: float

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvcore.backend import Backend
 from kvcore.host_memory import HostBuffer
 from kvcore.requests import BlockRequest, HostBuffers
 
-__all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "probe_read"]
+__all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "ProbeRead", "probe_read"]
 
 #: a probe read (:func:`probe_read`) stops after this long (once two sizes were read)...
 PROBE_BUDGET_S = 0.03
 #: ...or this many bytes
 PROBE_BYTES = 16 << 20
+
+
+class ProbeRead(NamedTuple):
+    """What a probe read: ``blocks`` leading blocks, and whether a read stopped ``short`` (the
+    next block is gone, unreadable or failed verification: the run stored ends there, now)."""
+
+    blocks: int
+    short: bool = False
 
 
 def probe_read(
@@ -30,14 +39,15 @@ def probe_read(
     budget_s: float = PROBE_BUDGET_S,
     max_bytes: int = PROBE_BYTES,
     enough: Callable[[], bool] | None = None,
-) -> int:
+) -> ProbeRead:
     """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
     blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
     blocks (two sizes at least: a store's per-call latency and its bandwidth told apart) until
     ``budget_s`` has passed or ``max_bytes`` were read, or, after any read, ``enough()`` says
     what was read decides the question asked (:meth:`LoadDecider.needs_probe`), so the reads
-    land in :attr:`kvcore.Backend.read_rate`. Returns the blocks read; what was read is
-    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
+    land in :attr:`kvcore.Backend.read_rate`. Returns the blocks read, and whether a read
+    came back short (a fresh client's first reads included: a store that fails every read is
+    asked once, never measured); what was read is dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
     have no known size, that does not read host memory, or that was opened for lookups only
     and cannot read then (:attr:`kvcore.Capabilities.lookup_reads` False: its rate comes from
     the process that reads, :meth:`ReadRate.observe`) is not probed (0).
@@ -49,7 +59,7 @@ def probe_read(
         or backend.capabilities.io != "host"
         or (backend.context.role == "lookup" and not backend.capabilities.lookup_reads)
     ):
-        return 0
+        return ProbeRead(0)
     per_block = sum(sizes)
     most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
     with HostBuffer(most * per_block, pinned=False) as scratch:
@@ -71,7 +81,7 @@ def _probe_reads(
     most: int,
     budget_s: float,
     enough: Callable[[], bool] | None,
-) -> int:
+) -> ProbeRead:
     """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` has passed or
     ``enough()``. Sizes the store was measured at lately are skipped: where one block was
     read before, the first read is of two (one more size is what tells latency from
@@ -92,13 +102,16 @@ def _probe_reads(
         host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
         got = int(backend.read(request.slice(read, read + n, host=host)))
         read += got
-        if not rate.known:  # the client's first read measures nothing: the budget starts now
+        if got < n:  # the rest is gone, or the store failed: nothing more to learn now
+            return ProbeRead(read, short=True)
+        if read == got and not rate.known:
+            # the client's first read measures nothing (its connection): the budget starts now
             t0 = time.monotonic()
         # past the budget, even after one read: a decision the reads leave open recomputes
         # (LoadDecider.decide_over), and the next one reads the other size
-        elif got < n or time.monotonic() - t0 >= budget_s:
+        elif time.monotonic() - t0 >= budget_s:
             break
         if enough is not None and enough():
             break
         step *= 2
-    return read
+    return ProbeRead(read)

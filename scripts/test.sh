@@ -26,9 +26,9 @@ trap 'rm -f "$engines_log"' EXIT
     [ -f "$script" ] || continue
     name="$(dirname "$(dirname "$script")")"
     phase=$SECONDS
-    echo "== $name: venv"
+    echo "== $name: venv (at $((SECONDS - started)) s)"
     bash "$script" --setup-only || { echo "FAILED to set up: $script"; failed=1; continue; }
-    echo "== $name: tests"
+    echo "== $name: tests (at $((SECONDS - started)) s)"
     if ! bash "$script"; then
       echo "FAILED: $script"
       failed=1
@@ -67,11 +67,14 @@ if [ "$code" -eq 5 ]; then
 fi
 took "core and backends" "$phase"
 
+# The adapters' output so far, then the rest as it comes: where CI stops at its time limit,
+# its log still shows which suite (and, with the suites' -v lines, which test) was running.
 phase=$SECONDS
+echo "== engine adapters (beside the core's tests; their output so far, then as it comes)"
+tail -n +1 -f --pid="$engines_pid" "$engines_log"
 engines_code=0
 wait "$engines_pid" || engines_code=$?
-echo "== engine adapters (beside the core's tests; waited $((SECONDS - phase)) s more after them)"
-cat "$engines_log"
+echo "== engine adapters: waited $((SECONDS - phase)) s after the core's tests"
 if [ "$engines_code" -ne 0 ]; then
   echo "FAILED: an engine adapter's tests (see above)" >&2
   code=1

@@ -233,7 +233,7 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         )
         assert backend.write(req) == 16
         bare = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,), timeout_s=30)
-        assert probe_read(backend, bare, max_bytes=8 * SIZE, budget_s=60.0) == 8
+        assert probe_read(backend, bare, max_bytes=8 * SIZE, budget_s=60.0) == (8, False)
         # 1 block (the client's first read: not a sample), 2, 4, then 1
         assert backend.read_rate.known and backend.read_rate.samples == 3
         # (how far the fit is trusted depends on how latency and bandwidth share these tiny
@@ -242,7 +242,36 @@ def test_a_probe_reads_a_few_blocks_into_scratch_memory_and_measures_the_store()
         missing = backend.request(
             "p", _keys(4, "nope"), parts=("obj",), part_bytes=(SIZE,), timeout_s=30
         )
-        assert probe_read(backend, missing) == 0
+        assert probe_read(backend, missing) == (0, True)
+
+
+class _FailingReads(MemoryBackend):
+    """Every read fails (a counted miss at the facade); the test fails past a few of them
+    (``pytest.fail`` is no ``Exception``: the facade lets it through)."""
+
+    calls = 0
+
+    @hookimpl
+    def kvcore_read(self, request):
+        type(self).calls += 1
+        if type(self).calls > 8:
+            pytest.fail("the probe keeps reading a store whose reads all fail")
+        raise OSError("the store is down")
+
+
+@pytest.mark.parametrize("backend_class", [_FailingReads, MemoryBackend])
+def test_a_probe_of_a_fresh_client_stops_at_its_first_short_read(backend_class) -> None:
+    """Regression (the vLLM tier's lookups spun forever): a client whose first reads return
+    nothing (the store failing, or the blocks gone) never has a rate, and the probe stopped
+    only on a short read once a rate was known."""
+    from test_runner import SIZE, _keys
+
+    _FailingReads.calls = 0
+    with kvcore.open_backend(backend_class, context={"namespace": "gone"}) as backend:
+        bare = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,), timeout_s=30)
+        assert probe_read(backend, bare, budget_s=60.0) == (0, True)
+        assert not backend.read_rate.known
+    assert _FailingReads.calls <= 1
 
 
 def test_reads_of_one_size_bound_a_larger_read_however_latency_and_bandwidth_share_them() -> None:
@@ -275,25 +304,24 @@ def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_clie
             == 16
         )
         bare = data.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
-        assert probe_read(data, bare, enough=lambda: True) == 1  # what it read decides
+        assert probe_read(data, bare, enough=lambda: True).blocks == 1  # what it read decides
         assert data.read_rate.samples == 0  # (the client's first read: not a sample)
-        assert probe_read(data, bare, enough=lambda: True) == 1
+        assert probe_read(data, bare, enough=lambda: True).blocks == 1
         assert data.read_rate.samples == 1  # one read of one block
         # a client opened for lookups reads where its backend says it can (lookup_reads), so
         # a scheduler measures the store itself; it writes nothing
         looker.plugin._objects = data.plugin._objects  # one store seen by both clients
         probe = looker.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
-        assert probe_read(looker, probe) >= 3 and looker.read_rate.known
+        assert probe_read(looker, probe).blocks >= 3 and looker.read_rate.known
         with pytest.raises(ValueError, match=r"role 'lookup'.*cannot write"):
             looker.write(
                 looker.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,))
             )
         # without the capability, nothing is read and nothing is raised
         plain = kvcore.open_backend(MemoryBackend, context={**ctx, "role": "lookup"})
-        assert (
-            probe_read(plain, plain.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,)))
-            == 0
-        )
+        assert probe_read(
+            plain, plain.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+        ) == (0, False)
         plain.close()
     finally:
         looker.close()
@@ -344,6 +372,58 @@ def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_prove
         # later ones need no probe at all
         assert decider.decide_over(backend, 64, probe=probe, **ask).why == "auto"
         assert decider.counters.snapshot()["probes"] == 2
+
+
+def test_blocks_a_probe_finds_gone_are_declined_not_loaded() -> None:
+    """A lookup saw 16 blocks; the 3rd was removed since (or is corrupt: the verified read
+    removes it). The probe's second read (blocks 2 and 3) comes back short there: the decision
+    is over the 2 it read, the other 14 declined, so the engine never plans a load that fails
+    (the probe reads only as far as the decision needs: a block gone further on is the load's
+    miss, as before)."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    clock = Clock()
+    decider = LoadDecider(prefill_of(1e3, clock), clock=clock)  # computing is slow
+    with kvcore.open_backend(MemoryBackend, context={"namespace": "short"}) as backend:
+        host = _Buffers(16, fill=3).host()
+        written = backend.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 16
+        assert backend.remove(written.slice(2, 3)) == 1
+        probe = backend.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 513}
+        choice = decider.decide_over(backend, 16, probe=probe, **ask)
+        assert choice.found == 16 and choice.blocks <= 2 and choice.declined >= 14
+        counted = decider.counters.snapshot()
+        assert counted["probe_short"] == 1 and counted["probe_blocks"] == 2
+        # a store that fails every read: asked once, everything declined
+        _FailingReads.calls = 0
+        with kvcore.open_backend(_FailingReads, context={"namespace": "down"}) as down:
+            bare = down.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+            assert decider.decide_over(down, 16, probe=bare, **ask).blocks == 0
+        assert _FailingReads.calls == 1
+
+
+def test_a_probe_that_measured_nothing_leaves_the_load_to_measure() -> None:
+    """One block stored: the probe's only read is the client's first, which measures
+    nothing. That is no slow store (``unproven``): the load is the measurement (``measuring``).
+    With no prefill rate known there is nothing to weigh a read against: no probe at all."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    clock = Clock()
+    with kvcore.open_backend(MemoryBackend, context={"namespace": "one"}) as backend:
+        host = _Buffers(1, fill=3).host()
+        assert backend.write(
+            backend.request("w", _keys(1), host=host, parts=("obj",), part_bytes=(SIZE,))
+        )
+        probe = backend.request("p", _keys(1), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 33}
+        blind = LoadDecider(PrefillRate(clock=clock), clock=clock)
+        assert blind.decide_over(backend, 1, probe=probe, **ask).why == "uninformed"
+        assert blind.counters.snapshot().get("probes", 0) == 0
+        decider = LoadDecider(prefill_of(1e3, clock), clock=clock)
+        choice = decider.decide_over(backend, 1, probe=probe, **ask)
+        assert (choice.why, choice.blocks) == ("measuring", 1)
+        assert decider.counters.snapshot()["probe_blocks"] == 1
 
 
 def test_a_rate_bounded_below_recomputing_needs_no_probe_and_loads() -> None:

@@ -53,10 +53,16 @@ def _metric(stats, name: str, op: str | None = None) -> float:
     return sum(v for labels, v in values.items() if op is None or labels[-1] == op)
 
 
+@pytest.mark.parametrize("caught_at", ["promotion", "lookup"])
 @pytest.mark.parametrize("backend", ["file", "memory", "mooncake"])
 def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(
-    backend, tmp_path, request
+    backend, caught_at, tmp_path, request
 ) -> None:
+    """A corrupt chunk is caught by the promotion's read (``load_policy: always``: the lookup
+    reads nothing), or already by the lookup (``auto`` with a prefill rate to weigh it against:
+    a store never read by this process is probed first, and the probe's verified read finds
+    it): never promoted either way, removed,
+    counted, and stored again once recomputed."""
     # vLLM's own primary-tier memory, as its scheduler maps it (a /dev/shm region, no rank)
     region = SharedOffloadRegion(
         engine_id=f"kvcore-test-{uuid.uuid4().hex}",
@@ -70,6 +76,10 @@ def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(
     more = {}
     if backend == "mooncake":  # a real master and storage node on 127.0.0.1
         more["backend_config"] = request.getfixturevalue("mooncake_config")
+    if caught_at == "promotion":
+        more["load_policy"] = "always"
+    else:  # computing is slow: the decision weighs the store, so it probes it first
+        more["prefill_tokens_per_s"] = 1000.0
     tier, _ = make_tier(backend, str(tmp_path), tensor, **more)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
     end = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
@@ -105,12 +115,13 @@ def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(
         damage(tier, key(1), "flip")
         second = ReqContext(req_id="second")
         manager.on_new_request(second)
-        assert lookup(second) is LookupResult.HIT_PENDING  # found, promotion started
-        steps()
+        if caught_at == "promotion":
+            assert lookup(second) is LookupResult.HIT_PENDING  # found, promotion started
+            steps()
         assert primary.lookup(key(1), second) is LookupResult.MISS, "corrupt bytes promoted"
         assert lookup(second) is LookupResult.MISS  # this request recomputes
         stats = manager.get_stats()
-        assert _metric(stats, "host_blocks_failed", "read") == 1
+        assert _metric(stats, "host_blocks_failed", "read") == (caught_at == "promotion")
         assert _metric(stats, "backend_failures") >= 1
         assert not stored(tier, key(1)), "the corrupt object must be removed"
 
