@@ -39,6 +39,7 @@ __all__ = [
     "EngineBackendSettings",
     "EnvConfig",
     "LoadPolicy",
+    "SettingsModel",
     "StrictModel",
     "check_namespace",
     "interval_field",
@@ -101,7 +102,29 @@ def _admits_bool(annotation: Any) -> bool:
     return any(_admits_bool(a) for a in args if a is not type(None))
 
 
-class EnvConfig(StrictModel):
+class SettingsModel(StrictModel):
+    """Base of every model of settings (a backend's config, an engine adapter's settings):
+    a number field takes numbers.
+
+    .. versionadded:: 0.3
+    """
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """``True`` is not a size, a count or a rate (Python's bool is an int: pydantic would
+        take it as 1), and a subnormal float (below 2.2e-308) means nothing as a setting."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or not isinstance(value, (bool, float)):
+            return value
+        if isinstance(value, bool) and not _admits_bool(field.annotation):
+            raise ValueError("must be a number, not a boolean")
+        if isinstance(value, float) and 0 < abs(value) < sys.float_info.min:
+            raise ValueError(f"{value!r} is a subnormal number: too small to be a setting")
+        return value
+
+
+class EnvConfig(SettingsModel):
     """A config whose fields operators can override with environment variables.
 
     Subclasses set ``env_prefix`` (e.g. ``"KVCORE_FILE_"``); :meth:`load` then applies
@@ -113,23 +136,6 @@ class EnvConfig(StrictModel):
     """
 
     env_prefix: ClassVar[str] = ""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        """A number field takes numbers: ``True`` is not a size or a rate (Python's bool is an
-        int), and a subnormal float (below 2.2e-308) means nothing as a setting.
-
-        .. versionadded:: 0.3
-        """
-        field = cls.model_fields.get(info.field_name or "")
-        if field is None or not isinstance(value, (bool, float)):
-            return value
-        if isinstance(value, bool) and not _admits_bool(field.annotation):
-            raise ValueError("must be a number, not a boolean")
-        if isinstance(value, float) and 0 < abs(value) < sys.float_info.min:
-            raise ValueError(f"{value!r} is a subnormal number: too small to be a setting")
-        return value
 
     #: names accepted from the environment besides the fields (moved into place by a
     #: validator), with whether their value is a plain string
@@ -317,7 +323,7 @@ def check_namespace(value: str, field: str = "namespace") -> str:
 LoadPolicy = Literal["auto", "always", "never"]
 
 
-class EngineBackendSettings(StrictModel):
+class EngineBackendSettings(SettingsModel):
     """Base of an engine adapter's settings: the kvcore backend it opens by name, that
     backend's config, the namespace its objects are named in, and how often a backend that
     could not be opened is tried again. Each adapter extends it with its own fields, and
@@ -394,13 +400,6 @@ class EngineBackendSettings(StrictModel):
         if isinstance(value, Mapping):
             return dict(value)
         return value  # anything else: pydantic says it is not an object
-
-    @field_validator("reopen_interval_s", mode="before")
-    @classmethod
-    def _interval_is_a_number(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # Python's bool is an int: `true` is no interval
-            raise ValueError("must be a number of seconds, not a boolean")
-        return value
 
     @field_validator("namespace")
     @classmethod

@@ -36,17 +36,38 @@ class BackendDefinitionError(KVCoreError, TypeError):
 
 
 class ConfigError(KVCoreError, ValueError):
-    """A config or task failed validation; the message names each offending field."""
+    """A config or task failed validation; the message names each offending field.
+
+    .. versionchanged:: 0.3 :attr:`fields` and :meth:`under`.
+    """
+
+    #: ``(field, what is wrong)`` of each offending field, where validation said (``""``: a
+    #: model-level check, which names its fields in its message)
+    fields: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_validation(cls, what: str, exc: ValidationError) -> ConfigError:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            # a model-level check names its fields in its message
-            lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
-        return cls(f"invalid {what}:\n" + "\n".join(lines))
+        fields = tuple(
+            (".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, "))
+            for err in exc.errors()
+        )
+        lines = [f"  {loc}: {msg}" if loc else f"  {msg}" for loc, msg in fields]
+        error = cls(f"invalid {what}:\n" + "\n".join(lines))
+        error.fields = fields
+        return error
+
+    def under(self, where: str) -> ConfigError:
+        """The same error on one line, each field named from ``where`` (where this config sits
+        in the setting a user wrote: ``lmcache adapter_params.backend_config``)."""
+        if not self.fields:
+            return ConfigError(f"{where}: {self}")
+        error = ConfigError(
+            "; ".join(
+                f"{where}.{loc}: {msg}" if loc else f"{where}: {msg}" for loc, msg in self.fields
+            )
+        )
+        error.fields = tuple((f"{where}.{loc}" if loc else where, msg) for loc, msg in self.fields)
+        return error
 
 
 def describe(exc: BaseException) -> str:

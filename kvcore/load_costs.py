@@ -283,7 +283,36 @@ class LoadDecider:
         read rate; where that rate is unknown for a read this size and ``probe`` (a request
         for those blocks, built without buffers) is given, the store is measured first
         (:func:`probe_read`: as few reads as it takes for the decision to be informed; counted
-        as ``probes`` and ``probe_blocks``). Every adapter's decision goes through here."""
+        as ``probes`` and ``probe_blocks``). Every adapter's decision goes through here. The
+        seconds it takes, its probe's included, are counted (``deciding_seconds``): they are on
+        the request's way to its first token."""
+        t0 = time.perf_counter()
+        try:
+            return self._decide_over(
+                backend,
+                found,
+                probe=probe,
+                block_bytes=block_bytes,
+                block_tokens=block_tokens,
+                start_tokens=start_tokens,
+                prompt_tokens=prompt_tokens,
+                policy=policy,
+            )
+        finally:
+            self.counters.add("deciding_seconds", time.perf_counter() - t0)
+
+    def _decide_over(
+        self,
+        backend: Backend,
+        found: int,
+        *,
+        probe: BlockRequest | None,
+        block_bytes: int,
+        block_tokens: int,
+        start_tokens: int,
+        prompt_tokens: int,
+        policy: LoadPolicy | None,
+    ) -> LoadChoice:
         runs = [StoredRun(found, backend.read_rate)]
         stored = found
         ask = {

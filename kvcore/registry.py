@@ -186,7 +186,7 @@ def check_backend_class(name: str | type) -> type[Any]:
 
 
 def check_backend_config(
-    name: str, config: BaseModel | Mapping[str, Any] | str | None = None
+    name: str, config: BaseModel | Mapping[str, Any] | str | None = None, where: str = ""
 ) -> BackendConfig:
     """Validate ``config`` for the backend published as ``name`` without opening it.
 
@@ -194,10 +194,20 @@ def check_backend_config(
     startup) rather than when the backend is first opened. Imports the backend's class (as
     opening would) but constructs nothing and connects to nothing.
 
+    :param where: where ``config`` sits in the settings the user wrote (e.g. ``lmcache
+        adapter_params.backend_config``): a bad field is then named from there, one line.
     :raises UnknownBackendError, DuplicateBackendError, BackendImportError,
         BackendDefinitionError, ConfigError: as :func:`open_backend` would.
+
+    .. versionchanged:: 0.3 ``where``.
     """
-    return validate_config(name, load_backend_class(name), config)
+    factory = load_backend_class(name)
+    try:
+        return validate_config(name, factory, config)
+    except ConfigError as exc:
+        if not where:
+            raise
+        raise exc.under(where) from None
 
 
 def open_backend(

@@ -350,6 +350,28 @@ def test_a_backend_config_can_be_checked_without_opening_the_backend():
         kvcore.check_backend_config("memory", {"max_objects": 0})
     with pytest.raises(kvcore.UnknownBackendError, match="installed backends"):
         kvcore.check_backend_config("nosuch", {})
+    # named from where the user wrote it, one line per setting (an adapter's start error)
+    with pytest.raises(kvcore.ConfigError) as raised:
+        kvcore.check_backend_config(
+            "memory", {"max_objects": 0, "nosuch": 1}, where="engine settings: backend_config"
+        )
+    assert "\n" not in str(raised.value)
+    assert str(raised.value).startswith("engine settings: backend_config.max_objects: ")
+    assert "; engine settings: backend_config.nosuch: " in str(raised.value)
+    assert [f for f, _ in raised.value.fields] == [
+        "engine settings: backend_config.max_objects",
+        "engine settings: backend_config.nosuch",
+    ]
+
+
+def test_an_engine_adapters_number_settings_take_no_booleans():
+    """Python's bool is an int: pydantic took ``true`` as 1 (LMCache's io_threads), in every
+    adapter's settings base as in every backend's config (one validator, SettingsModel)."""
+    from kvcore.config import EngineBackendSettings
+
+    for field in ("reopen_interval_s", "load_margin", "prefill_tokens_per_s"):
+        with pytest.raises(ValueError, match=f"{field}\n.*must be a number, not a boolean"):
+            EngineBackendSettings(backend="memory", **{field: True})
 
 
 def test_a_request_may_name_parts_of_its_own_with_their_sizes_checked():

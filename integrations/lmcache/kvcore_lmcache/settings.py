@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, PrivateAttr, ValidationError
 
 from kvcore.config import EngineBackendSettings
 from kvcore.schemas import timeout_field
@@ -65,13 +65,23 @@ class AdapterSettings(EngineBackendSettings):
         "eviction order): a restarted server does not start from zero",
     )
 
+    #: where these settings were read (``from_params``' ``where``): errors found later, in
+    #: the backend's own config, name the key from there
+    _where: str = PrivateAttr(default="kvcore adapter settings")
+
+    @property
+    def where(self) -> str:
+        return self._where
+
     @classmethod
     def from_params(cls, params: dict[str, Any] | None, where: str) -> AdapterSettings:
         """Validated settings; :raises ValueError: naming ``where`` and each bad key."""
         try:
-            return cls.model_validate(params or {})
+            settings = cls.model_validate(params or {})
         except ValidationError as exc:
             raise ValueError(settings_error(exc, where)) from None
+        settings._where = where
+        return settings
 
 
 def settings_error(exc: ValidationError, where: str) -> str:

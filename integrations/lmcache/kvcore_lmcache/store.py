@@ -36,7 +36,9 @@ class Store:
     ) -> None:
         self.settings = settings
         load_backend_class(settings.backend)  # an unknown backend fails the start, by name
-        kvcore.check_backend_config(settings.backend, settings.backend_config)
+        kvcore.check_backend_config(
+            settings.backend, settings.backend_config, where=f"{settings.where}: backend_config"
+        )
         self.counters = kvcore.Counters()
         self._failures = kvcore.OnceLogger(log)
         self.closed = False

@@ -228,6 +228,21 @@ def test_bad_settings_fail_the_start_naming_the_key():
         )
 
 
+def test_a_bad_backend_config_is_one_line_naming_adapter_params(tmp_path):
+    """The backend's own config is checked at the start too, and its bad key is named from
+    where the user wrote it (it was a two-line error naming no adapter_params)."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_bytes(b"")
+    with pytest.raises(ValueError) as raised:
+        KVCoreL2Adapter({"backend": "file", "backend_config": {"root": str(a_file)}})
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("lmcache l2 adapter_params for kvcore: backend_config.root: "), (
+        message
+    )
+    assert "is a regular file, not a directory" in message
+
+
 def test_a_failing_store_is_a_counted_miss_never_an_error(open_adapter, root):
     adapter = open_adapter()
     keys = [key(i) for i in range(3)]

@@ -47,6 +47,9 @@ def test_backend_config_is_an_object_a_json_string_or_a_file(tmp_path: Path) -> 
         ({"reopen_interval_s": -1}, f"{WHERE}: reopen_interval_s: "),
         ({"backend": ""}, f"{WHERE}: backend: .*must name a kvcore backend"),
         ({"io_threads": 0}, f"{WHERE}: io_threads: "),
+        # Python's bool is an int: `true` was taken as 1 thread
+        ({"io_threads": True}, f"{WHERE}: io_threads: .*must be a number, not a boolean"),
+        ({"chunk_tokens": False}, f"{WHERE}: chunk_tokens: .*not a boolean"),
     ],
 )
 def test_a_bad_setting_is_named(params: dict[str, object], message: str) -> None:

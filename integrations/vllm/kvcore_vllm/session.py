@@ -54,6 +54,7 @@ __all__ = [
     "MODEL_SIZES",
     "EngineRun",
     "MetricsCapture",
+    "failure_report",
     "parse_metrics",
     "run_in_subprocess",
     "run_session",
@@ -502,9 +503,45 @@ def run_in_subprocess(
     results = [json.loads(line) for line in lines if line]
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0:
-        tail = "\n".join(text.splitlines()[-40:])
-        raise RuntimeError(f"engine {label!r} exited with {proc.returncode}; log tail:\n{tail}")
+        raise RuntimeError(
+            f"engine {label!r} exited with {proc.returncode} (log: {log_path})\n"
+            + failure_report(text)
+        )
     return EngineRun(results, text)
+
+
+#: a failure report keeps this many tracebacks (the first ones: the root cause comes first, what
+#: it set off follows) and log lines at its end
+_REPORT_TRACEBACKS = 3
+_REPORT_TAIL_LINES = 30
+
+
+def failure_report(log: str) -> str:
+    """What an engine's log says of why it failed: its first tracebacks (vLLM's engine core
+    logs the root cause in its own process, long before the front end's "Engine core
+    initialization failed. See root cause above"), its error lines, then its last lines."""
+    lines = log.splitlines()
+    tracebacks: list[list[str]] = []
+    current: list[str] | None = None
+    for line in lines:
+        if "Traceback (most recent call last):" in line:
+            current = [line]
+            tracebacks.append(current)
+        elif current is not None:
+            current.append(line)
+            # a traceback ends at its exception's line: the first one not indented (a
+            # process's log prefix, e.g. "(EngineCore pid=7) ", is ignored)
+            body = line.split(") ", 1)[-1] if line.startswith("(") else line
+            if body and not body.startswith((" ", "\t")):
+                current = None
+    errors = [line for line in lines if " ERROR " in line or line.startswith("ERROR")]
+    parts = []
+    for i, tb in enumerate(tracebacks[:_REPORT_TRACEBACKS]):
+        parts.append(f"-- traceback {i + 1} of {len(tracebacks)}:\n" + "\n".join(tb[-60:]))
+    if errors:
+        parts.append("-- error lines:\n" + "\n".join(errors[:20]))
+    parts.append("-- log tail:\n" + "\n".join(lines[-_REPORT_TAIL_LINES:]))
+    return "\n".join(parts)
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -1023,3 +1023,29 @@ def test_an_engine_that_can_follow_no_more_blocks_withdraws_the_oldest() -> None
     out = events.take()
     assert [type(e) for e in out] == [BlockStored, BlockStored, BlockRemoved]
     assert out[2].block_hashes == out[0].block_hashes  # the first, withdrawn
+
+
+def test_an_engine_that_fails_to_start_reports_its_root_cause() -> None:
+    """vLLM's engine core logs why it failed in its own process; the front end's traceback
+    ("See root cause above") comes last. A test's failure message carries the first."""
+    from kvcore_vllm.session import failure_report
+
+    root = [
+        "(EngineCore pid=7) ERROR 11-29 07:01:02 [core.py:1] EngineCore failed to start.",
+        "(EngineCore pid=7) Traceback (most recent call last):",
+        '(EngineCore pid=7)   File "vllm/v1/engine/core.py", line 9, in run_engine_core',
+        "(EngineCore pid=7)     engine_core = EngineCoreProc(*args, **kwargs)",
+        "(EngineCore pid=7) torch.OutOfMemoryError: the root cause, 12 GiB asked",
+    ]
+    noise = [f"INFO 11-29 07:01:03 [loader.py:1] line {i}" for i in range(200)]
+    front = [
+        "Traceback (most recent call last):",
+        '  File "kvcore_vllm/session.py", line 1, in <module>',
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {}",
+    ]
+    report = failure_report("\n".join(["INFO start", *root, *noise, *front]))
+    assert "torch.OutOfMemoryError: the root cause, 12 GiB asked" in report
+    assert "EngineCore failed to start" in report  # the error lines
+    assert "See root cause above" in report
+    assert "line 20\n" not in report  # the noise between them left out
