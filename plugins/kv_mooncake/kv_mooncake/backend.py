@@ -61,6 +61,7 @@ from kv_mooncake.codes import (
     failure,
     reason,
 )
+from kv_mooncake.companions import COMPANIONS_PER_CALL, CompanionReader
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.inflight import PieceBudget, queued_transfers_limit
@@ -90,9 +91,6 @@ _INLINE_FACTOR = 1.5
 #: put too (measured: 2049 keys fine, 2100 all but 5 failed and broke the client; 256 keys of
 #: 8 segments fine, 257 lost one key, 300 lost them all).
 MAX_BATCH_PIECES = 1024
-#: metadata companions per client call (each at most ~2.3 KB: a lookup client's 16 MiB copy
-#: buffer holds a call's worth many times over)
-_COMPANIONS_PER_CALL = 512
 
 
 class MooncakeBackend:
@@ -318,17 +316,15 @@ class MooncakeBackend:
             raise ConnectionError(failure("batch_is_exist", min(codes)))
         present = [i for i, c in enumerate(codes) if c == 1]
         out: list[bytes | None] = [None] * len(names)
-        for lo in range(0, len(present), _COMPANIONS_PER_CALL):
-            chunk = present[lo : lo + _COMPANIONS_PER_CALL]
-            blobs = self._store.get_batch([block_meta.meta_key(keys[i]) for i in chunk])
-            for i, blob in zip(chunk, blobs, strict=True):
-                if not blob:
-                    continue  # written without metadata
-                decoded = block_meta.decode(blob)
-                if decoded is None or decoded[0] != names[i]:
-                    self._counters.add("block_meta_unverified")
-                    continue
-                out[i] = decoded[1]
+        blobs = self._read_companions([block_meta.meta_key(keys[i]) for i in present])
+        for i, blob in zip(present, blobs, strict=True):
+            if not blob:
+                continue  # written without metadata
+            decoded = block_meta.decode(blob)
+            if decoded is None or decoded[0] != names[i]:
+                self._counters.add("block_meta_unverified")
+                continue
+            out[i] = decoded[1]
         return out
 
     @kvcore.hookimpl
@@ -440,8 +436,8 @@ class MooncakeBackend:
         chosen = [
             i for i in todo if request.block_meta[i // parts] and _has_companion(keys, i, parts)
         ]
-        for lo in range(0, len(chosen), _COMPANIONS_PER_CALL):
-            chunk = chosen[lo : lo + _COMPANIONS_PER_CALL]
+        for lo in range(0, len(chosen), COMPANIONS_PER_CALL):
+            chunk = chosen[lo : lo + COMPANIONS_PER_CALL]
             code = self._store.upsert_batch(
                 [block_meta.meta_key(keys[i]) for i in chunk],
                 [block_meta.encode(names[i], request.block_meta[i // parts]) for i in chunk],
@@ -459,7 +455,7 @@ class MooncakeBackend:
 
     def _read_companions(self, keys: list[str]) -> list[bytes]:
         # through self, not the client's bound method: a closed backend must hold no client
-        return list(self._store.get_batch(keys))
+        return CompanionReader(self._store, self._regions, self._counters).read(keys)
 
     def _remove_companions(self, keys: list[str], parts: int) -> None:
         """Remove the objects' metadata companions (absent ones are no error)."""

@@ -31,7 +31,8 @@ class StoreListing:
     object in the cluster (``"as_is"``: callers filter by identity).
 
     :param url: the master's ``/get_all_keys``.
-    :param read_companions: ``get_batch`` of the client (bytes per key, ``b""`` for none).
+    :param read_companions: the companions of keys (bytes per key, ``b""`` for none:
+        :class:`kv_mooncake.companions.CompanionReader`).
     :param key_of: the key the backend stores a name under: a companion is believed only
         for the key its name maps to.
     """

@@ -165,3 +165,34 @@ def test_the_listing_names_digest_keys_by_their_metadata(
     finally:
         backend.close()
         h.release()
+
+
+def test_an_oversized_companion_blanks_none_of_its_neighbours(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """Issue 62 #6: objects of 15 MiB and 1 MiB under two blocks' companion keys (no
+    companion kvcore wrote) overflowed the one copy buffer of a ``get_batch``: the next good
+    block's metadata came back None. Each companion is read in its own slot now."""
+    from kv_mooncake import block_meta
+
+    cluster = mooncake_cluster_factory(storage_bytes=128 << 20)
+    layout = small_layout()
+    backend = kvcore.open_backend(
+        "mooncake", cluster.config(), context={"layout": layout, "namespace": "big-meta"}
+    )
+    h = Harness(backend, layout)
+    try:
+        seq = h.new_sequence(4)
+        meta = [b"m0", b"m1", b"m2", b"m3" * 1000]
+        assert h.write(seq, block_meta=meta) == 4
+        client = backend.plugin._store
+        for i, size in ((0, 15 << 20), (1, 1 << 20)):  # the first two blocks' companions
+            key = block_meta.meta_key(backend.plugin._key(_names(h, seq, i, 1)[0]))
+            assert client.upsert(key, b"x" * size) == 0
+        assert backend.describe(h.request(seq)) == [None, None, b"m2", b"m3" * 1000]
+        stats = backend.stats()
+        assert stats["backend_block_meta_oversized"] == 1  # 15 MiB: not even read
+        assert stats["backend_block_meta_unverified"] == 1  # 1 MiB: read alone, no companion
+    finally:
+        backend.close()
+        h.release()
