@@ -75,8 +75,13 @@ class StoreWatch:
         if report is None:
             return None
         # what is stored now is known without being reported: a follower lists the store
-        # itself after subscribing; changes from here on are reported
+        # itself after subscribing; changes from here on are reported. A master that does
+        # not answer now leaves nothing known: the first listing that succeeds later reports
+        # everything in it as stored (the follower's own listing failed too, and what peers
+        # stored meanwhile must reach it), never becomes a silent seed
         self._round()
+        with self._lock:
+            self._seeded = True
         self._stop.clear()
         self._thread = start_thread(self._run, "kv-mooncake-watch")
         return {ev.STORED, ev.REMOVED, ev.CLEARED}
@@ -146,7 +151,8 @@ class StoreWatch:
             self._warnings.warning(
                 ("watch", type(exc).__name__),
                 "mooncake: listing the store at %s failed (%s); other clients' changes are "
-                "reported once it answers again (further failures logged at debug level)",
+                "reported once it answers again, what they stored meanwhile included (further "
+                "failures logged at debug level)",
                 self._listing.url,
                 exc,
             )

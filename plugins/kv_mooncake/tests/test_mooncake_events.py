@@ -196,3 +196,43 @@ def test_an_oversized_companion_blanks_none_of_its_neighbours(
     finally:
         backend.close()
         h.release()
+
+
+def test_a_watch_started_while_the_master_hangs_reports_what_peers_stored(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """Issue 62 #2: the listing that seeds a watch failed (the master stopped), and the first
+    one that later succeeded became the seed: what peers had stored was never reported, no
+    resync either. Now that listing reports it all as stored."""
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    layout = small_layout()
+    ctx = {"layout": layout, "namespace": "late-seed"}
+    config = cluster.config(watch_interval_s=0.2, connect_timeout_s=0.5)
+    mine = kvcore.open_backend("mooncake", config, context=ctx)
+    other = kvcore.open_backend("mooncake", config, context=ctx)
+    h, o = Harness(mine, layout), Harness(other, layout)
+    try:
+        before = h.new_sequence(3)
+        assert o.write(before) == 3  # a peer's, before anybody follows the store
+        cluster.master.pause()
+        try:
+            sub = mine.events.subscribe()  # its seed listing fails: the master hangs
+        finally:
+            cluster.master.resume()
+        with sub:
+            after = h.new_sequence(2)
+            assert o.write(after) == 2
+            wanted = set(_names(h, before)) | set(_names(h, after))
+
+            def stored(got: list) -> set[str]:
+                return {n for e in got if e.kind == "stored" for n in e.names}
+
+            # within the interval and a listing (a busy machine may need many of them)
+            events = _drain_until(sub, lambda got: wanted <= stored(got), timeout_s=120)
+            assert wanted <= stored(events), sorted(wanted - stored(events))[:3]
+            assert mine.stats()["backend_watch_listing_failed"] >= 1
+    finally:
+        mine.close()
+        other.close()
+        h.release()
+        o.release()
