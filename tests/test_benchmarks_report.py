@@ -33,6 +33,7 @@ CASES = {
     "bench_events": [
         "--blocks", "2", "--small-blocks", "16", "--reps", "2", "--layouts", "typical,small",
     ],
+    "bench_mooncake_listing": ["--keys", "2000", "--reps", "2", "--watch-interval", "0.2"],
 }  # fmt: skip
 
 

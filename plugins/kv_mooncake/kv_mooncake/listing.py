@@ -7,23 +7,34 @@ object's name; a key that is a digest of a long or unusual name is named again b
 metadata companion (:mod:`kv_mooncake.block_meta`, read once and remembered), and is left out
 when it has none (it was written without metadata: nothing can say its name). Companions and
 other namespaces' keys are not objects of this namespace.
+
+A listing's time follows the cluster's size, so its bound does too: the master's key count
+(``master_key_count`` on ``/metrics``, asked within the connect timeout, which still tells a
+master that hangs) times :data:`LISTING_S_PER_KEY`, on top of the connect timeout. A bound of
+the connect timeout alone (2 s) refused every listing of a cluster of 1,000,000 keys.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
 
 from kv_mooncake import block_meta
 from kv_mooncake.connect import http_get
 from kv_mooncake.store_keys import namespace_prefix
 
-__all__ = ["StoreListing"]
+__all__ = ["LISTING_S_PER_KEY", "StoreListing"]
 
 log = logging.getLogger("kvcore.mooncake")
 
 #: companions read per call when naming digest keys (one copy-buffer's worth at most)
 _READ_CHUNK = 512
+#: seconds a listing may take per key of the cluster, past the connect timeout: the master
+#: lists ~0.85 ms per 1,000 keys and this side parses them as fast (measured here), and a busy
+#: machine may be ten times slower (1,000,000 keys: 40 s)
+LISTING_S_PER_KEY = 40e-6
+_KEY_COUNT = re.compile(rb"^master_key_count\s+([0-9.eE+]+)\s*$", re.MULTILINE)
 
 
 class StoreListing:
@@ -54,10 +65,19 @@ class StoreListing:
         self._digest_names: dict[str, str] = {}  # digest key -> the name its companion gives
         self.unnamed = 0  # digest keys of the last listing that nothing could name
 
+    def bound_s(self) -> float:
+        """How long the next listing may take: the connect timeout, plus the cluster's key
+        count (asked within the connect timeout) times :data:`LISTING_S_PER_KEY` (an OSError
+        or ValueError when the master does not answer)."""
+        metrics = self.url.rsplit("/", 1)[0] + "/metrics"
+        found = _KEY_COUNT.search(http_get(metrics, self._timeout_s))
+        keys = float(found.group(1)) if found else 0.0
+        return self._timeout_s + LISTING_S_PER_KEY * keys
+
     def keys(self) -> list[str]:
         """Every key of the namespace the master lists now, companions excluded (an OSError
         or ValueError when the master does not answer)."""
-        body = http_get(self.url, self._timeout_s).decode("utf-8", "surrogateescape")
+        body = http_get(self.url, self.bound_s()).decode("utf-8", "surrogateescape")
         prefix = self._prefix
         return [
             key for key in body.split("\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
 from kv_mooncake.testing import MooncakeCluster
 
 import kvcore
@@ -236,3 +237,42 @@ def test_a_watch_started_while_the_master_hangs_reports_what_peers_stored(
         other.close()
         h.release()
         o.release()
+
+
+def test_a_listings_bound_follows_the_clusters_size_not_the_connect_timeout(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """Issue 62 #3: every listing was bounded by ``connect_timeout_s`` (2 s), so a cluster of
+    1,000,000 keys (another namespace's) could never be listed and no peer's block was
+    reported. The bound is now the connect timeout plus the master's key count times
+    LISTING_S_PER_KEY (benchmarks/bench_mooncake_listing.py lists 1,000,000 keys)."""
+    from kv_mooncake.listing import LISTING_S_PER_KEY
+
+    cluster = mooncake_cluster_factory(storage_bytes=64 << 20)
+    layout = small_layout()
+    config = cluster.config(watch_interval_s=0.2, connect_timeout_s=0.5)
+    mine = kvcore.open_backend("mooncake", config, context={"layout": layout, "namespace": "me"})
+    other = kvcore.open_backend(
+        "mooncake", config, context={"layout": layout, "namespace": "crowd"}
+    )
+    try:
+        client = other.plugin._store
+        for lo in range(0, 20_000, 1000):  # another namespace's keys, tiny values
+            keys = [f"crowd/{i}" for i in range(lo, lo + 1000)]
+            assert client.put_batch(keys, [b"v" * 16] * len(keys)) == 0
+        listing = mine.plugin._listing
+        assert listing.bound_s() >= 0.5 + 20_000 * LISTING_S_PER_KEY
+        h = Harness(mine, layout)
+        seq = h.new_sequence(2)
+        assert h.write(seq) == 2
+        assert set(_names(h, seq)) <= set(mine.names())  # found among 20,000 others
+        cluster.master.pause()
+        try:  # a master that hangs is still told within the connect timeout
+            with pytest.raises(OSError):
+                listing.bound_s()
+        finally:
+            cluster.master.resume()
+        h.release()
+    finally:
+        mine.close()
+        other.close()
