@@ -203,6 +203,31 @@ PyObject* batch_results(PyObject* o, PyObject*) {
   return Py_BuildValue("NNLi", codes, err_nos, static_cast<long long>(direct_reads), refused);
 }
 
+PyObject* batch_tails(PyObject* o, PyObject*) {
+  auto* self = reinterpret_cast<BatchObject*>(o);
+  if (self->running != 0) {
+    PyErr_SetString(PyExc_RuntimeError, "tails() while run() is still working");
+    return nullptr;
+  }
+  PyObject* tails =
+      PyBytes_FromStringAndSize(nullptr, self->n * static_cast<Py_ssize_t>(sizeof(uint64_t)));
+  if (tails == nullptr) return nullptr;
+  kvc_batch_tails(self->batch, reinterpret_cast<uint64_t*>(PyBytes_AS_STRING(tails)));
+  return tails;
+}
+
+PyObject* batch_digests(PyObject* o, PyObject*) {
+  auto* self = reinterpret_cast<BatchObject*>(o);
+  if (self->running != 0) {
+    PyErr_SetString(PyExc_RuntimeError, "digests() while run() is still working");
+    return nullptr;
+  }
+  PyObject* digests = PyBytes_FromStringAndSize(nullptr, self->n * 16);
+  if (digests == nullptr) return nullptr;
+  kvc_batch_digests(self->batch, reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(digests)));
+  return digests;
+}
+
 PyMethodDef kBatchMethods[] = {
     {"run", batch_run, METH_NOARGS,
      "run() -> None: take objects until none is left (the GIL released); call it from as many "
@@ -210,6 +235,11 @@ PyMethodDef kBatchMethods[] = {
     {"results", batch_results, METH_NOARGS,
      "results() -> (codes, errnos, direct_reads, refused_errno): codes and errnos as int32 "
      "bytes, one per object, once every run() returned."},
+    {"digests", batch_digests, METH_NOARGS,
+     "digests() -> bytes: digest batches: 16 bytes per object, once every run() returned."},
+    {"tails", batch_tails, METH_NOARGS,
+     "tails() -> bytes: reads: each object's last 8 head bytes (uint64, 0 unless read whole "
+     "and verified), once every run() returned."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyTypeObject kBatchType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -250,17 +280,18 @@ bool encode_paths(PyObject* seq, Py_ssize_t n, PyObject* out, Py_ssize_t at, con
 }
 
 PyObject* py_batch(PyObject*, PyObject* args) {
-  int kind, direct, sync;
+  int kind, direct, sync, stamp_groups = 0;
   PyObject *o_paths, *o_temps, *o_heads, *o_head_offsets, *o_head_lens, *o_prefixes, *o_iov,
       *o_iov_starts, *o_group_starts, *o_mask;
   long long digest_offset;
   double deadline;
-  if (!PyArg_ParseTuple(args, "iOOOOOOOOOdLOpp", &kind, &o_paths, &o_temps, &o_heads,
+  if (!PyArg_ParseTuple(args, "iOOOOOOOOOdLOpp|p", &kind, &o_paths, &o_temps, &o_heads,
                         &o_head_offsets, &o_head_lens, &o_prefixes, &o_iov, &o_iov_starts,
-                        &o_group_starts, &deadline, &digest_offset, &o_mask, &direct, &sync))
+                        &o_group_starts, &deadline, &digest_offset, &o_mask, &direct, &sync,
+                        &stamp_groups))
     return nullptr;
-  if (kind != KVC_BATCH_READ && kind != KVC_BATCH_WRITE) {
-    PyErr_SetString(PyExc_ValueError, "kind must be BATCH_READ or BATCH_WRITE");
+  if (kind != KVC_BATCH_READ && kind != KVC_BATCH_WRITE && kind != KVC_BATCH_DIGEST) {
+    PyErr_SetString(PyExc_ValueError, "kind must be BATCH_READ, BATCH_WRITE or BATCH_DIGEST");
     return nullptr;
   }
   const Py_ssize_t n = PyObject_Length(o_paths);
@@ -376,7 +407,7 @@ PyObject* py_batch(PyObject*, PyObject* args) {
       deadline >= 9.2e9 ? INT64_MAX : static_cast<int64_t>(deadline * 1e9);
   self->batch = kvc_batch_new(kind, jobs.data(), n, group_starts, deadline_ns, digest_offset,
                               mask != nullptr ? static_cast<const uint8_t*>(mask->buf) : nullptr,
-                              mask != nullptr ? mask->len : 0, direct, sync);
+                              mask != nullptr ? mask->len : 0, direct, sync, stamp_groups);
   if (self->batch == nullptr) {
     Py_DECREF(out);
     return PyErr_NoMemory();
@@ -395,7 +426,7 @@ PyMethodDef kMethods[] = {
      "The GIL is released for the call. See kvcore.fileio."},
     {"batch", py_batch, METH_VARARGS,
      "batch(kind, paths, temps, heads, head_offsets, head_lens, prefixes, iov, iov_starts, "
-     "group_starts, deadline, digest_offset, mask, direct, sync) -> Batch\n\n"
+     "group_starts, deadline, digest_offset, mask, direct, sync[, stamp_groups]) -> Batch\n\n"
      "Many objects' reads or writes, run by Batch.run() from any number of threads. See "
      "kvcore.fileio."},
     {nullptr, nullptr, 0, nullptr}};
@@ -426,7 +457,8 @@ PyMODINIT_FUNC PyInit__fileio(void) {
       PyModule_AddIntConstant(module, "SKIPPED", KVC_BATCH_SKIPPED) != 0 ||
       PyModule_AddIntConstant(module, "MISMATCH", KVC_BATCH_MISMATCH) != 0 ||
       PyModule_AddIntConstant(module, "BATCH_READ", KVC_BATCH_READ) != 0 ||
-      PyModule_AddIntConstant(module, "BATCH_WRITE", KVC_BATCH_WRITE) != 0) {
+      PyModule_AddIntConstant(module, "BATCH_WRITE", KVC_BATCH_WRITE) != 0 ||
+      PyModule_AddIntConstant(module, "BATCH_DIGEST", KVC_BATCH_DIGEST) != 0) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -296,6 +296,80 @@ int write_hashing(int fd, int64_t offset, const struct iovec* pieces, int npiece
 
 extern "C" int kvc_file_ops_have_digest(void) { return KVC_HAVE_XXH3; }
 
+extern "C" int kvc_write_payload(const char* temp, int64_t head_len, const void* prefix,
+                                 int64_t prefix_len, const struct iovec* pieces, int npieces,
+                                 uint8_t digest[16], int* fd_out) {
+  *fd_out = -1;
+#if KVC_HAVE_XXH3
+  const int fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return errno;
+  int64_t payload_len = 0;
+  for (int i = 0; i < npieces; ++i) payload_len += static_cast<int64_t>(pieces[i].iov_len);
+  PayloadDigest hashed(prefix, prefix_len, payload_len);
+  const int err = write_hashing(fd, head_len, pieces, npieces, hashed);
+  if (err != 0) {
+    close(fd);
+    unlink(temp);
+    return err;
+  }
+  hashed.finish(digest);
+  *fd_out = fd;
+  return 0;
+#else
+  (void)temp;
+  (void)head_len;
+  (void)prefix;
+  (void)prefix_len;
+  (void)pieces;
+  (void)npieces;
+  (void)digest;
+  return ENOSYS;
+#endif
+}
+
+extern "C" int kvc_finish_write(int fd, const char* temp, const char* path, const void* head,
+                                int64_t head_len, int sync) {
+  std::vector<struct iovec> iov{{const_cast<void*>(head), static_cast<size_t>(head_len)}};
+  int err = writev_all(fd, iov, 0);
+  if (err == 0 && sync && fdatasync(fd) != 0) err = errno;
+  if (close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && rename(temp, path) != 0) err = errno;
+  if (err != 0) unlink(temp);
+  return err;
+}
+
+extern "C" void kvc_abandon_write(int fd, const char* temp) {
+  close(fd);
+  unlink(temp);
+}
+
+extern "C" uint64_t kvc_stamp(const void* data, size_t len) {
+#if KVC_HAVE_XXH3
+  return XXH3_64bits(data, len);
+#else
+  (void)data;
+  (void)len;
+  return 0;
+#endif
+}
+
+extern "C" int kvc_digest_pieces(const void* prefix, int64_t prefix_len,
+                                 const struct iovec* pieces, int npieces, uint8_t out[16]) {
+#if KVC_HAVE_XXH3
+  int64_t payload_len = 0;
+  for (int i = 0; i < npieces; ++i) payload_len += static_cast<int64_t>(pieces[i].iov_len);
+  digest_payload(prefix, prefix_len, pieces, npieces, payload_len, out);
+  return 0;
+#else
+  (void)prefix;
+  (void)prefix_len;
+  (void)pieces;
+  (void)npieces;
+  (void)out;
+  return ENOSYS;
+#endif
+}
+
 extern "C" const char* kvc_file_ops_digest_kernel(void) {
 #if KVC_HAVE_XXH3
   return kernel.name;

@@ -92,7 +92,9 @@ enum {
   // under the mask, or its digest does not match): the caller's own code looks at it
   KVC_BATCH_MISMATCH = 7
 };
-enum { KVC_BATCH_READ = 0, KVC_BATCH_WRITE = 1 };
+// KVC_BATCH_DIGEST: no file; each object's digest of its prefix and pieces, as reads and writes
+// compute it (kvc_digest_pieces), for kvc_batch_digests.
+enum { KVC_BATCH_READ = 0, KVC_BATCH_WRITE = 1, KVC_BATCH_DIGEST = 2 };
 
 typedef struct kvc_file_batch kvc_file_batch;
 
@@ -103,12 +105,17 @@ typedef struct kvc_file_batch kvc_file_batch;
 // check, writes fill the digest at head[digest_offset .. +16] (needs
 // kvc_file_ops_have_digest()). Reads: byte i < head_used of the file's head must equal the
 // job's head[i] unless i < mask_len and mask[i] == 0; `direct` as in kvc_read_file (refused
-// once, the batch reads the rest buffered). Writes: `sync` as in kvc_write_file. NULL when
-// memory is short.
+// once, the batch reads the rest buffered). Writes: `sync` as in kvc_write_file;
+// `stamp_groups` (with a digest_offset and group_starts): each group's objects are written
+// together, the last 8 bytes of each head its group's write stamp (kvc_stamp of the group's
+// digests in order, little-endian): every payload is written and hashed first
+// (kvc_write_payload), and whoever finishes a group's last one finishes them all
+// (kvc_finish_write); an object of a group where one failed or was not started is abandoned
+// (ECANCELED). NULL when memory is short.
 kvc_file_batch* kvc_batch_new(int kind, const struct kvc_file_job* jobs, int64_t n,
                               const int64_t* group_starts,
                               int64_t deadline_ns, int64_t digest_offset, const uint8_t* mask,
-                              int64_t mask_len, int direct, int sync);
+                              int64_t mask_len, int direct, int sync, int stamp_groups);
 // Take objects until none is left (call it from as many threads as should work at once).
 void kvc_batch_run(kvc_file_batch* batch);
 // After every kvc_batch_run returned: each object's code and errno (n each), and how many
@@ -116,6 +123,29 @@ void kvc_batch_run(kvc_file_batch* batch);
 // cachestat(2) was refused (0: never).
 void kvc_batch_results(const kvc_file_batch* batch, int32_t* codes, int32_t* err_nos,
                        int64_t* direct_reads, int* refused_errno);
+// A write in two steps, for objects whose heads need something of their siblings (a block's
+// write stamp, made of every part's digest): kvc_write_payload creates `temp` (0600,
+// exclusively) and writes the payload at `head_len`, hashing it as it goes (the digest
+// kvc_read_file computes, into `digest`), and leaves it open (*fd_out); kvc_finish_write
+// writes `head` at the start, fdatasyncs when `sync`, closes and renames `temp` over `path`;
+// kvc_abandon_write closes and removes it. 0 or errno; on an error, `temp` is gone.
+int kvc_write_payload(const char* temp, int64_t head_len, const void* prefix, int64_t prefix_len,
+                      const struct iovec* pieces, int npieces, uint8_t digest[16], int* fd_out);
+int kvc_finish_write(int fd, const char* temp, const char* path, const void* head,
+                     int64_t head_len, int sync);
+void kvc_abandon_write(int fd, const char* temp);
+// XXH3-64 of `data` (0 when built without xxhash.h): a block's write stamp, of its parts'
+// digests in order.
+uint64_t kvc_stamp(const void* data, size_t len);
+// The digest kvc_read_file computes (xxh3-128 of prefix, payload length, payload) of the
+// payload `pieces` in memory, into out. 0, or ENOSYS when built without xxhash.h.
+int kvc_digest_pieces(const void* prefix, int64_t prefix_len, const struct iovec* pieces,
+                      int npieces, uint8_t out[16]);
+// After every kvc_batch_run of a KVC_BATCH_DIGEST batch returned: 16 bytes per object.
+void kvc_batch_digests(const kvc_file_batch* batch, uint8_t* digests);
+// After every kvc_batch_run returned, reads: the last 8 bytes of each object's head as read
+// (n items; 0 for an object not read whole and verified). A caller keeps a small stamp there.
+void kvc_batch_tails(const kvc_file_batch* batch, uint64_t* tails);
 void kvc_batch_free(kvc_file_batch* batch);
 
 #ifdef __cplusplus

@@ -50,6 +50,7 @@ __all__ = [
     "FileRead",
     "NativeIOMissing",
     "describe",
+    "digest_batch",
     "enabled",
     "read_batch",
     "read_file",
@@ -117,7 +118,7 @@ def describe() -> str:
     return "file I/O: native, checksums in Python (kvcore was built without xxhash.h)"
 
 
-_BATCH_READ, _BATCH_WRITE = 0, 1  # the extension's batch kinds (csrc/file_ops.h)
+_BATCH_READ, _BATCH_WRITE, _BATCH_DIGEST = 0, 1, 2  # the extension's batch kinds (file_ops.h)
 
 
 class FileRead(enum.IntEnum):
@@ -225,6 +226,24 @@ class FileBatch:
             refused,
         )
 
+    def digests(self) -> list[bytes]:
+        """Digest batches (:func:`digest_batch`): each object's 16-byte digest. Once every
+        :meth:`run` returned.
+
+        .. versionadded:: 0.3
+        """
+        raw = self._batch.digests()
+        return [raw[at : at + 16] for at in range(0, len(raw), 16)]
+
+    def tails(self) -> npt.NDArray[np.uint64]:
+        """Reads: each object's last 8 head bytes as a little-endian uint64 (0 for an object
+        not read whole and verified), where a caller keeps a small stamp of its own (kv_file:
+        the write that made the object). Once every :meth:`run` returned.
+
+        .. versionadded:: 0.3
+        """
+        return np.frombuffer(self._batch.tails(), dtype="<u8")
+
 
 def _batch(
     kind: int,
@@ -242,6 +261,7 @@ def _batch(
     compare_mask: bytes | None = None,
     direct: bool = False,
     sync: bool = False,
+    stamp_groups: bool = False,
 ) -> FileBatch:
     """The native batch of :func:`read_batch` or :func:`write_batch`: the heads joined, every
     array as contiguous int64."""
@@ -257,6 +277,7 @@ def _batch(
         None if group_starts is None else int64s(group_starts),
         math.inf if deadline is None else deadline,
         -1 if digest_offset is None else digest_offset, compare_mask, direct, sync,
+        stamp_groups,
     )  # fmt: skip
     return FileBatch(batch, len(paths))
 
@@ -306,16 +327,52 @@ def write_batch(
     group_starts: npt.NDArray[np.int64] | None = None,
     deadline: float | None = None,
     sync: bool = False,
+    stamp_groups: bool = False,
 ) -> FileBatch:
     """A batch of whole-file writes, each as :func:`write_file`: ``heads[k]`` then zeros up
     to ``head_lens[k]`` bytes, then the object's pieces (rows ``piece_starts[k] ..
     piece_starts[k + 1]`` of ``pieces``), into ``temps[k]``, renamed over ``paths[k]``;
     ``digest_offset``: the digest put into the head first (needs :data:`NATIVE_DIGESTS`).
     An object's code is ``OK`` or ``ERRNO`` (its temp file then removed), or it was not
-    started."""
+    started.
+
+    ``stamp_groups`` (with ``digest_offset`` and ``group_starts``): a group's objects are
+    written together, and the last 8 bytes of each head are the group's write stamp: XXH3-64
+    of the group's digests in order, little-endian. Each payload is written and hashed in one
+    pass; the object that completes a group writes its heads and renames its files. In a
+    group where one object failed or was not started, the others are abandoned (``ERRNO``,
+    ``ECANCELED``): none of them is renamed.
+
+    .. versionchanged:: 0.3 ``stamp_groups``
+    """
     if digest_offset is not None and not NATIVE_DIGESTS:
         raise ValueError("digests in a write batch need kvcore built with xxhash.h")
+    if stamp_groups and (digest_offset is None or group_starts is None):
+        raise ValueError("stamp_groups needs digest_offset and group_starts")
     return _batch(
         _BATCH_WRITE, paths, temps, heads, head_lens, pieces, piece_starts,
         digest_prefixes, digest_offset, group_starts, deadline, sync=sync,
+        stamp_groups=stamp_groups,
+    )  # fmt: skip
+
+
+def digest_batch(
+    pieces: npt.NDArray[np.int64],
+    piece_starts: npt.NDArray[np.int64],
+    *,
+    digest_prefixes: Sequence[bytes],
+) -> FileBatch:
+    """A batch computing, for object ``k`` (its pieces: rows ``piece_starts[k] ..
+    piece_starts[k + 1]`` of ``pieces``), the digest :func:`read_file` computes with
+    ``digest_prefixes[k]``, from memory, on every thread that calls :meth:`FileBatch.run`;
+    :meth:`FileBatch.digests` has them. Needs :data:`NATIVE_DIGESTS`.
+
+    .. versionadded:: 0.3
+    """
+    if not NATIVE_DIGESTS:
+        raise ValueError("a digest batch needs kvcore built with xxhash.h")
+    n = len(digest_prefixes)
+    return _batch(
+        _BATCH_DIGEST, [""] * n, None, [b""] * n, np.zeros(n, dtype=np.int64), pieces,
+        piece_starts, digest_prefixes, None, None, None,
     )  # fmt: skip

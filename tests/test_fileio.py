@@ -368,6 +368,65 @@ def test_a_write_batch_reports_each_failure_and_stops_later_groups(tmp_path):
     assert not any(os.path.exists(t) for t in temps)
 
 
+@needs_digests
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_stamped_write_batch_writes_each_group_whole_under_one_stamp(tmp_path, threads):
+    """``stamp_groups``: every object of a group carries XXH3-64 of the group's digests in
+    order in its head's last 8 bytes; in a group where one object failed, none is renamed
+    (ECANCELED), and the later groups are not started."""
+    n, head_len = 9, PAGE
+    payloads = [bytearray(os.urandom(300_000 + 4096 * k)) for k in range(n)]  # > one window
+    names = [f"obj-{k}".encode() for k in range(n)]
+    heads = [b"HEAD" + bytes(16) + name for name in names]
+    paths = [str(tmp_path / f"{k}.kv") for k in range(n)]
+    paths[4] = str(tmp_path / "missing" / "4.kv")  # its rename fails: group (3, 4, 5)
+    _, rows = _rows(payloads)
+    groups = np.array([0, 0, 0, 3, 3, 3, 6, 6, 6])
+    batch = fileio.write_batch(
+        [str(tmp_path / f"{k}.tmp") for k in range(n)], paths, heads,
+        np.full(n, head_len, dtype=np.int64), rows, np.arange(n + 1, dtype=np.int64),
+        digest_prefixes=names, digest_offset=4, group_starts=groups, stamp_groups=True,
+    )  # fmt: skip
+    codes, errnos, _, _ = _run(batch, threads)
+    assert codes.tolist()[:3] == [FileRead.OK] * 3
+    # the group of the failed rename: renamed in order up to it, the rest abandoned
+    assert codes.tolist()[3:6] == [FileRead.OK, FileRead.ERRNO, FileRead.ERRNO]
+    assert errnos.tolist()[4:6] == [2, 125]  # ENOENT, ECANCELED
+    assert not os.path.exists(paths[5])
+    if threads == 1:  # with more, a later group may have been written before the failure
+        assert codes.tolist()[6:] == [FileRead.SKIPPED] * 3
+    digests = []
+    for k in range(3):
+        with open(paths[k], "rb") as f:
+            data = f.read()
+        digests.append(_expected_digest(names[k], bytes(payloads[k])))
+        assert data[:4] == b"HEAD" and data[4:20] == digests[k]
+        assert data[head_len:] == payloads[k]
+    stamp = struct.pack("<Q", xxhash.xxh3_64_intdigest(b"".join(digests)))
+    for k in range(3):
+        with open(paths[k], "rb") as f:
+            assert f.read(head_len)[-8:] == stamp
+    assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path))
+
+
+@needs_digests
+def test_a_stamped_group_with_a_failed_payload_renames_none_of_its_objects(tmp_path):
+    payloads = [bytearray(os.urandom(5000)) for _ in range(3)]
+    _, rows = _rows(payloads)
+    paths = [str(tmp_path / f"{k}") for k in range(3)]
+    temps = [str(tmp_path / "t0"), str(tmp_path / "no-dir" / "t1"), str(tmp_path / "t2")]
+    batch = fileio.write_batch(
+        temps, paths, [b"h"] * 3, np.full(3, PAGE, dtype=np.int64), rows,
+        np.arange(4, dtype=np.int64), digest_prefixes=[b"a", b"b", b"c"], digest_offset=8,
+        group_starts=np.array([0, 0, 0]), stamp_groups=True,
+    )  # fmt: skip
+    codes, errnos, _, _ = _run(batch, threads=1)
+    # one thread, in order: the first written, the second failed, the third not started
+    assert codes.tolist() == [FileRead.ERRNO, FileRead.ERRNO, FileRead.SKIPPED]
+    assert errnos.tolist() == [125, 2, 0]  # ECANCELED, ENOENT (its temp)
+    assert os.listdir(tmp_path) == [], "a part of a failed group was left"
+
+
 def test_a_batch_refuses_bad_arguments_naming_them(tmp_path):
 
     rows = np.zeros((1, 2), dtype=np.int64)

@@ -4,20 +4,31 @@ namespace, every rank's, and no other."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kvcore.backend import Backend
 from kvcore.testing.harness import Harness, Sequence_, blocks_equal
-from kvcore.testing.kit.fixtures import KitFixtures, _rank_layout, _require_hook, _sees
+from kvcore.testing.kit.fixtures import (
+    KitFixtures,
+    _rank_layout,
+    _require_hook,
+    _sees,
+    harness_opener,
+)
 from kvcore.testing.kit.marks import DATA_HOOKS, exercises, requires
 
-__all__ = ["RemovalTests"]
+__all__ = ["RemovalTests", "race_rewrites"]
 
 
 class RemovalTests(KitFixtures):
     """Remove and clear drop what they are asked to, and nothing else."""
+
+    #: blocks :meth:`test_a_block_rewritten_while_it_is_read_is_read_as_one_write` checks (a
+    #: backend's own tests may ask for more)
+    rewrite_race_blocks = 2_000
 
     # -- removing data ---------------------------------------------------------------------
 
@@ -77,6 +88,40 @@ class RemovalTests(KitFixtures):
             )
             assert own.read(seq)[0] == 0
 
+    @exercises("kvcore_remove", "kvcore_write", "kvcore_read")
+    def test_a_block_rewritten_while_it_is_read_is_read_as_one_write(
+        self,
+        backend_target: str | type,
+        backend_config: dict[str, Any],
+        backend_context: dict[str, Any],
+    ) -> None:
+        """Blocks removed and written again with other bytes, over and over, while another
+        thread reads them: every block a read counts holds one write's bytes in every part.
+        A block of K from one write and V from another verifies part by part, but no engine
+        computed it (a wrong token).
+
+        Opened as every caller opens it (``verify_blocks="auto"``): a backend that keeps no
+        checksums gets kvcore's block digests, which catch such a block; one that keeps its
+        own must catch it itself. Bounded by work: reads until :attr:`rewrite_race_blocks`
+        blocks came back (or 50 reads per block asked, for a store that loses every race),
+        whatever the machine's speed.
+
+        .. versionadded:: 0.3
+        """
+        with harness_opener(
+            backend_target, backend_config, backend_context, verify_blocks="auto"
+        ) as open_:
+            harness = open_()
+            backend, seq = _stored_for_removal(harness, _RACE_BLOCKS)
+            checked, mixed, rewrites = race_rewrites(
+                harness, backend, seq, self.rewrite_race_blocks
+            )
+        assert mixed == [], (
+            f"{len(mixed)} of {checked} blocks read came back as parts of two writes (or other "
+            f"bytes): {mixed[:5]}"
+        )
+        assert rewrites >= 2, "the test never raced: the blocks were rewritten less than twice"
+
     @exercises("kvcore_clear", *DATA_HOOKS)
     def test_clear_empties_the_namespace_for_every_rank_and_no_other(
         self, open_harness: Callable[..., Harness]
@@ -119,6 +164,59 @@ class RemovalTests(KitFixtures):
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+#: blocks the rewrite race reads at once
+_RACE_BLOCKS = 8
+
+
+def race_rewrites(
+    harness: Harness, backend: Backend, seq: Sequence_, wanted: int
+) -> tuple[int, list[str], int]:
+    """Read ``seq`` (stored, version 0) while a thread removes it and writes it again as
+    version 1, 0, 1, ...: until ``wanted`` blocks came back and two rewrites were done (at
+    most ``50 * wanted`` reads).
+    Returns the blocks read, those whose parts are not all one version's, and the rewrites.
+    For a backend's own tests of the race at a larger scale.
+
+    .. versionadded:: 0.3
+    """
+    n = len(seq.keys)
+    payloads = [harness.payload(seq, 0, n, v) for v in (0, 1)]
+    stop = threading.Event()
+    rewrites: list[int] = []
+    failed: list[BaseException] = []
+
+    def rewrite() -> None:
+        version = 0
+        try:
+            while not stop.is_set():
+                version ^= 1
+                backend.remove(harness.request(seq))
+                harness.write(seq, version=version)
+                rewrites.append(version)
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            failed.append(exc)
+
+    checked = reads = 0
+    mixed: list[str] = []
+    rewriter = threading.Thread(target=rewrite, name="kit-rewriter", daemon=True)
+    rewriter.start()
+    try:
+        # enough blocks, and the blocks rewritten twice at least (a slow store's rewrites)
+        while (checked < wanted or len(rewrites) < 2) and reads < 50 * wanted and not failed:
+            reads += 1
+            done, got = harness.read(seq)
+            for i in range(int(done)):
+                if not any(got[i] == p[i] for p in payloads):
+                    same = [[a == b for a, b in zip(got[i], p[i], strict=True)] for p in payloads]
+                    mixed.append(f"block {i} of read {reads} (parts equal to v0, v1: {same})")
+            checked += int(done)
+    finally:
+        stop.set()
+        rewriter.join(60)
+    assert not failed, f"the rewriting thread failed: {failed[0]!r}"
+    assert not rewriter.is_alive(), "a remove or write hung"
+    return checked, mixed, len(rewrites)
 
 
 def _stored_for_removal(harness: Harness, n: int) -> tuple[Backend, Sequence_]:

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kv_file import objio
-from kv_file.objfile import DIGEST_AT, HEAD_COMPARE_MASK, head_fields, header_size
+from kv_file.objfile import DIGEST_AT, HEAD_COMPARE_MASK, head_fields, header_size, header_template
 from kvcore import fileio
 
 __all__ = ["Rows", "enabled", "read_objects", "write_objects"]
@@ -69,7 +69,8 @@ def read_objects(
     """A batch reading object ``k`` (``names[k]``, ``lengths[k]`` payload bytes) from
     ``paths[k]`` into its pieces, verified as :func:`~kv_file.objio.read_object` verifies:
     the header's magic, version, name and length, and the checksum. ``blocks[k]``: its
-    block (a failure stops the later blocks)."""
+    block (a failure stops the later blocks). The objects' write stamps: the batch's
+    :meth:`~kvcore.fileio.FileBatch.tails`."""
     use_direct = direct is not None and direct.enabled
     return fileio.read_batch(
         paths,
@@ -92,6 +93,7 @@ def write_objects(
     names: Sequence[bytes],
     lengths: Sequence[int],
     metas: Sequence[bytes | None],
+    stamped: tuple[Sequence[bytes], Sequence[int]] | None,
     pieces: Rows,
     blocks: npt.NDArray[np.int64],
     *,
@@ -99,18 +101,33 @@ def write_objects(
     sync: bool,
 ) -> fileio.FileBatch:
     """A batch writing object ``k`` as :func:`~kv_file.objio.write_object` does: header
-    (with ``metas[k]`` when it fits), name, checksum and payload into ``temps[k]``, synced
-    when asked, renamed over ``paths[k]``."""
+    (with ``metas[k]`` when it fits), name and payload into ``temps[k]``, synced when asked,
+    renamed over ``paths[k]``; in the header, its checksum and its block's write stamp
+    (:mod:`kv_file.stamps`).
+
+    ``stamped``: each object's checksum and stamp, computed already; None: the batch computes
+    them, each block's objects written together (every object of a block must be in the
+    batch: the stamp covers them all)."""
+    if stamped is None:
+        heads = [head_fields(n, size, m) for n, size, m in zip(names, lengths, metas, strict=True)]
+    else:
+        heads = []
+        checksums, stamps = stamped
+        for n, size, m, digest, stamp in zip(names, lengths, metas, checksums, stamps, strict=True):
+            head = header_template(n, size, m, stamp)  # the whole page: its stamp at the end
+            head[DIGEST_AT : DIGEST_AT + 16] = digest
+            heads.append(bytes(head))
     return fileio.write_batch(
         temps,
         paths,
-        [head_fields(n, size, m) for n, size, m in zip(names, lengths, metas, strict=True)],
+        heads,
         np.fromiter((header_size(len(n)) for n in names), dtype=np.int64, count=len(names)),
         pieces.rows,
         pieces.starts,
         digest_prefixes=names,
-        digest_offset=DIGEST_AT,
+        digest_offset=DIGEST_AT if stamped is None else None,
         group_starts=group_starts(blocks),
         deadline=deadline,
         sync=sync,
+        stamp_groups=stamped is None,
     )

@@ -10,7 +10,13 @@
     checksum 16s  xxh3_128 over name, length (little-endian u64) and payload
     meta_len u32  bytes of metadata (0: none)
     (the name; with metadata, its u64 xxh3_64 over name and metadata, then the metadata; zeros
-    up to a 4 KiB boundary, then the payload)
+    up to 8 bytes short of a 4 KiB boundary; the write's stamp, u64; then the payload)
+
+The **write stamp** (the header page's last 8 bytes) is the same in every part of a block
+written together: :func:`block_stamp` of the parts' checksums (see :mod:`kv_file.stamps`,
+which makes and compares them). An object from before stamps has zeros there, or the last
+bytes of its metadata (the same for every part of a block): the parts of such a block agree
+with each other as before.
 
 A block's metadata (``BlockRequest.block_meta``: what an engine's events say of the block)
 lives in the header's page, in what was padding before it existed: an object's size is
@@ -45,12 +51,14 @@ __all__ = [
     "MAX_NAME_BYTES",
     "VERSION",
     "Header",
+    "block_stamp",
     "checksum",
     "head_fields",
     "header_size",
     "header_template",
     "meta_fits",
     "pack_header",
+    "stamp_of",
 ]
 
 MAGIC = b"KVCF"
@@ -61,6 +69,8 @@ DIGEST_AT = 20
 #: the flag of an object that carries its block's metadata
 FLAG_META = 1
 _META_DIGEST = struct.Struct("<Q")
+#: the write stamp, at the end of the header page(s)
+_STAMP = struct.Struct("<Q")
 #: Names longer than this are refused (a write miss), so a header never needs a large read.
 MAX_NAME_BYTES = 1 << 16
 PAGE = 4096
@@ -94,10 +104,26 @@ def checksum(name: bytes, payload: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
+def block_stamp(checksums: Sequence[bytes]) -> int:
+    """The write stamp of a block whose parts (in part order) have these checksums."""
+    return xxhash.xxh3_64_intdigest(b"".join(checksums))
+
+
 def meta_fits(name_len: int, meta_len: int) -> bool:
     """Whether ``meta_len`` bytes of metadata fit in the header's page(s) beside a name of
-    ``name_len`` bytes (the object's size does not depend on its metadata)."""
-    return HEADER.size + name_len + _META_DIGEST.size + meta_len <= header_size(name_len)
+    ``name_len`` bytes and the write stamp (the object's size does not depend on its
+    metadata)."""
+    return _meta_ends_by(name_len, meta_len, header_size(name_len) - _STAMP.size)
+
+
+def _meta_ends_by(name_len: int, meta_len: int, end: int) -> bool:
+    return HEADER.size + name_len + _META_DIGEST.size + meta_len <= end
+
+
+def stamp_of(head: bytes | bytearray | memoryview) -> int:
+    """The write stamp in ``head``, an object's header page(s) whole (see the module
+    docstring)."""
+    return int(_STAMP.unpack_from(head, len(head) - _STAMP.size)[0])
 
 
 def _meta_digest(name: bytes, meta: bytes) -> bytes:
@@ -123,21 +149,29 @@ def head_fields(name: bytes, length: int, meta: bytes | None = None) -> bytes:
     return b"".join((fixed, name, _meta_digest(name, meta), meta))
 
 
-def header_template(name: bytes, length: int, meta: bytes | None = None) -> bytearray:
-    """:func:`head_fields` and the padding up to the payload: the header page(s) as written."""
+def header_template(
+    name: bytes, length: int, meta: bytes | None = None, stamp: int = 0
+) -> bytearray:
+    """:func:`head_fields`, the padding and the write stamp up to the payload: the header
+    page(s) as written."""
     head = bytearray(header_size(len(name)))
     fields = head_fields(name, length, meta)
     head[: len(fields)] = fields
+    _STAMP.pack_into(head, len(head) - _STAMP.size, stamp)
     return head
 
 
 def pack_header(
-    name: bytes, payload: Sequence[memoryview | bytes], meta: bytes | None = None
+    name: bytes,
+    payload: Sequence[memoryview | bytes],
+    meta: bytes | None = None,
+    stamp: int = 0,
+    digest: bytes | None = None,
 ) -> bytes:
-    """Header, name, metadata and padding, ready to be written in front of ``payload``'s
-    pieces."""
-    head = header_template(name, sum(len(piece) for piece in payload), meta)
-    head[DIGEST_AT : DIGEST_AT + 16] = checksum(name, payload)
+    """Header, name, metadata, padding and stamp, ready to be written in front of
+    ``payload``'s pieces. ``digest``: the payload's :func:`checksum`, when known already."""
+    head = header_template(name, sum(len(piece) for piece in payload), meta, stamp)
+    head[DIGEST_AT : DIGEST_AT + 16] = digest if digest is not None else checksum(name, payload)
     return bytes(head)
 
 
@@ -161,7 +195,8 @@ class Header:
         magic, version, flags, name_len, length, digest, meta_len = HEADER.unpack_from(raw)
         if magic != MAGIC or version != VERSION or name_len > MAX_NAME_BYTES:
             return None
-        if not flags & FLAG_META or not meta_fits(name_len, meta_len):
+        # metadata written before stamps could reach the page's end: still read
+        if not flags & FLAG_META or not _meta_ends_by(name_len, meta_len, header_size(name_len)):
             meta_len = 0
         return cls(name_len, length, digest, meta_len)
 

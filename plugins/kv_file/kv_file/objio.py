@@ -26,6 +26,7 @@ from kv_file.objfile import (
     header_size,
     header_template,
     pack_header,
+    stamp_of,
 )
 from kv_file.paths import discard, name_digest
 from kvcore import fileio
@@ -36,6 +37,7 @@ __all__ = [
     "read_meta",
     "read_name",
     "read_object",
+    "stamp_in_file",
     "write_object",
     "write_then_rename",
 ]
@@ -197,6 +199,7 @@ def read_object(
     expected_len: int | None = None,
     direct: DirectReads | None = None,
     native: bool = True,
+    stamp: list[int] | None = None,
 ) -> ReadOutcome:
     """Fill ``pieces`` with the object stored at ``path`` (the file of ``digest``) under
     ``name``, verified: the payload's bytes in order, split over the pieces (one staging
@@ -211,10 +214,11 @@ def read_object(
     With :data:`native_io`, all of this but the rare cases runs in one native call that
     holds no GIL (:func:`_read_native`); whatever that call does not settle is read again here.
     ``native=False``: straight to this code (a native batch already read the file and could
-    not settle it).
+    not settle it). ``stamp``: where the object's write stamp goes when it is read
+    (:func:`kv_file.objfile.stamp_of`; appended).
     """
     if native and native_io:
-        outcome = _read_native(path, name, pieces, direct)
+        outcome = _read_native(path, name, pieces, direct, stamp)
         if outcome is not None:
             return outcome
     try:
@@ -230,7 +234,7 @@ def read_object(
         if not stat.S_ISREG(st.st_mode):  # a directory or a FIFO
             return ReadOutcome.FOREIGN if discard(path, st) else ReadOutcome.MISSING
         want = sum(len(p) for p in pieces)
-        check = _Check(fd, path, st, name, want, digest, expected_len)
+        check = _Check(fd, path, st, name, want, digest, expected_len, stamp)
         hsize = header_size(len(name))
         total = hsize + want
         if st.st_size != total:
@@ -254,7 +258,11 @@ def read_object(
 
 
 def _read_native(
-    path: str, name: bytes, pieces: list[memoryview], direct: DirectReads | None
+    path: str,
+    name: bytes,
+    pieces: list[memoryview],
+    direct: DirectReads | None,
+    stamp: list[int] | None,
 ) -> ReadOutcome | None:
     """:func:`read_object` in one native call: OK or MISSING, or None for anything to look at
     again in Python (a file of another size or kind, a header or checksum that does not
@@ -280,7 +288,11 @@ def _read_native(
             return None
         if got is None:  # kvcore built without xxhash's header: hash here
             got = checksum(name, pieces)
-        return ReadOutcome.OK if got == header.digest else None
+        if got != header.digest:
+            return None
+        if stamp is not None:
+            stamp.append(stamp_of(head))
+        return ReadOutcome.OK
     if code == fileio.FileRead.MISSING:
         return ReadOutcome.MISSING
     if code == fileio.FileRead.ERRNO:
@@ -302,9 +314,11 @@ class _Check:
         want: int,
         digest: int,
         expected_len: int | None,
+        stamp: list[int] | None,
     ) -> None:
         self.fd, self.path, self.st, self.name = fd, path, st, name
         self.want, self.digest, self.expected_len = want, digest, expected_len
+        self.stamp = stamp
 
     def verify(self, head: memoryview, pieces: list[memoryview], complete: bool) -> ReadOutcome:
         header = Header.parse(head)
@@ -319,6 +333,8 @@ class _Check:
             return self.classify()
         if checksum(name, pieces) != header.digest:
             return self.remove(ReadOutcome.CORRUPT)
+        if self.stamp is not None:
+            self.stamp.append(stamp_of(head))
         return ReadOutcome.OK
 
     def classify(self) -> ReadOutcome:
@@ -418,10 +434,13 @@ def write_object(
     *,
     sync: bool,
     meta: bytes | None = None,
+    stamp: int = 0,
+    checksum: bytes | None = None,
 ) -> int:
     """Write the payload ``pieces`` (in order) under ``name`` to a temp file, sync it if
     asked, rename it to ``path``. ``meta``: the block's metadata, kept in the header when it
-    fits (:func:`kv_file.objfile.meta_fits`).
+    fits (:func:`kv_file.objfile.meta_fits`); ``stamp``: the block's write stamp (see
+    :mod:`kv_file.stamps`); ``checksum``: the payload's, when computed already.
 
     Readers see the old file or the new one, never a partial one. Returns the file's size.
     Raises OSError (the temp file is removed first).
@@ -430,16 +449,24 @@ def write_object(
         raise OSError(f"object name of {len(name)} bytes exceeds {MAX_NAME_BYTES}")
     if native_io and fileio.NATIVE_DIGESTS:  # one native call: digest, write, sync, rename
         length = sum(len(p) for p in pieces)
-        head = header_template(name, length, meta)
+        head = header_template(name, length, meta, stamp)
+        if checksum is not None:
+            head[DIGEST_AT : DIGEST_AT + 16] = checksum
         err = fileio.write_file(
-            temp, path, head, pieces, sync=sync, digest_offset=DIGEST_AT, digest_prefix=name
+            temp,
+            path,
+            head,
+            pieces,
+            sync=sync,
+            digest_offset=DIGEST_AT if checksum is None else None,
+            digest_prefix=name,
         )
         if err:
             raise OSError(err, os.strerror(err), temp)
         return len(head) + length
 
     def fill(fd: int) -> int:
-        header = pack_header(name, pieces, meta)
+        header = pack_header(name, pieces, meta, stamp, checksum)
         _writev_all(fd, [memoryview(header), *pieces])
         if sync:
             os.fdatasync(fd)
@@ -483,6 +510,26 @@ def read_meta(path: str, name: bytes) -> bytes | None:
         os.close(fd)
     header = Header.parse(head)
     return None if header is None else header.meta(head, name)
+
+
+def stamp_in_file(path: str) -> tuple[os.stat_result, int] | None:
+    """The object file at ``path`` (its ``fstat``) and its write stamp; None when there is
+    none, or it is not one of ours."""
+    try:
+        fd = os.open(path, _O_READ)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        header = Header.parse(os.pread(fd, HEADER.size, 0)) if stat.S_ISREG(st.st_mode) else None
+        if header is None:
+            return None
+        tail = os.pread(fd, 8, header.size - 8)
+        return (st, stamp_of(tail)) if len(tail) == 8 else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_name(path: str) -> bytes | None:

@@ -26,6 +26,7 @@ from kv_file.files import ObjectFiles, fsync_dir
 from kv_file.objfile import MAX_NAME_BYTES, encode_name, header_size
 from kv_file.objio import DirectReads, ReadOutcome, read_object, write_object
 from kv_file.paths import StoreDir, name_digest
+from kv_file.stamps import Stamps
 from kvcore import BlockRequest
 from kvcore.fileio import FileRead
 from kvcore.keys import NameRows
@@ -71,6 +72,7 @@ class Transfers:
         self._sync_dirs = sync_dirs
         self._io_threads = io_threads
         self._cpus = cpus
+        self._stamps = Stamps(store_dir, catalog, batches, self.digest)
 
     def read(self, request: BlockRequest) -> int:
         """Fill the request's host buffers from the objects' files, verified; the leading run
@@ -113,17 +115,22 @@ class Transfers:
 
         def read_one(k: int) -> str:
             _, _, name, raw, digest = self._locate(request, k)
-            return settle(k, name, raw, digest, self._read_object(request, k, raw, digest))
+            outcome = self._read_object(request, k, raw, digest, stamps)
+            return settle(k, name, raw, digest, outcome)
 
         nparts = len(request.parts)
         workers = self._read_workers(request)
+        stamps = [0] * (request.num_blocks * nparts)  # each object's write stamp, once read
         try:
             if objbatch.enabled():
-                outcomes, errors = self._read_batch(request, workers, settle, settle_hits)
+                outcomes, errors = self._read_batch(request, workers, stamps, settle, settle_hits)
             else:
                 outcomes, errors = self._batches.run(
                     request, read_one, host.nbytes, workers, "io_errors"
                 )
+            mixed = self._stamps.refuse_mixed(request, outcomes, stamps)
+            if mixed:
+                hits[:] = [(k, digest) for k, digest in hits if k // nparts not in mixed]
         finally:  # what the read learned, for every process: after the data, off its path
             # most recently used in the request's order, whichever thread read what first
             hits.sort()
@@ -135,13 +142,22 @@ class Transfers:
         return answer(outcomes, errors, nparts)
 
     def _read_object(
-        self, request: BlockRequest, k: int, raw: bytes, digest: int, *, native: bool = True
+        self,
+        request: BlockRequest,
+        k: int,
+        raw: bytes,
+        digest: int,
+        stamps: list[int],
+        *,
+        native: bool = True,
     ) -> ReadOutcome:
-        """Object ``k`` of a read, by :func:`read_object` (raises OSError)."""
+        """Object ``k`` of a read, by :func:`read_object` (raises OSError); its write stamp
+        into ``stamps[k]``."""
         i, j = divmod(k, len(request.parts))
         host = request.host
         assert host is not None
-        return read_object(
+        stamp: list[int] = []
+        outcome = read_object(
             self._dir.object_path(digest),
             raw,
             host.views(i, j),
@@ -149,19 +165,24 @@ class Transfers:
             expected_len=self._payload_bytes(request.parts[j]),
             direct=self._direct,
             native=native,
+            stamp=stamp,
         )
+        if stamp:
+            stamps[k] = stamp[0]
+        return outcome
 
     def _read_batch(
         self,
         request: BlockRequest,
         workers: int,
+        stamps: list[int],
         settle: Callable[[int, str, bytes, int, ReadOutcome], str],
         settle_hits: Callable[[list[int], list[str], list[bytes], list[int]], None],
     ) -> tuple[list[str], dict[int, OSError]]:
         """A read's objects in one native batch (see :mod:`kv_file.objbatch`); what it does
         not settle (a file that is not what its name promises) by :func:`read_object`.
         ``settle``: what one object's read found, learned (its counter); ``settle_hits``: the
-        same for many read hits in one go."""
+        same for many read hits in one go. The objects' write stamps go into ``stamps``."""
         host = request.host
         assert host is not None
         names, raws, digests = self._locate_all(request)
@@ -179,6 +200,7 @@ class Transfers:
         )
         self._batches.run_native(batch, workers, sum(host.nbytes) * request.num_blocks)
         codes, errnos, direct_reads, refused = batch.results()
+        stamps[:] = batch.tails().tolist()
         if refused:
             self._direct.disable(OSError(refused, os.strerror(refused)))
         self._direct.counted(direct_reads)
@@ -203,7 +225,9 @@ class Transfers:
                         err = int(errnos[k])
                         raise OSError(err, os.strerror(err), self._dir.object_path(digests[k]))
                     # not what its name promises (or direct reads refused): looked at again
-                    outcome = self._read_object(request, k, raws[k], digests[k], native=False)
+                    outcome = self._read_object(
+                        request, k, raws[k], digests[k], stamps, native=False
+                    )
                 except OSError as exc:
                     errors[k] = exc
                     outcomes[k] = "io_errors"
@@ -217,6 +241,7 @@ class Transfers:
         """Objects already on disk are skipped (and pinned, so this write cannot evict what
         it acknowledges); the others' bytes are reserved in order, as one run: when the batch
         does not fit, the leading run that fits is stored and acknowledged, the rest refused.
+        Every part of a block carries the block's write stamp (:mod:`kv_file.stamps`).
 
         What is already stored is what the catalog knows, caught up with every process's
         records first, and confirmed by an ``lstat``; an object no record tells of is written
@@ -253,6 +278,8 @@ class Transfers:
             else:
                 planned[k] = (raw, digest, size, named)
         order = list(planned)
+        # Synced writes wait on the disk; unsynced ones are copies into the page cache.
+        workers = self._io_threads if self._sync else min(self._io_threads, self._cpus)
         # skipped objects are being stored again: most recently used, for every process
         admitted = catalog.admit(
             [planned[k][2] for k in order], touched=pinned, deadline=request.deadline
@@ -261,6 +288,12 @@ class Transfers:
             before[k] = "write_refused"
             del planned[k]
         reserved = dict(planned)  # reservations not yet turned into files or given back
+        native = objbatch.enabled() and all(len(p[0]) <= MAX_NAME_BYTES for p in planned.values())
+        # each block's write stamp, from its parts' checksums: computed in the native batch as
+        # it writes (one pass over the bytes) when it writes whole blocks unsynced, else first
+        # (a synced write hashes before it writes anyway)
+        in_batch = native and not self._sync and self._stamps.whole_blocks(request, planned)
+        sums, stamps = ({}, []) if in_batch else self._stamps.for_write(request, planned, workers)
         written: list[tuple[int, int, int, bytes | None]] = []  # k, digest, size, name
 
         def stored(k: int) -> str:
@@ -293,15 +326,14 @@ class Transfers:
                     host.views(i, j),
                     sync=self._sync,
                     meta=None if request.block_meta is None else request.block_meta[i],
+                    stamp=stamps[i],
+                    checksum=sums[k],
                 )
             except OSError as exc:
                 failed(k, exc)
                 raise
             return stored(k)
 
-        # Synced writes wait on the disk; unsynced ones are copies into the page cache.
-        workers = self._io_threads if self._sync else min(self._io_threads, self._cpus)
-        native = objbatch.enabled() and all(len(p[0]) <= MAX_NAME_BYTES for p in planned.values())
         # the names' blocks as the request knows them: the index need not parse the names
         rows = request.object_names
         try:
@@ -309,8 +341,9 @@ class Transfers:
             with catalog.watch_writes(planned[k][1] for k in planned) as watch:
                 try:
                     if native:
+                        stamped = None if in_batch else (sums, stamps)
                         outcomes, errors = self._write_batch(
-                            request, planned, before, workers, stored, failed
+                            request, planned, stamped, before, workers, stored, failed
                         )
                     else:
                         outcomes, errors = self._batches.run(
@@ -350,13 +383,16 @@ class Transfers:
         self,
         request: BlockRequest,
         planned: dict[int, tuple[bytes, int, int, bytes | None]],
+        stamped: tuple[dict[int, bytes], list[int]] | None,
         before: list[str | None],
         workers: int,
         stored: Callable[[int], str],
         failed: Callable[[int, OSError], None],
     ) -> tuple[list[str], dict[int, OSError]]:
         """A write's planned objects (``k`` -> encoded name, digest, size, name if counted)
-        in one native batch (see :mod:`kv_file.objbatch`); the others' outcomes are
+        in one native batch (see :mod:`kv_file.objbatch`); ``stamped``: their checksums
+        (``k`` -> 16 bytes) and their blocks' stamps, or None for the batch to compute them
+        (whole blocks); the others' outcomes are
         ``before``'s. ``stored(k)`` / ``failed(k, error)``: object ``k``'s file is in place /
         its write failed."""
         host = request.host
@@ -373,6 +409,9 @@ class Transfers:
             [planned[k][0] for k in ks],
             [host.nbytes[k % nparts] for k in ks],
             [None] * len(ks) if metas is None else [metas[k // nparts] for k in ks],
+            None
+            if stamped is None
+            else ([stamped[0][k] for k in ks], [stamped[1][k // nparts] for k in ks]),
             objbatch.Rows(rows, starts).take(objects),
             objects // nparts,
             deadline=request.deadline,

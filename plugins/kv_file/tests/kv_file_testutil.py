@@ -204,6 +204,9 @@ class _FailingBatch:
             codes[0], errnos[0] = fileio.FileRead.ERRNO, self._code
         return codes, errnos, 0, 0
 
+    def tails(self) -> np.ndarray:
+        return np.zeros(self.size, dtype=np.uint64)
+
 
 def fail_object_io(monkeypatch: Any, op: str, code: int) -> None:
     """Every object ``op`` (``"read"`` or ``"write"``) fails with OSError ``code`` from now on,

@@ -9,6 +9,8 @@ for on disk when the write records its files, so a write that nobody else touche
 
 from __future__ import annotations
 
+import os
+
 import kv_file.batch
 import kv_file.catalog
 import pytest
@@ -52,7 +54,8 @@ def test_a_file_removed_between_its_rename_and_its_record_is_not_acknowledged(
     def after_the_renames(run):
         def wrapped(*args, **kwargs):
             out = run(*args, **kwargs)
-            if not meddled:  # the files of a, b, c are in place, not yet recorded
+            # once the files of a, b, c are in place (a run that wrote them), not yet recorded
+            if not meddled and all(os.path.exists(p) for p in object_paths(writer, "b")):
                 meddled.append(True)
                 assert write(other, ["b"]) == 1  # the other process stores b too (skipped:
                 assert other.remove(other.request("rm", ["b"])) == 1  # it is there), removes it

@@ -48,6 +48,7 @@ def test_metadata_is_kept_in_the_header_and_verified_on_its_own(tmp_path) -> Non
 
 
 def test_both_io_paths_write_the_same_file(tmp_path, monkeypatch) -> None:
+    """Byte for byte, the write stamp included (it is made of the block's bytes)."""
     from kv_file import objio
 
     files = []
@@ -59,12 +60,14 @@ def test_both_io_paths_write_the_same_file(tmp_path, monkeypatch) -> None:
             files.append(f.read())
         store.close()
     assert files[0] == files[1]
+    stamp_at = header_size(HEADER.unpack_from(files[0])[3]) - 8
+    assert files[0][stamp_at : stamp_at + 8] != bytes(8)
 
 
 def test_metadata_that_does_not_fit_beside_the_name_is_left_out(tmp_path) -> None:
     store = open_store(str(tmp_path / "s"))
     name_len = len(store.request("x", ["b0"]).object_names[0][0].encode())
-    room = header_size(name_len) - HEADER.size - name_len - 8
+    room = header_size(name_len) - HEADER.size - name_len - 8 - 8  # its digest, the stamp
     assert meta_fits(name_len, room) and not meta_fits(name_len, room + 1)
     # a key long enough that the page beside the name holds less than kvcore's limit
     long_key = "k" * (header_size(name_len) - HEADER.size - name_len - 100)
