@@ -4,11 +4,18 @@
 - Write: the same existence check first. It lets the write skip objects already stored
   (names are content-derived, and Mooncake keeps the old value on a repeated put anyway), and
   it fails at once when the master is down, where a put would stall for seconds. Then
-  ``batch_put_from`` for the rest.
+  ``batch_upsert_from`` for the rest: not ``batch_put_from``, which answers 0 yet stores
+  nothing for a name whose put another writer started and never finished (killed while the
+  master was stalled: the master keeps that put until ``put_start_discard_timeout_sec``,
+  30 s by default, and meanwhile no put of the name lands). The existence check skipped every
+  name stored whole, so an upsert only ever replaces such an unfinished put, with the same
+  bytes (same name, same bytes).
 - Read: ``batch_get_into``; its per-object answers (bytes read, or -704) give the leading run.
 - Segmented host buffers (an object in pieces, one per layer, in the engine's own cache
   blocks): ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, one piece
-  list per object. The engine's cache is registered once through ``kvcore_register_buffer``.
+  list per object (the client has no upsert from pieces: what the put answered as stored is
+  confirmed with ``batch_is_exist``, and an unfinished put of another writer is waited for,
+  within the request's deadline). The engine's cache is registered once through ``kvcore_register_buffer``.
   An object of another size than the layout gives its part is removed, so a rewrite lands
   (a put of an existing key keeps the old value).
 - Remove: ``batch_remove`` of the request's keys; clear: ``remove_by_regex`` of the namespace's
@@ -551,17 +558,37 @@ class MooncakeBackend:
         return stored > 0 and stored != size
 
     def _put(self, keys: list[str], objects: _Objects) -> tuple[list[int], int]:
+        """Store ``keys`` (the existence check found none of them stored whole): per key 1
+        when stored, else the code; and the bytes moved. See the module docstring for why an
+        upsert."""
         if objects.pieces is None:
-            results = self._store.batch_put_from(
+            results = self._store.batch_upsert_from(
                 keys, objects.ptrs, objects.sizes, config=self._replicate
             )
         else:
             results = self._store.batch_put_from_multi_buffers(
                 keys, objects.ptrs, objects.pieces, config=self._replicate
             )
-        # -705: another writer stored the same name (hence the same bytes) first
-        done = [1 if r in (0, ALREADY_EXISTS) else r for r in results]
+            results = self._confirm_puts(keys, results)
+        # -705: another writer stored the same name (hence the same bytes) first; -706: it
+        # did, and a reader holds it
+        done = [1 if r in (0, ALREADY_EXISTS, HAS_LEASE) else r for r in results]
         return done, sum(s for r, s in zip(results, objects.sizes, strict=True) if r == 0)
+
+    def _confirm_puts(self, keys: list[str], results: list[int]) -> list[int]:
+        """The puts that answered stored, asked of the master: a name whose put another writer
+        started and never finished answers 0 and stores nothing (REPLICA_NOT_READY, so the
+        write waits for it, within its deadline)."""
+        answered = [i for i, r in enumerate(results) if r in (0, ALREADY_EXISTS)]
+        if not answered:
+            return results
+        exist = self._store.batch_is_exist([keys[i] for i in answered])
+        out = list(results)
+        for i, e in zip(answered, exist, strict=True):
+            if e != 1:
+                out[i] = REPLICA_NOT_READY
+                self._counters.add("puts_not_landed")
+        return out
 
     def _transfer(
         self, op: str, keys: list[str], objects: _Objects, request: BlockRequest

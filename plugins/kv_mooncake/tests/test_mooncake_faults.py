@@ -200,3 +200,68 @@ def test_batches_of_many_objects_leave_the_client_working(
             assert h.read(seq, timeout_s=60)[0] == blocks
     finally:
         h.backend.close()
+
+
+_DEAD_WRITER = """
+import json, sys
+import numpy as np
+import kvcore
+from kvcore.testing import Harness, small_layout
+from kvcore.testing.harness import Sequence_
+config, tokens, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+layout = small_layout()
+backend = kvcore.open_backend("mooncake", config, context={"layout": layout}, verify_blocks="never")
+h = Harness(backend, layout)
+request = h.request(Sequence_(tokens, keys))
+store_keys = backend.plugin._keys(request)
+sizes = [layout.part_bytes(p) for _ in keys for p in request.parts]
+buf = np.zeros(sum(sizes), dtype=np.uint8)
+store = backend.plugin._store
+store.register_buffer(buf.ctypes.data, buf.nbytes)
+offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+print("ready", flush=True)
+sys.stdin.readline()
+store.batch_put_from(store_keys, [buf.ctypes.data + o for o in offsets], sizes)
+"""
+
+
+def test_a_write_lands_where_a_killed_writer_left_its_put_unfinished(
+    mooncake_cluster_factory: Callable[..., MooncakeCluster],
+) -> None:
+    """A writer killed while the master was stopped leaves its puts unfinished: the master
+    keeps them until ``put_start_discard_timeout_sec`` (30 s by default), and a put of those
+    names meanwhile answers 0 and stores nothing. A write of the same blocks must store them
+    (found, read back), or say it did not: never acknowledge what is not there (issue 62)."""
+    import json
+    import subprocess
+    import sys
+
+    cluster = mooncake_cluster_factory(storage_bytes=16 << 20)
+    h = open_harness(cluster.config(default_timeout_s=2.0))
+    seq = h.new_sequence(2)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _DEAD_WRITER, json.dumps(cluster.config()),
+         json.dumps(seq.token_ids), json.dumps(seq.keys)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        cluster.master.pause()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        time.sleep(0.3)  # its put is waiting on the stopped master
+        child.kill()
+        child.wait(10)
+        cluster.master.resume()
+        time.sleep(0.3)  # the master took the dead writer's puts in
+        done = h.write(seq, timeout_s=5.0)
+        found = h.query(seq)
+        assert done == found, f"the write acknowledged {int(done)} blocks, {int(found)} found"
+        assert found == 2, "a write of names a dead writer left unfinished did not land"
+        h.assert_reads_back(seq, 2)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        cluster.master.resume()
+        h.backend.close()
