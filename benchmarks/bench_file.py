@@ -481,9 +481,12 @@ class Bench:
                 paths, [b""] * count, head_lens, dst_rows, starts,
                 digest_prefixes=[b""] * count, digest_offset=None,
             ),
+            # kv_file's unsynced write: each block's parts hashed as they are written, then
+            # their heads with the block's write stamp
             "write_kv": lambda: objbatch.write_objects(
-                *tree("kv"), names, lengths, [None] * count, objbatch.Rows(src_rows, starts),
-                blocks, deadline=time.monotonic() + 600, sync=False,
+                *tree("kv"), names, lengths, [None] * count, None,
+                objbatch.Rows(src_rows, starts), blocks, deadline=time.monotonic() + 600,
+                sync=False,
             ),
             "write_no_checksum": lambda: fileio.write_batch(
                 *tree("plain"), heads, head_lens, src_rows, starts,

@@ -64,6 +64,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slowdown-rate", type=float, default=1000)
     ap.add_argument("--slowdown-after-s", type=float, default=0.3)
     ap.add_argument(
+        "--shaped-never",
+        action="store_true",
+        help="shaped: also an arm with the connector that never loads (its own cost, without "
+        "a decision: what auto's overhead over recompute splits into)",
+    )
+    ap.add_argument(
         "--shaped-parts",
         default="rates,together,slowdown",
         help="shaped: which of its parts to run (comma-separated)",
@@ -111,6 +117,8 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
             "always": {**store, "load_policy": "always"},
             "auto": {**store, "load_policy": "auto"},
         }
+        if args.shaped_never:
+            arms["never"] = {**store, "load_policy": "never"}
         fill_steps = [warm, _gen("long", [prompt]), _gen("four", together)]
         _engine(base, arms["always"], fill_steps, workdir, "shaped-fill")
         reference: dict[str, list[list[int]]] = {}
@@ -201,7 +209,7 @@ def _compare(
         n: {"ttft": [], "cached": [], "same": True, "metrics": []} for n in names
     }
     for rep in range(args.reps):
-        order = names[rep % 3 :] + names[: rep % 3]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             if slowdown is not None:
                 tc(slowdown[0])
@@ -231,8 +239,9 @@ def _best_static(res: dict[str, Any]) -> list[float]:
 
 def _report_rate(report: Report, tag: str, res: dict[str, Any], mean: bool = False) -> None:
     what = "mean_ttft" if mean else "ttft"
-    for name in ("recompute", "always", "auto"):
-        report.figure(f"shaped_{tag}_{what}_{name}_s", res[name]["ttft"], "s")
+    for name in ("recompute", "always", "auto", "never"):
+        if name in res:
+            report.figure(f"shaped_{tag}_{what}_{name}_s", res[name]["ttft"], "s")
     report.ratio(
         f"shaped_{tag}_auto_vs_best_static", res["auto"]["ttft"], _best_static(res), goal="<= 1.10"
     )
