@@ -111,6 +111,29 @@ def test_bench_replay_reports_median_and_spread(tmp_path: Path) -> None:
         assert report["ratios"][f"{capacity}_all_vs_independent_lru_gap"]["max"] == 0
 
 
+def test_bench_tenants_reports_the_issues_ratios(tmp_path: Path) -> None:
+    # a quiet tenant rereading a hot prefix after one-off tails, beside the bench's flood
+    with (tmp_path / "trace.jsonl").open("w") as f:
+        for n in range(200):
+            ids = [1, 2, 3, 4, 1000 + n]
+            f.write(json.dumps({"timestamp": n, "input_length": 2560, "output_length": 8,
+                                "hash_ids": ids}) + "\n")  # fmt: skip
+    args = ["--trace", str(tmp_path / "trace.jsonl"), "--capacities", "8192",
+            "--floods", "10,200", "--policies", "all", "--reps", "2"]  # fmt: skip
+    report = run_bench("bench_tenants", args, tmp_path)
+    check_report(report)
+    ratios = report["ratios"]
+    assert set(report["goals"]) == {
+        "8192t_quiet_tenant_vs_alone",
+        "8192t_work_conserving_vs_no_tenants",
+        "8192t_flood200x_quiet_tenant_vs_alone",
+    }
+    # 16 blocks: the 200x flood writes 16 between two quiet requests, the 10x one fewer
+    assert ratios["8192t_flood200x_quiet_tenant_vs_alone"]["median"] == 1.0
+    assert ratios["8192t_flood200x_quiet_tenant_no_shares_vs_alone"]["median"] == 0.0
+    assert ratios["8192t_work_conserving_vs_no_tenants"]["median"] == 1.0
+
+
 def test_bench_tiered_reports_median_and_spread(tmp_path: Path) -> None:
     pytest.importorskip("kv_tiered")
     args = ["--blocks", "2", "--reps", "2", "--file-lower", "--dir", str(tmp_path)]

@@ -36,6 +36,7 @@ SDK_MODULES = (
     "kvcore.runner",
     "kvcore.schemas",
     "kvcore.tasks",
+    "kvcore.tenants",
     "kvcore.testing",
     "kvcore.testing.corruption",
     "kvcore.testing.harness",

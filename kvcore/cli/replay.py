@@ -3,6 +3,12 @@
 Every (capacity, policy) pair is one replay; the report lists each with its hit rate against
 the trace's maximum and the offline optimum at that capacity. ``--plot`` draws hit rate
 against capacity, one line per policy, the maximum and the optimum dashed.
+
+Tenants (issue 61): ``--tenant NAME=TRACE`` adds another tenant's trace, ``--flood NAME=X`` a
+tenant writing X times the capacity in unique blocks over the trace's span; all are merged by
+time (``TRACE`` is the tenant ``--as`` names) and each tenant's hit rate is reported.
+``--tenants`` gives their shares of the store (:class:`kvcore.tenants.TenantSettings`), which
+only ``--simulate`` replays for now, so an operator can size shares before deploying.
 """
 
 from __future__ import annotations
@@ -19,8 +25,19 @@ from kvcore.admission import POLICIES
 from kvcore.cli.console import CommandConsole, Table, print_table, step_progress
 from kvcore.cli.errors import CliError, ExitCode
 from kvcore.cli.plot import require_matplotlib
-from kvcore.replay import Bounds, TraceError, load_trace, replay
+from kvcore.config import parse_config_arg
+from kvcore.errors import ConfigError
+from kvcore.replay import (
+    Bounds,
+    Trace,
+    TraceError,
+    flood_trace,
+    load_trace,
+    merge_traces,
+    replay,
+)
 from kvcore.replay.model import store_model_of
+from kvcore.tenants import TenantSettings, check_tenant_name
 
 _TOKENS = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*$")
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
@@ -82,6 +99,35 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         help="replay the first N requests only (default: all)",
     )
     sp.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME=TRACE",
+        help="another tenant's trace, merged with TRACE by time; repeatable (default: none)",
+    )
+    sp.add_argument(
+        "--flood",
+        action="append",
+        default=[],
+        metavar="NAME=X",
+        help="a tenant writing X times the capacity in unique blocks, spread over TRACE's "
+        "span (a noisy neighbour); repeatable (default: none)",
+    )
+    sp.add_argument(
+        "--as",
+        dest="as_tenant",
+        default="default",
+        metavar="NAME",
+        help="TRACE's tenant, where there are tenants (default: %(default)s)",
+    )
+    sp.add_argument(
+        "--tenants",
+        default=None,
+        metavar="JSON_OR_PATH",
+        help="the tenants' shares (reserved_bytes, quota_bytes per tenant), a JSON object or "
+        "the path of a JSON file; with --simulate only (default: no shares)",
+    )
+    sp.add_argument(
         "--plot",
         metavar="FILE.png",
         default=None,
@@ -114,28 +160,47 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
     except TraceError as exc:
         raise CliError(str(exc), ExitCode.USAGE) from None
     config = load_config_arg(args.config)
+    tenants = _tenants(args)
+    others = _other_tenants(args, trace.tokens_per_block)
+    floods = _floods(args)
+    tenanted = bool(others or floods or tenants is not None)
+    if tenanted:
+        check_tenant_name_arg(args.as_tenant, "--as")
     if args.simulate:
         try:  # before any work: the model is the backend's own
             store_model_of(args.backend)
         except ValueError as exc:
             raise CliError(f"--backend: {exc}", ExitCode.USAGE) from None
+    parts = {args.as_tenant: trace, **others}
+    if tenanted:
+        trace = merge_traces(parts)
     bounds = Bounds(trace)
     reports: list[dict[str, Any]] = []
     runs = [(c, p) for c in capacities for p in policies]
-    with step_progress(console.err, "replay", len(trace) * len(runs), "requests") as bar:
+    for tokens in capacities:
+        if tenants is not None:
+            try:
+                tenants.check_capacity(max(1, tokens // trace.tokens_per_block) * block_bytes)
+            except ValueError as exc:
+                raise CliError(f"--tenants: {exc}", ExitCode.CONFIG) from None
+    flood_requests = len(parts[args.as_tenant]) * len(floods)
+    total = (len(trace) + flood_requests) * len(runs)
+    with step_progress(console.err, "replay", total, "requests") as bar:
         for tokens, policy in runs:
             blocks = max(1, tokens // trace.tokens_per_block)
+            served = _flooded(trace, parts, floods, blocks * trace.tokens_per_block)
             reports.append(
                 replay(
-                    trace,
+                    served,
                     capacity_blocks=blocks,
                     policy=policy,
                     simulate_only=args.simulate,
                     backend=args.backend,
                     config=config,
                     block_bytes=block_bytes,
-                    bounds=bounds,
+                    bounds=bounds if served is trace else Bounds(served),
                     progress=bar.advance,
+                    tenants=tenants,
                 )
             )
     out: dict[str, Any] = {
@@ -157,6 +222,101 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
     if bad:
         return ExitCode.FAILED
     return ExitCode.BACKEND_FAILED if sum(r["errors"] for r in reports) else ExitCode.OK
+
+
+def check_tenant_name_arg(name: str, option: str) -> str:
+    try:
+        return check_tenant_name(name, option)
+    except ValueError as exc:
+        raise CliError(str(exc), ExitCode.USAGE) from None
+
+
+def _named(entry: str, option: str) -> tuple[str, str]:
+    name, sep, value = entry.partition("=")
+    if not sep or not value:
+        raise CliError(f"{option}: {entry!r} is not NAME=VALUE", ExitCode.USAGE)
+    return check_tenant_name_arg(name, option), value
+
+
+def _other_tenants(args: argparse.Namespace, tokens_per_block: int) -> dict[str, Trace]:
+    """``--tenant NAME=TRACE``: each tenant's trace, read as TRACE is."""
+    out: dict[str, Trace] = {}
+    for entry in args.tenant:
+        name, path = _named(entry, "--tenant")
+        if name in out or name == args.as_tenant:
+            raise CliError(f"--tenant: tenant {name!r} is given twice", ExitCode.USAGE)
+        try:
+            out[name] = load_trace(path, limit=args.limit, tokens_per_block=tokens_per_block)
+        except TraceError as exc:
+            raise CliError(f"--tenant {name}: {exc}", ExitCode.USAGE) from None
+    return out
+
+
+def _floods(args: argparse.Namespace) -> dict[str, float]:
+    """``--flood NAME=X``: each flooding tenant's writes, in capacities."""
+    out: dict[str, float] = {}
+    for entry in args.flood:
+        name, value = _named(entry, "--flood")
+        try:
+            times = float(value)
+        except ValueError:
+            times = -1.0
+        if not 0 < times <= 10_000:
+            raise CliError(
+                f"--flood {name}: {value!r} must be a number of capacities in (0, 10000]",
+                ExitCode.USAGE,
+            )
+        if (
+            name in out
+            or name == args.as_tenant
+            or name in {e.partition("=")[0] for e in args.tenant}
+        ):
+            raise CliError(f"--flood: tenant {name!r} is given twice", ExitCode.USAGE)
+        out[name] = times
+    return out
+
+
+def _tenants(args: argparse.Namespace) -> TenantSettings | None:
+    """``--tenants``: the shares, checked (an error names the field), with --simulate only."""
+    if args.tenants is None:
+        return None
+    if not args.simulate:
+        raise CliError(
+            "--tenants: shares are replayed on the store model only for now: add --simulate",
+            ExitCode.USAGE,
+        )
+    try:
+        raw = parse_config_arg(args.tenants)
+        return TenantSettings.model_validate(raw)
+    except ValidationError as exc:
+        fields = ConfigError.from_validation("tenants", exc).fields
+        said = "; ".join(f"{loc}: {msg}" if loc else msg for loc, msg in fields)
+        raise CliError(f"--tenants: {said}", ExitCode.CONFIG) from None
+    except ValueError as exc:
+        raise CliError(f"--tenants: {exc}", ExitCode.CONFIG) from None
+
+
+def _flooded(
+    trace: Trace, parts: dict[str, Trace], floods: dict[str, float], capacity_tokens: int
+) -> Trace:
+    """``trace`` (the tenants' ``parts`` merged) with each ``--flood`` tenant's unique blocks
+    merged in: sized by the capacity, spread over the first part's (TRACE's) span."""
+    if not floods:
+        return trace
+    base = next(iter(parts.values()))
+    first, last = base.requests[0].timestamp_ms, base.requests[-1].timestamp_ms
+    blocks = max(1, capacity_tokens // trace.tokens_per_block)
+    noisy = {
+        name: flood_trace(
+            max(1, round(times * blocks)),
+            requests=len(base),
+            span_ms=last - first,
+            tokens_per_block=trace.tokens_per_block,
+            start_ms=first,
+        )
+        for name, times in floods.items()
+    }
+    return merge_traces({**parts, **noisy})
 
 
 def _print(out: dict[str, Any], console: CommandConsole) -> None:
@@ -192,6 +352,24 @@ def _print(out: dict[str, Any], console: CommandConsole) -> None:
             f"{r['wall_s']:.1f} s",
         )
     print_table(console.out, table)
+    if any(r["tenants"] for r in runs):
+        per = Table(box=None)
+        for col in ("capacity (tokens)", "policy", "tenant", "requests", "hit rate",
+                    "written", "refused", "evicted"):  # fmt: skip
+            per.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
+        for r in runs:
+            for name, t in r["tenants"].items():
+                per.add_row(
+                    f"{r['capacity_tokens']:,}",
+                    r["policy"],
+                    name,
+                    f"{t['requests']:,}",
+                    f"{100 * t['hit_rate_blocks']:.2f} %",
+                    f"{t['blocks_written']:,}",
+                    f"{t['blocks_refused']:,}",
+                    f"{t['evictions']:,}",
+                )
+        print_table(console.out, per)
     if any(r["mismatches"] for r in runs):
         console.out.print("FAILED: restored bytes differ from what was stored")
     for r in runs:

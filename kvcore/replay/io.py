@@ -24,7 +24,7 @@ from kvcore.handles import BackendHandle
 from kvcore.registry import load_backend_class
 from kvcore.replay.capacity import capacity_holding
 from kvcore.replay.model import Tally, block_key
-from kvcore.replay.trace import Trace
+from kvcore.replay.trace import Trace, TraceRequest
 from kvcore.schemas import BackendContext, CacheDType, CacheLayout
 from kvcore.transfer import DeviceCache, TransferManager
 
@@ -174,8 +174,10 @@ class IOReplay:
         try:
             with _manager(self.layout, engine, self.backend, trace, self.namespace) as tm:
                 for n, request in enumerate(trace.requests):
-                    hits = self._serve(tm, engine, tally, n, request.hash_ids)
+                    hits = self._serve(tm, engine, tally, n, request)
                     tally.served(request, hits, tpb)
+                    if request.tenant is not None:
+                        tally.of(request.tenant).served(request, hits, tpb)
                     if progress is not None:
                         progress(1)
             stats = self.backend.stats()
@@ -195,10 +197,11 @@ class IOReplay:
         return tally
 
     def _serve(
-        self, tm: TransferManager, engine: _Engine, tally: Tally, n: int, hash_ids: tuple[int, ...]
+        self, tm: TransferManager, engine: _Engine, tally: Tally, n: int, request: TraceRequest
     ) -> int:
         """Request ``n``: read, check, compute, write back. Returns the blocks restored."""
-        keys = [block_key(b) for b in hash_ids]
+        hash_ids = request.hash_ids
+        keys = [block_key(b, request.tenant) for b in hash_ids]
         ids = np.asarray(hash_ids, dtype=np.int64)
         slots = list(range(len(keys)))
         engine.scrub(slice(0, len(keys)))
@@ -216,9 +219,10 @@ class IOReplay:
         ).result()
         if wrote.outcome not in ("complete", "miss"):
             tally.error(f"request {n} write: {wrote.outcome}: {wrote.error}")
-        tally.blocks_written += wrote.num_blocks
-        tally.bytes_written += wrote.bytes
-        tally.blocks_refused += wrote.refused_blocks
+        for counts in (tally,) if request.tenant is None else (tally, tally.of(request.tenant)):
+            counts.blocks_written += wrote.num_blocks
+            counts.bytes_written += wrote.bytes
+            counts.blocks_refused += wrote.refused_blocks
         return hits
 
 

@@ -20,13 +20,14 @@ maximises the blocks present when referenced, which bounds the prefix hits of an
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvcore.admission import PolicyName, block_id
 from kvcore.registry import load_backend_class
 from kvcore.replay.trace import Trace, TraceRequest
+from kvcore.tenants import TenantSettings
 
 __all__ = [
     "SimulatedStore",
@@ -40,9 +41,13 @@ __all__ = [
 ]
 
 
-def block_key(hash_id: int) -> str:
-    """The kvcore key a replay stores trace block ``hash_id`` under."""
-    return f"trace-{hash_id:x}"
+def block_key(hash_id: int, tenant: str | None = None) -> str:
+    """The kvcore key a replay stores trace block ``hash_id`` (of ``tenant``'s trace, in a
+    merged trace) under.
+
+    .. versionchanged:: 0.3 ``tenant``: the same id in two tenants' traces is two blocks
+    """
+    return f"trace-{hash_id:x}" if tenant is None else f"trace-{tenant}-{hash_id:x}"
 
 
 @dataclass
@@ -62,6 +67,15 @@ class Tally:
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
     read_latency_s: list[float] = field(default_factory=list)
+    #: the same counts per tenant, for a trace with tenants (:func:`kvcore.replay.trace.merge_traces`)
+    tenants: dict[str, Tally] = field(default_factory=dict)
+
+    def of(self, tenant: str) -> Tally:
+        """``tenant``'s own tally (created on first use)."""
+        found = self.tenants.get(tenant)
+        if found is None:
+            found = self.tenants[tenant] = Tally()
+        return found
 
     def served(self, request: TraceRequest, hits: int, tokens_per_block: int) -> None:
         """One request: ``hits`` leading blocks restored."""
@@ -96,7 +110,8 @@ class SimulatedStore(Protocol):
     evictions: int
 
     def serve(self, ids: Sequence[int]) -> tuple[int, int, int]:
-        """One request of blocks ``ids`` (admission-policy ids): ``(hits, written, refused)``."""
+        """One request of blocks ``ids`` (admission-policy ids): ``(hits, written, refused)``.
+        A model made with ``tenants`` also takes ``tenant=`` (the request's tenant)."""
         ...
 
 
@@ -106,6 +121,8 @@ class StoreModelFactory(Protocol):
     ``kv_file.model.StoreModel``).
 
     .. versionadded:: 0.3
+    .. versionchanged:: 0.3 a model of tenants' shares also takes ``tenants=``
+       (:class:`kvcore.tenants.TenantSettings`): a replay with tenants passes it, and only it
     """
 
     def __call__(
@@ -152,12 +169,19 @@ def simulate(
     sample_rate: float = 1 / 16,
     progress: Callable[[int], None] | None = None,
     backend: str | type = "file",
+    tenants: TenantSettings | None = None,
 ) -> tuple[Tally, SimulatedStore]:
     """Replay ``trace`` on the store model ``backend`` offers (:func:`store_model_of`; no I/O).
 
+    A trace with tenants (:func:`kvcore.replay.trace.merge_traces`) is also counted per tenant
+    (:attr:`Tally.tenants`); ``tenants`` gives their shares of the store (None: one LRU for
+    every tenant's blocks).
+
     .. versionchanged:: 0.3 ``backend``: the model is the backend's own (it was a copy of
        kv_file's accounting kept in the core)
+    .. versionchanged:: 0.3 ``tenants``, and counts per tenant
     """
+    shares = {} if tenants is None else {"tenants": tenants}
     model = store_model_of(backend)(
         capacity_blocks,
         policy,
@@ -166,45 +190,70 @@ def simulate(
         block_bytes=block_bytes,
         doorkeeper_factor=doorkeeper_factor,
         sample_rate=sample_rate,
+        **shares,
     )
     tally = Tally()
-    ids_of: dict[int, int] = {}
+    ids_of: dict[tuple[str | None, int], int] = {}
     tpb = trace.tokens_per_block
     for n, request in enumerate(trace.requests):
+        tenant = request.tenant
         ids = [
-            ids_of.get(b) or ids_of.setdefault(b, block_id(block_key(b))) for b in request.hash_ids
+            ids_of.get((tenant, b))
+            or ids_of.setdefault((tenant, b), block_id(block_key(b, tenant)))
+            for b in request.hash_ids
         ]
-        hits, written, refused = model.serve(ids)
+        if tenants is not None:
+            # a trace's tenant is its own (one the settings do not name has no share)
+            owner = tenant if tenant is not None else tenants.default_tenant
+            hits, written, refused = model.serve(ids, tenant=owner)  # type: ignore[call-arg]
+        else:
+            hits, written, refused = model.serve(ids)
         tally.served(request, hits, tpb)
         tally.blocks_written += written
         tally.bytes_written += written * block_bytes
         tally.blocks_refused += refused
+        if tenant is not None:
+            own = tally.of(tenant)
+            own.served(request, hits, tpb)
+            own.blocks_written += written
+            own.bytes_written += written * block_bytes
+            own.blocks_refused += refused
         if progress is not None and n % 256 == 255:
             progress(256)
     tally.evictions = model.evictions
+    for name, count in getattr(model, "evicted_by", {}).items():
+        tally.of(name).evictions = count
     if progress is not None:
         progress(len(trace) % 256)
     return tally, model
 
 
 def _prefix_hits(
-    tally: Tally, request: TraceRequest, present: Callable[[int], bool], tpb: int
+    tally: Tally, request: TraceRequest, present: Callable[[Hashable], bool], tpb: int
 ) -> None:
     hits = 0
-    for b in request.hash_ids:
+    for b in _blocks_of(request):
         if not present(b):
             break
         hits += 1
     tally.served(request, hits, tpb)
 
 
+def _blocks_of(request: TraceRequest) -> Sequence[Hashable]:
+    """A request's blocks as a replay tells them apart: by id, and by tenant where the trace
+    has tenants (two tenants' equal ids are two blocks, :func:`block_key`)."""
+    if request.tenant is None:
+        return request.hash_ids
+    return [(request.tenant, b) for b in request.hash_ids]
+
+
 def unlimited_hits(trace: Trace) -> Tally:
     """The trace's maximum: every block is stored once written, and never evicted."""
-    seen: set[int] = set()
+    seen: set[Hashable] = set()
     tally = Tally()
     for request in trace.requests:
         _prefix_hits(tally, request, seen.__contains__, trace.tokens_per_block)
-        seen.update(request.hash_ids)
+        seen.update(_blocks_of(request))
     tally.blocks_written = len(seen)
     return tally
 
@@ -215,21 +264,23 @@ def optimal_hits(trace: Trace, capacity_blocks: int) -> Tally:
         raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
     never = float("inf")
     # the next reference of each block after each reference, by one backward pass
-    flat = [b for r in trace.requests for b in r.hash_ids]
+    flat = [b for r in trace.requests for b in _blocks_of(r)]
     next_use: list[float] = [never] * len(flat)
-    last: dict[int, int] = {}
+    last: dict[Hashable, int] = {}
     for t in range(len(flat) - 1, -1, -1):
         b = flat[t]
         next_use[t] = last.get(b, never)
         last[b] = t
-    cached: dict[int, tuple[float, int]] = {}  # block -> (its next use, its depth)
-    heap: list[tuple[float, int, int]] = []  # (-next use, -depth, block): furthest first
+    cached: dict[Hashable, tuple[float, int]] = {}  # block -> (its next use, its depth)
+    # (-next use, -depth, block): furthest first; a trace's blocks are all ids, or all
+    # (tenant, id) pairs, so ties compare like with like
+    heap: list[tuple[float, int, Any]] = []
     tally = Tally()
     tpb = trace.tokens_per_block
     t = 0
     for request in trace.requests:
         _prefix_hits(tally, request, cached.__contains__, tpb)
-        for depth, b in enumerate(request.hash_ids):
+        for depth, b in enumerate(_blocks_of(request)):
             nxt = next_use[t]
             t += 1
             key = (nxt, depth)

@@ -16,10 +16,12 @@ ids in all, a number at most 19 digits and a hash id below 2**63. Whatever break
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceRequest",
+    "flood_trace",
     "load_trace",
+    "merge_traces",
 ]
 
 #: tokens per block in the published Mooncake traces
@@ -56,6 +60,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    #: whose request it is (:func:`merge_traces`); None: a trace without tenants
+    tenant: str | None = None
 
     def block_tokens(self, i: int, tokens_per_block: int) -> int:
         """Prompt tokens in block ``i`` (the last block may be partly filled)."""
@@ -189,3 +195,58 @@ def load_trace(
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
     return Trace(tuple(requests), tokens_per_block, str(path))
+
+
+def merge_traces(traces: Mapping[str, Trace]) -> Trace:
+    """One trace of several tenants' traces, merged by time: each request carries its
+    tenant (the mapping's key), and requests of equal time keep their traces' order, the
+    mapping's order between traces. Hash ids stay each trace's own: a replay keys a block by
+    its tenant and its id, so equal ids of two tenants are two blocks.
+
+    .. versionadded:: 0.3
+
+    :raises TraceError: no traces, or traces of different ``tokens_per_block``.
+    """
+    if not traces:
+        raise TraceError("merge_traces: no traces to merge")
+    sizes = {t.tokens_per_block for t in traces.values()}
+    if len(sizes) != 1:
+        raise TraceError(
+            f"merge_traces: the traces' tokens_per_block differ ({sorted(sizes)}): "
+            "their blocks are not the same unit"
+        )
+    tagged = [[replace(r, tenant=name) for r in t.requests] for name, t in traces.items()]
+    merged = heapq.merge(*tagged, key=lambda r: r.timestamp_ms)
+    source = " + ".join(f"{name}: {t.source or 'trace'}" for name, t in traces.items())
+    return Trace(tuple(merged), sizes.pop(), source)
+
+
+def flood_trace(
+    blocks: int,
+    *,
+    requests: int,
+    span_ms: float,
+    tokens_per_block: int = MOONCAKE_BLOCK_TOKENS,
+    start_ms: float = 0.0,
+) -> Trace:
+    """A flood of ``blocks`` unique blocks in ``requests`` requests spread evenly over
+    ``span_ms`` from ``start_ms``: a tenant that fills a store with blocks nobody reads again
+    (a batch job prefilling unique prompts).
+
+    .. versionadded:: 0.3
+    """
+    if blocks < 1 or requests < 1 or span_ms < 0:
+        raise TraceError(
+            f"flood_trace: blocks and requests must be >= 1 and span_ms >= 0, got "
+            f"{blocks}, {requests}, {span_ms}"
+        )
+    out: list[TraceRequest] = []
+    first = 0
+    for n in range(requests):
+        last = blocks * (n + 1) // requests
+        ids = tuple(range(first, last))
+        first = last
+        if ids:
+            at = start_ms + span_ms * n / max(1, requests - 1)
+            out.append(TraceRequest(at, len(ids) * tokens_per_block, 1, ids))
+    return Trace(tuple(out), tokens_per_block, f"flood of {blocks} unique blocks")

@@ -10,14 +10,19 @@ it as ``FileBackend.store_model``, which kvcore's replay driver asks for by the 
 test_real_kv_file_io_gives_the_models_exact_counts`` keeps it equal to the real store's
 decisions (an I/O replay on kv_file and a simulated one count the same hits, writes,
 refusals and evictions).
+
+With tenants (:mod:`kvcore.tenants`), the model keeps one LRU per tenant and picks victims by
+the tenants' shares: the rule kv_file's store is to enforce (issue 61). Until it does, a
+replay with tenants runs on the model only.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvcore.admission import AdmissionPolicy, PolicyName, make_policy
+from kvcore.tenants import DEFAULT_TENANT, TenantLRU, TenantSettings
 
 __all__ = ["StoreModel"]
 
@@ -27,6 +32,10 @@ class StoreModel:
 
     :param capacity_blocks: the store's capacity, in blocks.
     :param block_bytes: bytes one block takes in the store (only rounding depends on it).
+    :param tenants: the tenants' shares (:mod:`kvcore.tenants`): each request's blocks are its
+        tenant's, victims are chosen by the shares (None: one LRU for every block).
+
+    .. versionchanged:: 0.3 ``tenants``, and :meth:`serve`'s ``tenant``
     """
 
     def __init__(
@@ -39,6 +48,7 @@ class StoreModel:
         block_bytes: int = 1 << 14,
         doorkeeper_factor: float = 2.0,
         sample_rate: float = 1 / 16,
+        tenants: TenantSettings | None = None,
     ) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
@@ -57,13 +67,25 @@ class StoreModel:
         self.policy.resize((self.high_bytes + self.low_bytes) // 2 // block_bytes)
         self.lru: OrderedDict[int, None] = OrderedDict()  # policy ids, oldest first
         self.evictions = 0
+        #: with tenants: every block in one LRU per tenant, victims by the shares
+        self.book: TenantLRU[int] | None = None
+        if tenants is not None:
+            tenants.check_capacity(capacity, "tenants")
+            self.book = TenantLRU(tenants)
+        #: blocks evicted and refused, per tenant (with tenants)
+        self.evicted_by: Counter[str] = Counter()
+        self.refused_by: Counter[str] = Counter()
 
     @property
     def files_bytes(self) -> int:
-        return len(self.lru) * self.block_bytes
+        held = len(self.lru) if self.book is None else len(self.book)
+        return held * self.block_bytes
 
-    def serve(self, ids: Sequence[int]) -> tuple[int, int, int]:
-        """One request of blocks ``ids`` (policy ids): ``(hits, written, refused)``."""
+    def serve(self, ids: Sequence[int], tenant: str = DEFAULT_TENANT) -> tuple[int, int, int]:
+        """One request of blocks ``ids`` (policy ids) of ``tenant``: ``(hits, written,
+        refused)``."""
+        if self.book is not None:
+            return self._serve_shared(ids, tenant, self.book)
         lru = self.lru
         hits = 0
         for b in ids:
@@ -80,9 +102,69 @@ class StoreModel:
         written = self._write(rest[:end])
         return hits, written, len(rest) - end
 
+    def _serve_shared(
+        self, ids: Sequence[int], tenant: str, book: TenantLRU[int]
+    ) -> tuple[int, int, int]:
+        """:meth:`serve` with tenants: the same steps, victims by the shares."""
+        hits = 0
+        for b in ids:
+            if b not in book:
+                break
+            hits += 1
+        book.touch(ids[:hits])
+        self.policy.read(ids[:hits])
+        rest = ids[hits:]
+        if not rest:
+            return hits, 0, 0
+        end = self._admit(rest)
+        written = self._write_shared(rest[:end], tenant, book)
+        # per tenant: every block offered and not stored (by admission, its quota or no room)
+        self.refused_by[tenant] += len(rest) - written
+        return hits, written, len(rest) - end
+
+    def _write_shared(self, blocks: Sequence[int], tenant: str, book: TenantLRU[int]) -> int:
+        """:meth:`_write` with tenants: a block past the tenant's quota evicts the tenant's own
+        oldest; past the high watermark, victims down to the low one come from the tenants
+        over their reserved share (:meth:`TenantLRU.victim`). The request's blocks are kept
+        (pinned); a block that finds no room ends the write (the rest lacks its prefix)."""
+        size = self.block_bytes
+        keep = {b for b in blocks if b in book}
+        book.touch(b for b in blocks if b in keep)
+        admitted = 0
+        for b in blocks:
+            if b in keep:
+                continue
+            while book.over_quota(tenant, size):
+                own = book.own_victim(tenant, keep)
+                if own is None:
+                    return admitted
+                self._evict(book, own)
+            if self.files_bytes + size > self.high_bytes:
+                while self.files_bytes + size > self.low_bytes:
+                    victim = book.victim(tenant, keep)
+                    if victim is None:
+                        break
+                    self._evict(book, victim)
+            if self.files_bytes + size > self.capacity_bytes:
+                return admitted
+            book.add(b, tenant, size)
+            keep.add(b)
+            admitted += 1
+        return admitted
+
+    def _evict(self, book: TenantLRU[int], victim: int) -> None:
+        owner = book.owner(victim)
+        book.remove(victim)
+        self.evictions += 1
+        if owner is not None:
+            self.evicted_by[owner] += 1
+
+    def _holds(self, block: int) -> bool:
+        return block in (self.lru if self.book is None else self.book)
+
     def _admit(self, offer: Sequence[int]) -> int:
         """kv_file's ``kvcore_admit``: stored blocks admitted (and seen), the rest offered."""
-        present = [b in self.lru for b in offer]
+        present = [self._holds(b) for b in offer]
         if any(present):
             self.policy.read([b for b, p in zip(offer, present, strict=True) if p])
         new = [b for b, p in zip(offer, present, strict=True) if not p]

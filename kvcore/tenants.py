@@ -1,0 +1,317 @@
+"""Tenants: whose blocks a store holds, and the share of its capacity each may keep.
+
+Keys keep tenants' blocks apart (``cache_salt`` is in every key); tenants keep their
+*capacity* apart. Each tenant the operator names has, in :class:`TenantSettings`:
+
+- ``reserved_bytes``: bytes of its blocks no other tenant's write can evict. Room a tenant
+  leaves unused is used by the others (the store stays work-conserving) and is given back by
+  eviction when its owner needs it.
+- ``quota_bytes``: the most it may ever hold. A write past it evicts the tenant's own least
+  recently used blocks, never another tenant's; it is refused only where the tenant's own
+  blocks cannot make the room (they are all being written).
+
+Victims (:class:`TenantLRU`): when a write needs room, the least recently used block among
+the tenants holding more than their reserved share; where no tenant does, the writer's own
+least recently used block (it is then over its own share); where it has none, the write is
+refused. A tenant's own victims always go in its own LRU order.
+
+Requests map to tenants by :meth:`TenantSettings.tenant_of`: an explicit tenant name the
+engine carries per request, else the request's ``cache_salt`` looked up in ``salts``, else
+the default tenant. A salt is a secret: it is only ever looked up. It is not kept in any
+name, figure, event, log line or file; a model's ``repr`` leaves ``salts`` out, and a bad
+``salts`` entry is reported without its salt.
+
+.. versionadded:: 0.3
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, OrderedDict
+from collections.abc import Container, Hashable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+from pydantic import ByteSize, ConfigDict, Field, field_validator, model_validator
+
+from kvcore.config import SettingsModel
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "TENANT_NAME",
+    "TenantLRU",
+    "TenantSettings",
+    "TenantShare",
+]
+
+#: the tenant of every request no setting maps elsewhere
+DEFAULT_TENANT = "default"
+#: what a tenant's name may be: it becomes a metric label, an event field and a directory name
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+#: at most this many tenants: each is a label value of every per-tenant metric
+MAX_TENANTS = 256
+
+
+def check_tenant_name(name: object, field: str) -> str:
+    """``name`` if it is a tenant's name (:data:`TENANT_NAME`), else a ValueError naming
+    ``field``."""
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        raise ValueError(
+            f"{field}: {name!r} is not a tenant name (1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit)"
+        )
+    return name
+
+
+class TenantShare(SettingsModel):
+    """One tenant's share of a store (see the module docstring)."""
+
+    reserved_bytes: ByteSize = Field(
+        default=ByteSize(0),
+        ge=0,
+        description="bytes of this tenant's blocks no other tenant's write can evict",
+    )
+    quota_bytes: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="the most this tenant may hold (None: no bound but the store's)",
+    )
+
+    @field_validator("reserved_bytes", "quota_bytes", mode="before")
+    @classmethod
+    def _not_negative(cls, value: Any) -> Any:
+        # ByteSize reads "-1" as a string it cannot parse: say what is wrong with it
+        number = value.strip() if isinstance(value, str) else value
+        if isinstance(number, str):
+            try:
+                number = float(number)
+            except ValueError:
+                return value
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and number < 0:
+            raise ValueError(f"must be a number of bytes >= 0, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _quota_covers_reservation(self) -> TenantShare:
+        if self.quota_bytes is not None and self.quota_bytes < self.reserved_bytes:
+            raise ValueError(
+                f"quota_bytes ({int(self.quota_bytes)}) is below reserved_bytes "
+                f"({int(self.reserved_bytes)}): a tenant cannot be kept below what it is "
+                "guaranteed"
+            )
+        return self
+
+
+#: the share of a tenant the settings do not name: nothing reserved, no quota
+NO_SHARE = TenantShare()
+
+
+class TenantSettings(SettingsModel):
+    """Which tenant a request belongs to, and each tenant's share of the store.
+
+    Example (a store of 64 GiB)::
+
+        {"tenants": {"chat": {"reserved_bytes": "32GiB"},
+                     "batch": {"quota_bytes": "16GiB"}},
+         "salts": {"<chat's cache_salt>": "chat"}}
+    """
+
+    # an error's input would carry salts (secrets): errors name the field and say why only
+    model_config = ConfigDict(**{**SettingsModel.model_config, "hide_input_in_errors": True})
+
+    tenants: dict[str, TenantShare] = Field(
+        default_factory=dict, description="each named tenant's share"
+    )
+    salts: dict[str, str] = Field(
+        default_factory=dict,
+        repr=False,  # secrets: never printed
+        description="cache_salt -> tenant name (salts are secrets: never logged or exported)",
+    )
+    default_tenant: str = Field(
+        default=DEFAULT_TENANT, description="the tenant of requests nothing maps elsewhere"
+    )
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _check_tenant_names(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            if len(value) > MAX_TENANTS:
+                raise ValueError(f"at most {MAX_TENANTS} tenants, got {len(value)}")
+            for name in value:
+                check_tenant_name(name, "tenants")
+        return value
+
+    @field_validator("salts", mode="before")
+    @classmethod
+    def _check_salts(cls, value: Any) -> Any:
+        # checked here, before pydantic, whose errors would carry the salt (a dict's key) in
+        # their location
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"must be an object of cache_salt -> tenant, got {type(value).__name__}"
+            )
+        for n, (salt, tenant) in enumerate(value.items()):
+            if not isinstance(salt, str) or not salt:
+                raise ValueError(f"entry {n}: a salt must be a non-empty string")
+            check_tenant_name(tenant, f"entry {n}'s tenant")
+        return dict(value)
+
+    @model_validator(mode="after")
+    def _salts_name_tenants(self) -> TenantSettings:
+        check_tenant_name(self.default_tenant, "default_tenant")
+        known = set(self.tenants) | {self.default_tenant}
+        for n, tenant in enumerate(self.salts.values()):
+            if tenant not in known:
+                raise ValueError(
+                    f"salts: entry {n} maps to tenant {tenant!r}, which 'tenants' does not "
+                    f"name (named: {sorted(known)})"
+                )
+        return self
+
+    def share(self, tenant: str) -> TenantShare:
+        """``tenant``'s share (:data:`NO_SHARE` for one the settings do not name)."""
+        return self.tenants.get(tenant, NO_SHARE)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Every tenant's reservation, summed."""
+        return sum(int(s.reserved_bytes) for s in self.tenants.values())
+
+    def check_capacity(self, capacity_bytes: int, field: str = "tenants") -> None:
+        """Refuse reservations the store cannot hold, in one line naming ``field``."""
+        if self.reserved_bytes > capacity_bytes:
+            raise ValueError(
+                f"{field}: the reserved shares sum to {self.reserved_bytes} bytes, over the "
+                f"store's capacity of {capacity_bytes} bytes"
+            )
+
+    def tenant_of(self, *, tenant: str | None = None, salt: str | None = None) -> str:
+        """The tenant of a request that names ``tenant`` or carries ``salt`` (its
+        ``cache_salt``): a named tenant the settings know first, then the salt's, else the
+        default tenant.
+
+        :raises ValueError: ``tenant`` is not a tenant's name (a request's field: its caller
+            refuses the request).
+        """
+        if tenant is not None:
+            check_tenant_name(tenant, "tenant")
+            if tenant in self.tenants or tenant == self.default_tenant:
+                return tenant
+        if salt:
+            found = self.salts.get(salt)
+            if found is not None:
+                return found
+        return self.default_tenant
+
+    def names(self) -> list[str]:
+        """Every tenant a request can map to: the named ones and the default."""
+        return sorted(set(self.tenants) | {self.default_tenant})
+
+    def check_known(self, tenant: str, field: str = "tenant") -> str:
+        """``tenant`` if a request can map to it, else a ValueError naming ``field``."""
+        check_tenant_name(tenant, field)
+        if tenant not in self.tenants and tenant != self.default_tenant:
+            raise ValueError(f"{field}: unknown tenant {tenant!r} (known: {self.names()})")
+        return tenant
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class TenantLRU(Generic[K]):
+    """Sized entries in one least-recently-used order per tenant, with victims chosen by the
+    tenants' shares (the module docstring's rule). Not thread-safe: its owner locks.
+
+    Entries are whatever identifies a stored unit (a block's id); each belongs to one tenant.
+    """
+
+    def __init__(self, settings: TenantSettings) -> None:
+        self.settings = settings
+        self._lru: dict[str, OrderedDict[K, tuple[int, int]]] = {}  # tenant -> key -> (tick, size)
+        self._owner: dict[K, str] = {}
+        self._tick = 0
+        #: bytes each tenant holds
+        self.used: Counter[str] = Counter()
+        self._reserved = {t: int(s.reserved_bytes) for t, s in settings.tenants.items()}
+        self._quota = {
+            t: int(s.quota_bytes) for t, s in settings.tenants.items() if s.quota_bytes is not None
+        }
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._owner
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.used.values())
+
+    def owner(self, key: K) -> str | None:
+        return self._owner.get(key)
+
+    def entries(self, tenant: str) -> list[K]:
+        """``tenant``'s entries, least recently used first."""
+        return list(self._lru.get(tenant, ()))
+
+    def add(self, key: K, tenant: str, size: int) -> None:
+        """``key`` (``size`` bytes) is stored for ``tenant``: the most recently used."""
+        if key in self._owner:
+            self.remove(key)
+        self._tick += 1
+        self._lru.setdefault(tenant, OrderedDict())[key] = (self._tick, size)
+        self._owner[key] = tenant
+        self.used[tenant] += size
+
+    def touch(self, keys: Iterable[K]) -> None:
+        """``keys`` were read (in this order): each becomes its tenant's most recently used."""
+        for key in keys:
+            tenant = self._owner.get(key)
+            if tenant is None:
+                continue
+            lru = self._lru[tenant]
+            self._tick += 1
+            lru[key] = (self._tick, lru[key][1])
+            lru.move_to_end(key)
+
+    def remove(self, key: K) -> int:
+        """Forget ``key``; the bytes it held (0: not here)."""
+        tenant = self._owner.pop(key, None)
+        if tenant is None:
+            return 0
+        _, size = self._lru[tenant].pop(key)
+        self.used[tenant] -= size
+        if not self.used[tenant]:
+            del self.used[tenant]
+        return size
+
+    def over_quota(self, tenant: str, nbytes: int) -> bool:
+        """Whether ``tenant`` storing ``nbytes`` more would exceed its quota."""
+        quota = self._quota.get(tenant)
+        return quota is not None and self.used[tenant] + nbytes > quota
+
+    def over_share(self, tenant: str) -> int:
+        """Bytes ``tenant`` holds beyond its reserved share (0 or less: within it)."""
+        return self.used[tenant] - self._reserved.get(tenant, 0)
+
+    def own_victim(self, tenant: str, keep: Container[K] = ()) -> K | None:
+        """``tenant``'s least recently used entry not in ``keep`` (a quota's victim)."""
+        return next((k for k in self._lru.get(tenant, ()) if k not in keep), None)
+
+    def victim(self, writer: str, keep: Container[K] = ()) -> K | None:
+        """The entry to evict so that ``writer`` can store more: the least recently used
+        entry (not in ``keep``: being written) among the tenants over their reserved share;
+        where none is, ``writer``'s own least recently used; None where neither exists (the
+        write is refused)."""
+        best: tuple[int, K] | None = None
+        for tenant, lru in self._lru.items():
+            if self.over_share(tenant) <= 0:
+                continue
+            for key, (tick, _) in lru.items():
+                if key in keep:
+                    continue
+                if best is None or tick < best[0]:
+                    best = (tick, key)
+                break
+        if best is not None:
+            return best[1]
+        return self.own_victim(writer, keep)
