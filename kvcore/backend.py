@@ -18,6 +18,7 @@ from typing import Any, Literal
 import pluggy
 
 from kvcore import events as ev
+from kvcore.door import check_buffers
 from kvcore.estimates import ReadRate
 from kvcore.facade_events import FacadeEvents
 from kvcore.guard import DEADLINE_GRACE_S, BackendContractError, CallGuard, GuardedDataCalls
@@ -34,6 +35,7 @@ from kvcore.requests import (
     check_block_meta,
 )
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
+from kvcore.tenants import check_tenant_name
 
 # DEADLINE_GRACE_S and BackendContractError live in kvcore.guard; callers import them from here
 __all__ = ["DEADLINE_GRACE_S", "Backend", "BackendContractError", "VerifyBlocks"]
@@ -121,10 +123,8 @@ class Backend:
 
     @property
     def verifies_blocks(self) -> bool:
-        """Whether this facade keeps and checks block digests (:mod:`kvcore.integrity`).
-
-        .. versionadded:: 0.3
-        """
+        """Whether this facade keeps and checks block digests (:mod:`kvcore.integrity`);
+        ``versionadded 0.3``."""
         return self._digests is not None
 
     # -- building requests ---------------------------------------------------------------
@@ -146,6 +146,7 @@ class Backend:
         rank: int | None = None,
         world_size: int | None = None,
         block_meta: Sequence[bytes] | None = None,
+        tenant: str | None = None,
     ) -> BlockRequest:
         """A :class:`BlockRequest` with this rank's object names.
 
@@ -164,7 +165,7 @@ class Backend:
         that keep it (``Capabilities.block_meta``), for :meth:`describe` (one ``bytes`` per
         block, each at most :data:`kvcore.MAX_BLOCK_META_BYTES`).
 
-        .. versionchanged:: 0.3 ``block_meta``.
+        .. versionchanged:: 0.3 ``block_meta``; ``tenant`` (:attr:`BlockRequest.tenant`).
         """
         ctx = self.context
         if deadline is None:
@@ -194,6 +195,7 @@ class Backend:
             num_blocks=len(block_keys) if num_blocks is None else num_blocks,
             part_nbytes=None if part_bytes is None else tuple(part_bytes),
             block_meta=meta,
+            tenant=None if tenant is None else check_tenant_name(tenant, "tenant"),
         )
 
     @property
@@ -232,9 +234,7 @@ class Backend:
 
     def query(self, request: BlockRequest) -> Outcome:
         """Leading blocks present (with their digests, where kept); 0 on any backend failure."""
-        if self._digests is not None:
-            return self._digests.query(request)
-        return self._plain.query(request)
+        return self._for_tenant(request, "query", (self._digests or self._plain).query(request))
 
     def contains(self, request: BlockRequest) -> Presence:
         """Which blocks of ``request`` are stored, each on its own: a block missing in the
@@ -244,7 +244,9 @@ class Backend:
 
         .. versionadded:: 0.3
         """
-        return self._lookups.contains(request)
+        found = self._lookups.contains(request)
+        self._for_tenant(request, "query", Outcome(found.count, found.failure, found.kind))
+        return found
 
     def describe(self, request: BlockRequest) -> list[bytes | None]:
         """What each block of ``request`` said of itself when written (``block_meta``), as the
@@ -276,7 +278,7 @@ class Backend:
         try:
             got = (self._digests or self._plain).read(request)
             done = int(got)
-            return got
+            return self._for_tenant(request, "read", got)
         finally:
             rate.finished(done * self.block_nbytes(request) if done else 0)
 
@@ -299,12 +301,12 @@ class Backend:
 
         .. versionchanged:: 0.3 ``admit``.
         """
-        refused = 0
+        refused, asked = 0, request
         if admit:
             admitted = int(self.admit(request))
             refused = request.num_blocks - admitted
             if admitted == 0:
-                return Outcome(0, refused=refused)
+                return self._for_tenant(asked, "write", Outcome(0, refused=refused))
             if refused:
                 host = None if request.host is None else request.host.slice(0, admitted)
                 device = None if request.device is None else request.device.slice(0, admitted)
@@ -317,8 +319,8 @@ class Backend:
         if done and self._event_wiring.publishes(ev.STORED):
             self._event_wiring.publish_blocks(ev.STORED, request, int(done))
         if refused:
-            return Outcome(int(done), done.failure, done.kind, refused=refused)
-        return done
+            done = Outcome(int(done), done.failure, done.kind, refused=refused)
+        return self._for_tenant(asked, "write", done)
 
     def admit(self, request: BlockRequest) -> Outcome:
         """Leading blocks of ``request`` the backend would store if written (see
@@ -443,49 +445,22 @@ class Backend:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _check_buffers(self, request: BlockRequest, op: str) -> None:
-        """The door check of a read or write: what the hook spec promises a backend.
+    def _for_tenant(self, request: BlockRequest, op: str, got: Outcome) -> Outcome:
+        """``got``, the answer to ``request``, counted under its tenant (if it names one):
+        blocks asked, answered, refused by admission, and failed calls."""
+        if request.tenant is not None:
+            failed = {"failures": 1} if got.failure is not None else {}
+            refused = {"blocks_refused": got.refused} if getattr(got, "refused", 0) else {}
+            blocks, done = request.num_blocks, int(got)
+            self.metrics.tenants.add(request.tenant, op, blocks=blocks, blocks_done=done,
+                                     **failed, **refused)  # fmt: skip
+        return got
 
-        O(1) per request (plus the part sizes): requests built by :meth:`request` and sliced
-        by the core are well-formed by construction, so nothing below re-checks them.
-        """
-        if self.context.role == "lookup" and (op == "write" or not self.capabilities.lookup_reads):
-            raise ValueError(
-                f"backend {self.name!r} was opened for lookups (context role 'lookup'): it "
-                f"cannot {op}; open it with role 'data' to move blocks"
-            )
-        want = self.capabilities.io
-        n = request.num_blocks
-        if request.block_keys and len(request.object_names) != n:
-            raise ValueError(f"object_names has {len(request.object_names)} rows for {n} blocks")
-        if want == "device":
-            if request.device is None:
-                raise ValueError(
-                    f"backend {self.name!r} does device I/O: the request needs `device` buffers"
-                )
-            if len(request.device.block_ids) != n:
-                raise ValueError(
-                    f"device.block_ids has {len(request.device.block_ids)} ids for {n} blocks"
-                )
-            return
-        host = request.host
-        if host is None:
-            raise ValueError(
-                f"backend {self.name!r} does host I/O: the request needs `host` buffers"
-            )
-        if host.num_blocks != n:
-            raise ValueError(f"host buffers hold {host.num_blocks} blocks; the request has {n}")
-        sizes = self.part_sizes(request)
-        if sizes is not None and list(host.nbytes) != sizes:
-            raise ValueError(
-                f"host.nbytes {list(host.nbytes)} differ from the part sizes {sizes} (parts "
-                f"{list(request.parts)}): a short buffer would store a truncated object"
-            )
-        if not host.contiguous and not self.capabilities.segmented_host:
-            raise ValueError(
-                f"backend {self.name!r} does not take segmented host buffers "
-                "(Capabilities.segmented_host is False)"
-            )
+    def _check_buffers(self, request: BlockRequest, op: str) -> None:
+        """The door check of a read or write (:func:`kvcore.door.check_buffers`)."""
+        check_buffers(
+            request, op, self.name, self.context, self.capabilities, self.part_sizes(request)
+        )
 
     def part_sizes(self, request: BlockRequest) -> list[int] | None:
         """Sizes the request's parts must have: as the request declares, else the layout's

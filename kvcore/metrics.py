@@ -29,6 +29,7 @@ __all__ = [
     "Metrics",
     "OnceLogger",
     "PrometheusCollector",
+    "TenantCounters",
     "serve_prometheus",
 ]
 
@@ -109,6 +110,71 @@ class _Op:
         self.latency: _Histogram | None = None
 
 
+#: tenants counted by name (a label value each); later ones are counted together as "other"
+MAX_TENANT_LABELS = 256
+OTHER_TENANTS = "other"
+
+
+class TenantCounters:
+    """Counts per tenant and operation (the blocks a request asked for and those answered),
+    for figures per tenant: a query's or a read's ``blocks_done`` are its hits, its
+    ``blocks`` less them its misses; an admission's, the blocks admitted. Tenants are the
+    operator's names (a request's ``tenant``, never a salt); past :data:`MAX_TENANT_LABELS`
+    of them, the rest count as ``other``, so a metric's label values stay bounded.
+
+    .. versionadded:: 0.3
+    """
+
+    def __init__(self, max_tenants: int = MAX_TENANT_LABELS) -> None:
+        self._lock = threading.Lock()
+        self._max = max_tenants
+        self._counts: dict[tuple[str, str], dict[str, float]] = {}  # (tenant, op) -> counts
+        self._tenants: set[str] = set()
+
+    def add(self, tenant: str, op: str, **counts: float) -> None:
+        with self._lock:
+            if tenant not in self._tenants:
+                if len(self._tenants) >= self._max:
+                    tenant = OTHER_TENANTS
+                self._tenants.add(tenant)
+            found = self._counts.get((tenant, op))
+            if found is None:
+                found = self._counts[(tenant, op)] = {}
+            for name, value in counts.items():
+                found[name] = found.get(name, 0.0) + value
+
+    def snapshot(self) -> dict[str, float]:
+        """Flat ``{"tenant_<name>.<op>.<tenant>": value}``."""
+        with self._lock:
+            return {
+                f"tenant_{name}.{op}.{tenant}": v
+                for (tenant, op), counts in sorted(self._counts.items())
+                for name, v in counts.items()
+            }
+
+    def families(self, prefix: str, labels: Mapping[str, str]) -> list[Metric]:
+        """``<prefix>_tenant_<name>_total{<labels>,tenant,op}`` counters."""
+        from prometheus_client.core import CounterMetricFamily
+
+        with self._lock:
+            items = sorted((k, dict(v)) for k, v in self._counts.items())
+        by_name: defaultdict[str, list[tuple[str, str, float]]] = defaultdict(list)
+        for (tenant, op), counts in items:
+            for name, v in counts.items():
+                by_name[name].append((tenant, op, v))
+        out: list[Metric] = []
+        for name in sorted(by_name):
+            family = CounterMetricFamily(
+                f"{prefix}_tenant_{_sanitize(name)}",
+                f"{name.replace('_', ' ')}, per tenant and operation",
+                labels=[*labels, "tenant", "op"],
+            )
+            for tenant, op, v in by_name[name]:
+                family.add_metric([*labels.values(), tenant, op], v)
+            out.append(family)
+        return out
+
+
 class Metrics:
     """Counters by name and a latency histogram, per operation.
 
@@ -123,6 +189,8 @@ class Metrics:
         self.labels = dict(labels or {})
         self._lock = threading.Lock()
         self._ops: dict[str, _Op] = {}
+        #: the same calls counted per tenant, for requests that name one (``0.3``)
+        self.tenants = TenantCounters()
 
     def _op(self, op: str) -> _Op:
         """``op``'s figures (created at its first update; the caller holds the lock)."""
@@ -166,7 +234,8 @@ class Metrics:
                 if s.latency is not None:
                     out[f"latency_count.{op}"] = s.latency.count
                     out[f"latency_sum_s.{op}"] = s.latency.sum
-            return dict(sorted(out.items()))
+        out.update(self.tenants.snapshot())
+        return dict(sorted(out.items()))
 
     def families(self, extra: Mapping[str, float] | None = None) -> list[Metric]:
         """The counters, histograms and ``extra`` gauges as prometheus-client metric families.
@@ -215,6 +284,7 @@ class Metrics:
                     points.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
                 hist.add_metric([*values, op], points, total)
             out.append(hist)
+        out += self.tenants.families(self.prefix, self.labels)
         for name, v in sorted((extra or {}).items()):
             gauge = GaugeMetricFamily(
                 f"{self.prefix}_{_sanitize(name)}", name.replace("_", " "), labels=list(self.labels)

@@ -284,6 +284,8 @@ class BlockRequest:
       ``Capabilities(block_meta=True)`` and returned by ``kvcore_describe`` to any process, so
       another engine sharing the store can announce the block without its payload. None: no
       metadata.
+    - ``tenant``: whose request it is (:mod:`kvcore.tenants`: an operator's tenant name, never
+      a salt), for figures per tenant and a store's shares; None: the request names none.
 
     What kvcore promises a hook (checked once, where the request enters the core): ``host`` is
     set on reads and writes of ``io="host"`` backends and ``device`` on those of ``io="device"``
@@ -294,7 +296,7 @@ class BlockRequest:
 
     .. versionchanged:: 0.2 ``num_blocks`` is a field (token-only requests carry no fake keys);
        ``part_nbytes``; :meth:`slice`.
-    .. versionchanged:: 0.3 ``block_meta``.
+    .. versionchanged:: 0.3 ``block_meta``, ``tenant``.
     """
 
     task_id: str
@@ -309,6 +311,7 @@ class BlockRequest:
     num_blocks: int = -1
     part_nbytes: tuple[int, ...] | None = None
     block_meta: tuple[bytes, ...] | None = None
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         # keys, when present, decide (so dataclasses.replace(request, block_keys=...) stays
@@ -346,6 +349,7 @@ class BlockRequest:
             num_blocks=hi - lo,
             part_nbytes=self.part_nbytes,
             block_meta=None if self.block_meta is None else self.block_meta[lo:hi],
+            tenant=self.tenant,
         )
 
     def with_buffers(

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from typing_extensions import Self
 
 from kvcore.blockmeta import check_block_meta
 from kvcore.config import StrictModel, timeout_field
+from kvcore.tenants import check_tenant_name
 
 __all__ = [
     "FlushTask",
@@ -31,6 +32,22 @@ __all__ = [
 class _TaskBase(StrictModel):
     task_id: str = Field(min_length=1)
     timeout_s: float | None = timeout_field(None, "None: the manager's default timeout")
+
+
+class _TenantField(StrictModel):
+    """``tenant``: whose request it is, by the operator's name for it (an engine adapter maps a
+    request's ``cache_salt`` or its own parameter to it with :class:`kvcore.tenants.
+    TenantSettings`; a salt never travels here); counted per tenant. None: none named.
+
+    .. versionadded:: 0.3
+    """
+
+    tenant: str | None = None
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_tenant_name(value)
 
 
 class _SliceFields(StrictModel):
@@ -57,7 +74,7 @@ class _SliceFields(StrictModel):
         return self
 
 
-class QueryTask(_TaskBase, _SliceFields):
+class QueryTask(_TaskBase, _SliceFields, _TenantField):
     """Count the stored leading run of ``keys`` (blocks ``start_block ..``) on this rank.
 
     A query moves no data, so it names no device blocks.
@@ -84,7 +101,7 @@ class QueryTask(_TaskBase, _SliceFields):
         return self
 
 
-class _BlockTask(_TaskBase, _SliceFields):
+class _BlockTask(_TaskBase, _SliceFields, _TenantField):
     """Blocks ``start_block .. start_block + len(keys)`` paired with device blocks.
 
     ``keys[i]`` is the chained hash of block ``start_block + i``, held in device block

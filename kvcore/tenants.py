@@ -41,6 +41,7 @@ __all__ = [
     "TenantLRU",
     "TenantSettings",
     "TenantShare",
+    "check_tenant_name",
 ]
 
 #: the tenant of every request no setting maps elsewhere
@@ -51,12 +52,13 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_TENANTS = 256
 
 
-def check_tenant_name(name: object, field: str) -> str:
+def check_tenant_name(name: object, field: str | None = None) -> str:
     """``name`` if it is a tenant's name (:data:`TENANT_NAME`), else a ValueError naming
-    ``field``."""
+    ``field`` (None: a validator's, whose error names the field already)."""
     if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        where = "" if field is None else f"{field}: "
         raise ValueError(
-            f"{field}: {name!r} is not a tenant name (1-64 letters, digits, '_', '.' or '-', "
+            f"{where}{name!r} is not a tenant name (1-64 letters, digits, '_', '.' or '-', "
             "starting with a letter or digit)"
         )
     return name
@@ -137,7 +139,7 @@ class TenantSettings(SettingsModel):
             if len(value) > MAX_TENANTS:
                 raise ValueError(f"at most {MAX_TENANTS} tenants, got {len(value)}")
             for name in value:
-                check_tenant_name(name, "tenants")
+                check_tenant_name(name)
         return value
 
     @field_validator("salts", mode="before")
