@@ -32,6 +32,8 @@ from pydantic_core import InitErrorDetails
 from pydantic_settings import EnvSettingsSource
 from typing_extensions import Self
 
+from kvcore.tenants import TenantSettings
+
 __all__ = [
     "MAX_NAMESPACE_CHARS",
     "MAX_TIMEOUT_S",
@@ -335,10 +337,13 @@ class EngineBackendSettings(SettingsModel):
 
     .. versionadded:: 0.3
     .. versionchanged:: 0.3 ``load_policy``, ``load_margin`` and ``prefill_tokens_per_s``, the
-       load-or-recompute decision's (one for every adapter).
+       load-or-recompute decision's (one for every adapter); ``tenants`` and
+       :meth:`tenant_of` (one for every adapter).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: an error's input would carry ``tenants.salts`` (secrets); each
+    # message names its field and says what is wrong without it
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     backend: str = Field(
         description="kvcore backend name (an entry point of kvcore.backends: file, mooncake, "
@@ -380,6 +385,20 @@ class EngineBackendSettings(SettingsModel):
         description="auto: how much faster (a fraction) the other choice must be expected to be "
         "before the decision changes, so that requests in a row do not flap",
     )
+    tenants: TenantSettings | None = Field(
+        default=None,
+        description="which tenant each request belongs to (its cache_salt in 'salts', or a "
+        "tenant the engine names per request) and each tenant's share: kvcore.tenants; unset: "
+        "requests name no tenant",
+    )
+
+    def tenant_of(self, *, tenant: str | None = None, salt: str | None = None) -> str | None:
+        """The tenant a request belongs to (:meth:`kvcore.tenants.TenantSettings.tenant_of`),
+        from the name the engine carries for it or its ``cache_salt``; None where no tenants
+        are set (the request names none)."""
+        if self.tenants is None:
+            return None
+        return self.tenants.tenant_of(tenant=tenant, salt=salt)
 
     @field_validator("backend")
     @classmethod

@@ -26,14 +26,22 @@ name, figure, event, log line or file; a model's ``repr`` leaves ``salts`` out, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections import Counter, OrderedDict
 from collections.abc import Container, Hashable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from pydantic import ByteSize, ConfigDict, Field, field_validator, model_validator
-
-from kvcore.config import SettingsModel
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -64,8 +72,42 @@ def check_tenant_name(name: object, field: str | None = None) -> str:
     return name
 
 
-class TenantShare(SettingsModel):
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def _digest(salt: str) -> str:
+    return hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _salt_map(value: Any, where: str) -> dict[str, str]:
+    """``value`` as salt -> tenant, each checked; an error says which entry, never its salt."""
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{where}: must be an object of cache_salt -> tenant, got {type(value).__name__}"
+        )
+    for n, (salt, tenant) in enumerate(value.items()):
+        if not isinstance(salt, str) or not salt:
+            raise ValueError(f"{where}: entry {n}: a salt must be a non-empty string")
+        check_tenant_name(tenant, f"{where}: entry {n}'s tenant")
+    return dict(value)
+
+
+def _read_salts_file(path: str) -> dict[str, str]:
+    """The salt -> tenant map in the JSON file ``path`` (errors name the file, not a salt)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"salts_file: cannot read {path!r}: {exc.strerror or exc}") from None
+    except ValueError:
+        raise ValueError(f"salts_file: {path!r} is not a JSON object of salt -> tenant") from None
+    return _salt_map(data, f"salts_file {path!r}")
+
+
+class TenantShare(BaseModel):
     """One tenant's share of a store (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     reserved_bytes: ByteSize = Field(
         default=ByteSize(0),
@@ -81,7 +123,10 @@ class TenantShare(SettingsModel):
     @field_validator("reserved_bytes", "quota_bytes", mode="before")
     @classmethod
     def _not_negative(cls, value: Any) -> Any:
-        # ByteSize reads "-1" as a string it cannot parse: say what is wrong with it
+        # ByteSize reads "-1" as a string it cannot parse: say what is wrong with it; and True
+        # is no size (Python's bool is an int)
+        if isinstance(value, bool):
+            raise ValueError("must be a number of bytes, not a boolean")
         number = value.strip() if isinstance(value, str) else value
         if isinstance(number, str):
             try:
@@ -107,30 +152,49 @@ class TenantShare(SettingsModel):
 NO_SHARE = TenantShare()
 
 
-class TenantSettings(SettingsModel):
+class TenantSettings(BaseModel):
     """Which tenant a request belongs to, and each tenant's share of the store.
 
     Example (a store of 64 GiB)::
 
         {"tenants": {"chat": {"reserved_bytes": "32GiB"},
                      "batch": {"quota_bytes": "16GiB"}},
-         "salts": {"<chat's cache_salt>": "chat"}}
+         "salts_file": "/etc/kvcore/salts.json"}
+
+    Salts map to tenants in one of three ways, all kept only as SHA-256 digests once read:
+    ``salt_sha256`` (the digest of each salt, hex: the settings hold no salt at all),
+    ``salts_file`` (the path of a JSON object of salt -> tenant, read once) or ``salts`` (the
+    salts themselves). Engines print their connector's settings in their logs (vLLM logs its
+    ``kv_connector_extra_config``), so ``salts`` there shows every salt: give the digests or a
+    file instead.
     """
 
     # an error's input would carry salts (secrets): errors name the field and say why only
-    model_config = ConfigDict(**{**SettingsModel.model_config, "hide_input_in_errors": True})
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     tenants: dict[str, TenantShare] = Field(
         default_factory=dict, description="each named tenant's share"
     )
+    salt_sha256: dict[str, str] = Field(
+        default_factory=dict,
+        description="SHA-256 of a cache_salt (64 hex digits) -> its tenant",
+    )
+    salts_file: str | None = Field(
+        default=None,
+        description="a JSON file of cache_salt -> tenant, read once (its salts kept as digests)",
+    )
     salts: dict[str, str] = Field(
         default_factory=dict,
-        repr=False,  # secrets: never printed
-        description="cache_salt -> tenant name (salts are secrets: never logged or exported)",
+        repr=False,  # secrets: never printed, never dumped
+        exclude=True,
+        description="cache_salt -> tenant (an engine that logs its settings logs these: prefer "
+        "salt_sha256 or salts_file)",
     )
     default_tenant: str = Field(
         default=DEFAULT_TENANT, description="the tenant of requests nothing maps elsewhere"
     )
+    #: every salt's tenant, by the salt's SHA-256 (hex)
+    _by_digest: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("tenants", mode="before")
     @classmethod
@@ -147,26 +211,36 @@ class TenantSettings(SettingsModel):
     def _check_salts(cls, value: Any) -> Any:
         # checked here, before pydantic, whose errors would carry the salt (a dict's key) in
         # their location
+        return _salt_map(value, "salts")
+
+    @field_validator("salt_sha256", mode="before")
+    @classmethod
+    def _check_digests(cls, value: Any) -> Any:
         if not isinstance(value, Mapping):
-            raise ValueError(
-                f"must be an object of cache_salt -> tenant, got {type(value).__name__}"
-            )
-        for n, (salt, tenant) in enumerate(value.items()):
-            if not isinstance(salt, str) or not salt:
-                raise ValueError(f"entry {n}: a salt must be a non-empty string")
+            raise ValueError(f"must be an object of digest -> tenant, got {type(value).__name__}")
+        for n, (digest, tenant) in enumerate(value.items()):
+            if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+                raise ValueError(f"entry {n}: not a SHA-256 digest (64 hex digits)")
             check_tenant_name(tenant, f"entry {n}'s tenant")
-        return dict(value)
+        return {d.lower(): t for d, t in value.items()}
 
     @model_validator(mode="after")
     def _salts_name_tenants(self) -> TenantSettings:
         check_tenant_name(self.default_tenant, "default_tenant")
+        by_digest = dict(self.salt_sha256)
+        by_digest.update({_digest(salt): tenant for salt, tenant in self.salts.items()})
+        if self.salts_file is not None:
+            by_digest.update(
+                {_digest(salt): t for salt, t in _read_salts_file(self.salts_file).items()}
+            )
         known = set(self.tenants) | {self.default_tenant}
-        for n, tenant in enumerate(self.salts.values()):
+        for n, tenant in enumerate(by_digest.values()):
             if tenant not in known:
                 raise ValueError(
                     f"salts: entry {n} maps to tenant {tenant!r}, which 'tenants' does not "
                     f"name (named: {sorted(known)})"
                 )
+        self._by_digest = by_digest
         return self
 
     def share(self, tenant: str) -> TenantShare:
@@ -188,18 +262,14 @@ class TenantSettings(SettingsModel):
 
     def tenant_of(self, *, tenant: str | None = None, salt: str | None = None) -> str:
         """The tenant of a request that names ``tenant`` or carries ``salt`` (its
-        ``cache_salt``): a named tenant the settings know first, then the salt's, else the
-        default tenant.
-
-        :raises ValueError: ``tenant`` is not a tenant's name (a request's field: its caller
-            refuses the request).
-        """
-        if tenant is not None:
-            check_tenant_name(tenant, "tenant")
-            if tenant in self.tenants or tenant == self.default_tenant:
-                return tenant
+        ``cache_salt``): a tenant the settings name first, then the salt's, else the default
+        tenant. A name the settings do not know (or that is no tenant name) is ignored: a
+        request's parameter is a user's, and the tenant only decides figures and shares, never
+        what a request may read (its key does)."""
+        if tenant is not None and (tenant in self.tenants or tenant == self.default_tenant):
+            return tenant
         if salt:
-            found = self.salts.get(salt)
+            found = self._by_digest.get(_digest(salt))
             if found is not None:
                 return found
         return self.default_tenant

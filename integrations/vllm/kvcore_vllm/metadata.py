@@ -31,6 +31,8 @@ class BlockRun:
     #: loads: how long the load-or-recompute decision expected it to take (None: not paced);
     #: a load behind it is cut and the rest recomputed (:class:`kvcore.ReadTask`)
     expected_s: float | None = None
+    #: whose request it is (``settings.tenants``; None: no tenants set), its tasks' tenant
+    tenant: str | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -275,6 +275,7 @@ class SchedulerSide:
                     timeout_s=self.settings.lookup_timeout_s,
                     rank=piece.rank,
                     world_size=piece.world,
+                    tenant=self._tenant_of(request),
                 )
             )
             if getattr(found, "failure", None):
@@ -367,6 +368,20 @@ class SchedulerSide:
         log.debug("request %s: %s", rid, choice)
         return choice.blocks
 
+    def _tenant_of(self, request: Any) -> str | None:
+        """The tenant ``request`` belongs to (``settings.tenants``; None where none are set):
+        the one its ``kv_transfer_params["kvcore_tenant"]`` names, else its ``cache_salt``'s,
+        else the default tenant. Its blocks are counted (and kept) under it; what it may read
+        is its key's business (the salt is in every key), never the tenant's."""
+        if self.settings.tenants is None:
+            return None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        named = params.get("kvcore_tenant") if isinstance(params, dict) else None
+        return self.settings.tenant_of(
+            tenant=named if isinstance(named, str) else None,
+            salt=getattr(request, "cache_salt", None),
+        )
+
     def _request_policy(self, request: Any) -> Any:
         """The request's own ``kv_transfer_params["kvcore_load_policy"]``, if it has one (a
         bad value is logged, counted and ignored: the engine's setting applies)."""
@@ -447,6 +462,7 @@ class SchedulerSide:
             token_ids=self._tokens(request, start + n),
             group=self.groups[0].index,
             expected_s=choice.expected_s if paced and choice is not None else None,
+            tenant=self._tenant_of(request),
         )
         self._loads.append(run)
         self._last_load[request.request_id] = run
@@ -498,6 +514,7 @@ class SchedulerSide:
                     block_ids=ids[start:stop],
                     token_ids=self._tokens(request, stop),
                     group=group.index,
+                    tenant=self._tenant_of(request),
                 )
             )
         return runs
@@ -592,6 +609,7 @@ class SchedulerSide:
             token_ids=self._tokens(request, full),
             group=self.groups[0].index,
             block_meta=[encode(facts) for _, facts in described] if self.describes_blocks else None,
+            tenant=self._tenant_of(request),
         )
         return [run, *self._group_runs(request, all_ids, first, full, saving=True)]
 

@@ -273,7 +273,8 @@ def parse_metrics(lines: list[str]) -> dict[str, float]:
     totals: dict[str, float] = {}
     for line in lines:
         body = line.split("KV Transfer metrics:", 1)[-1]
-        for name, value in re.findall(r"([\w.]+)=([-\d.e+]+)", body):
+        # names: counters, and per-tenant figures whose tenant may hold '-' (team-a)
+        for name, value in re.findall(r"([\w.-]+)=([-\d.e+]+)", body):
             totals[name] = totals.get(name, 0.0) + float(value)
     return totals
 

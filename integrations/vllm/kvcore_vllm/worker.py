@@ -528,6 +528,7 @@ class WorkerSide:
             "rank": piece.rank,
             "world_size": piece.world,
             "token_ids": run.token_ids,
+            "tenant": run.tenant,  # a name settings.tenants validated
         }
         if what == "load":
             return ReadTask.model_construct(**fields, expected_s=run.expected_s)

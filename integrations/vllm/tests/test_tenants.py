@@ -1,0 +1,66 @@
+"""Tenants through the vLLM connector on the real CPU engine (issue 61): each request's tenant
+comes from its ``cache_salt`` (mapped in ``settings.tenants``) or its
+``kv_transfer_params["kvcore_tenant"]``; the store counts each tenant's loads and saves apart,
+and no salt appears in the engine's log, its metrics or the store's file names."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from conftest import STATS_STEP, Prompts, file_connector, run_engine
+
+SALT_A = "salt-of-team-a-5c1e"
+SALT_B = "salt-of-team-b-9d2f"
+
+
+def _generate(name: str, tokens: list[int], salt: str) -> dict:
+    return {"op": "generate", "name": name, "max_tokens": 4,
+            "prompts": [{"tokens": tokens, "cache_salt": salt}]}  # fmt: skip
+
+
+def test_each_requests_tenant_is_counted_apart_and_no_salt_is_shown(
+    model_dir: Path, prompts: Prompts, tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    # the salts in a file: vLLM logs the connector's settings, which then hold its path only
+    salts = tmp_path / "salts.json"
+    salts.write_text(json.dumps({SALT_A: "team-a", SALT_B: "team-b"}))
+    connector = file_connector(
+        root,
+        "tenants",
+        tenants={"tenants": {"team-a": {}, "team-b": {}}, "salts_file": str(salts)},
+    )
+    run = run_engine(
+        {
+            "model": str(model_dir),
+            "connector": connector,
+            "in_process": True,
+            "steps": [
+                _generate("A", prompts.a, SALT_A),
+                _generate("B", prompts.b, SALT_B),
+                {"op": "reset_prefix_cache"},
+                _generate("A_again", prompts.a, SALT_A),
+                STATS_STEP,
+                {"op": "shutdown", "store_root": str(root)},
+            ],
+        },
+        tmp_path,
+        "tenants",
+    )
+    metrics = run.step("stats")["metrics"]
+    tenant = {k.removeprefix("kvcore.be."): v for k, v in metrics.items() if ".tenant_" in k}
+    # each tenant's saves are its own; only team-a's prompt was asked for again, and restored
+    assert tenant["tenant_blocks_done.write.team-a"] > 0
+    assert tenant["tenant_blocks_done.write.team-b"] > 0
+    assert tenant["tenant_blocks_done.read.team-a"] > 0
+    assert "tenant_blocks.read.team-b" not in tenant
+    assert run.step("A_again")["num_cached_tokens"][0] > 0
+    # a salt is a secret: in no log line, metric or file name
+    shown = [run.log, repr(metrics)]
+    shown += [str(p) for p in root.rglob("*")]
+    shown += [p.read_text(errors="replace") for p in tmp_path.glob("*.log")]
+    for salt in (SALT_A, SALT_B):
+        assert not any(salt in text for text in shown), salt
+    assert os.path.isdir(root)
