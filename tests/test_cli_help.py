@@ -32,7 +32,16 @@ def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 def test_every_option_has_help_and_states_its_default():
     top = _parser()
     parsers = {"kvcore": top, **_subparsers(top)}
-    assert set(parsers) == {"kvcore", "backends", "demo", "bench", "check", "events", "replay"}
+    assert set(parsers) == {
+        "kvcore",
+        "backends",
+        "demo",
+        "bench",
+        "check",
+        "events",
+        "replay",
+        "stats",
+    }
     for command, parser in parsers.items():
         for action in _options(parser):
             name = "/".join(action.option_strings) or action.dest

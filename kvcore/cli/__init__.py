@@ -249,6 +249,17 @@ def _parser() -> _Parser:
 
     add_replay_arguments(r)
 
+    st = sub.add_parser(
+        "stats",
+        help="kvcore's figures from an engine's Prometheus endpoint, or from a store",
+        description="Scrape a kvcore Prometheus endpoint once (an engine's /metrics with "
+        "kvcore's collector, or kvcore.metrics.serve_prometheus), or open a backend for its "
+        "own figures, and print them per operation, per tenant and as gauges.",
+    )
+    from kvcore.cli.stats import add_arguments as add_stats_arguments
+
+    add_stats_arguments(st)
+
     c = sub.add_parser(
         "check",
         help="run the conformance kit against an installed backend",
@@ -325,6 +336,8 @@ def _runner(command: str) -> Any:
         from kvcore.cli.events import run
     elif command == "replay":
         from kvcore.cli.replay import run
+    elif command == "stats":
+        from kvcore.cli.stats import run
     else:
         from kvcore.cli.check import run
     return run
