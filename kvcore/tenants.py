@@ -16,10 +16,11 @@ least recently used block (it is then over its own share); where it has none, th
 refused. A tenant's own victims always go in its own LRU order.
 
 Requests map to tenants by :meth:`TenantSettings.tenant_of`: an explicit tenant name the
-engine carries per request, else the request's ``cache_salt`` looked up in ``salts``, else
-the default tenant. A salt is a secret: it is only ever looked up. It is not kept in any
-name, figure, event, log line or file; a model's ``repr`` leaves ``salts`` out, and a bad
-``salts`` entry is reported without its salt.
+engine carries per request, else the tenant of the request's ``cache_salt``, else the default
+tenant. A salt is a secret: the settings keep only its SHA-256 (given as ``salt_sha256``, or
+read from ``salts_file`` or ``salts``), a request's salt is hashed to be looked up, and no salt
+is in a name, figure, event, log line or file kvcore writes; a model's ``repr`` and dump leave
+``salts`` out, and a bad entry is reported by its position, never its salt.
 
 .. versionadded:: 0.3
 """
