@@ -113,6 +113,10 @@ def verify_blocks_setting(environ: Mapping[str, str] | None = None) -> str:
 #: seconds after which a backend that could not be opened (a Mooncake master not up yet) is
 #: tried again; until then every call is a miss (0: never again)
 REOPEN_ENV = "KVCORE_FASTDEPLOY_REOPEN_INTERVAL_S"
+#: the engine's tenant settings (``kvcore.tenants.TenantSettings``): a JSON object or the path
+#: of a JSON file. FastDeploy's calls carry keys, no request: every block is its
+#: ``default_tenant``'s (one tenant per engine)
+TENANTS_ENV = "KVCORE_FASTDEPLOY_TENANTS"
 
 
 def reopen_interval_setting(environ: Mapping[str, str] | None = None) -> float:
@@ -219,6 +223,12 @@ class FastDeploySettings(EngineBackendSettings):
             "reopen_interval_s": reopen_interval_setting(environ),
             "verify_blocks": verify_blocks_setting(environ),
         }
+        tenants = (os.environ if environ is None else environ).get(TENANTS_ENV)
+        if tenants:
+            try:
+                values["tenants"] = parse_config_arg(tenants)
+            except ValueError as exc:
+                raise ValueError(f"kvcore for FastDeploy: {TENANTS_ENV}: {exc}") from None
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
@@ -229,6 +239,7 @@ class FastDeploySettings(EngineBackendSettings):
                 "namespace": "FastDeploy's model id (the namespace)",
                 "reopen_interval_s": REOPEN_ENV,
                 "verify_blocks": VERIFY_BLOCKS_ENV,
+                "tenants": TENANTS_ENV,
             }
             problems = []
             for err in exc.errors():

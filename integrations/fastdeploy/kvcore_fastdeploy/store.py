@@ -115,6 +115,8 @@ class KVCoreStore:
         self._buffers: dict[int, int] = {}  # regions FastDeploy registered: each opened backend's
         self._attached: kvcore.Backend | None = None  # the backend _attach gave the regions
         self._lock = threading.Lock()
+        #: every request's tenant (``settings.tenants``' default tenant; None: no tenants)
+        self.tenant: str | None = None
         if isinstance(backend, kvcore.BackendHandle):
             self._handle = backend
             config = kvcore.check_backend_config(str(backend.name), backend.config)
@@ -224,6 +226,9 @@ class KVCoreStore:
         )
         store = cls(handle)
         store._owned = True
+        # FastDeploy's calls carry keys, no request (so no salt): the settings' default tenant,
+        # one per engine (None without tenants)
+        store.tenant = settings.tenant_of()
         try:
             # now if it can: settings errors raise here; a store that is not up does not stop
             # FastDeploy (logged by the handle; every call is a miss until it opens)
@@ -385,6 +390,7 @@ class KVCoreStore:
             parts=parts,
             deadline=time.monotonic() + timeout,
             host=host,
+            tenant=self.tenant,
         )
 
     def _batch(

@@ -322,3 +322,21 @@ def test_a_master_not_up_at_start_is_a_miss_until_it_opens() -> None:
     finally:
         store.close()
         cluster.close()
+
+
+def test_every_block_is_the_engines_tenant_where_tenants_are_set(
+    open_store: Callable[..., KVCoreStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FastDeploy's calls carry no request: one tenant per engine, the settings' default one
+    monkeypatch.setenv("KVCORE_FASTDEPLOY_TENANTS", '{"default_tenant": "team-x"}')
+    store = open_store("memory", **LAYOUT)
+    names = fastdeploy_names(["a", "b"], 0)
+    _, locations, sizes = _regions(store, 2, ("k", "v"), fill=True)
+    assert store.batch_set(names["k"] + names["v"], locations, sizes) == [0] * 4
+    assert store.query(names["k"], names["v"]) == 2
+    stats = store.backend.stats()
+    assert stats["tenant_blocks_done.query.team-x"] == 2
+    assert any(k.startswith("tenant_blocks_done.write.team-x") for k in stats)
+    monkeypatch.setenv("KVCORE_FASTDEPLOY_TENANTS", '{"default_tenant": "team/x"}')
+    with pytest.raises(ValueError, match="KVCORE_FASTDEPLOY_TENANTS: .*'team/x' is not a tenant"):
+        open_store("memory", **LAYOUT)

@@ -47,6 +47,9 @@ class PageTransfers:
         self, settings: StorageSettings, counters: kvcore.Counters, metrics: TransferMetrics
     ) -> None:
         self.settings = settings
+        #: the tenant of every request (SGLang's storage calls carry no request, so no salt:
+        #: the settings' default tenant, one per engine; None without tenants)
+        self.tenant = settings.tenant_of()
         self.counters = counters
         self.metrics = metrics
         self._tasks = itertools.count()
@@ -76,7 +79,12 @@ class PageTransfers:
         def build(backend: kvcore.Backend) -> kvcore.BlockRequest:
             if tier.layout is not None and fmt.parts == MHA_PARTS:
                 return backend.request(
-                    task, keys, timeout_s=self.settings.timeout_s, host=host, block_meta=block_meta
+                    task,
+                    keys,
+                    timeout_s=self.settings.timeout_s,
+                    host=host,
+                    block_meta=block_meta,
+                    tenant=self.tenant,
                 )
             # MLA's single latent part and the side pools' parts are not a CacheLayout's
             # parts: the request names them, with their sizes (checked at kvcore's door) and
@@ -91,6 +99,7 @@ class PageTransfers:
                 rank=tier.rank if rank is None else rank,
                 world_size=tier.world_size if world_size is None else world_size,
                 block_meta=block_meta,
+                tenant=self.tenant,
             )
 
         return build

@@ -148,3 +148,16 @@ def test_layer_first_goes_in_place_when_the_backend_takes_segments(make_storage,
     segmented = storage._kv.backend.capabilities.segmented_host
     # segmented: kvcore gets the per-layer regions themselves; otherwise one staging copy
     assert storage.kvcore_stats().get("pages_staged", 0) == (0 if segmented else 6)
+
+
+@pytest.mark.parametrize("backend_spec", ["file"], indirect=True)
+def test_every_page_is_the_engines_tenant_where_tenants_are_set(make_storage) -> None:
+    # SGLang's storage calls carry no request (no salt): one tenant per engine, the settings'
+    pool = build("mha", "page_first")
+    storage = make_storage(pool, extra={"tenants": {"default_tenant": "team-x"}})
+    keys = page_keys(4)
+    assert storage.batch_set_v1(keys, page_indices(pool, 0, 4)) == [True] * 4
+    assert storage.batch_exists(keys) == 4
+    stats = storage.kvcore_stats()
+    assert stats["kv.tenant_blocks_done.query.team-x"] >= 4
+    assert stats["kv.tenant_blocks_done.write.team-x"] == 4

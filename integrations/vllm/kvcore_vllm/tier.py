@@ -389,6 +389,9 @@ class KVCoreTier(SecondaryTierManager):
             host=host,
             parts=(PART,),
             part_bytes=(self._chunk_bytes,),
+            # vLLM's offloading calls carry block hashes, no request (so no salt): the
+            # settings' default tenant, one per engine (None without tenants)
+            tenant=self.settings.tenant_of(),
         )
 
     def _exists(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
