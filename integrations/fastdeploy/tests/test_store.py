@@ -338,5 +338,5 @@ def test_every_block_is_the_engines_tenant_where_tenants_are_set(
     assert stats["tenant_blocks_done.query.team-x"] == 2
     assert any(k.startswith("tenant_blocks_done.write.team-x") for k in stats)
     monkeypatch.setenv("KVCORE_FASTDEPLOY_TENANTS", '{"default_tenant": "team/x"}')
-    with pytest.raises(ValueError, match="KVCORE_FASTDEPLOY_TENANTS: .*'team/x' is not a tenant"):
+    with pytest.raises(ValueError, match=r"KVCORE_FASTDEPLOY_TENANTS: .*'team/x' is not a tenant"):
         open_store("memory", **LAYOUT)
