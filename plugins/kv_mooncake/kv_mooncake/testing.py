@@ -64,6 +64,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` has open (its /proc fd links)."""
+    out: set[int] = set()
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"{fds}/{fd}")
+            if target.startswith("socket:["):
+                out.add(int(target[8:-1]))
+    return out
+
+
+def _listening_inodes(port: int) -> set[int]:
+    """The inodes of the TCP sockets listening on ``port`` in this network namespace."""
+    out: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            next(f, None)  # the header
+            for line in f:
+                fields = line.split()
+                listening = len(fields) > 9 and fields[3] == "0A"  # TCP_LISTEN
+                if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    out.add(int(fields[9]))
+    return out
+
+
 def find_master_binary() -> str:
     """``mooncake_master``: $KV_MOONCAKE_MASTER_BIN, beside this Python, on PATH, or in the wheel."""
     candidates = [
@@ -149,10 +175,29 @@ class MooncakeMaster:
                 opener.open(self.health_url, timeout=0.5) as response,
             ):
                 if json.loads(response.read()).get("service_ready"):
-                    return True
+                    if self._owns_ports():
+                        return True
+                    # another process took a port between free_port() and the master's bind
+                    # (a master of a test running beside this one): the health that answered
+                    # is that master's, and this one is not reachable where it is looked for
+                    self.kill()
+                    return False
             time.sleep(0.05)
         self.kill()
         return False
+
+    def _owns_ports(self) -> bool:
+        """Whether this master's process is what listens on its RPC and metrics ports (True
+        where /proc cannot tell)."""
+        assert self.process is not None
+        try:
+            mine = _socket_inodes(self.process.pid)
+            listening = {
+                port: _listening_inodes(port) for port in (self.rpc_port, self.metrics_port)
+            }
+        except OSError:
+            return True
+        return all(inodes & mine for inodes in listening.values())
 
     def capacity_bytes(self) -> int:
         """The memory every client has mounted into the store, as the master counts it

@@ -265,3 +265,26 @@ def test_a_write_lands_where_a_killed_writer_left_its_put_unfinished(
             child.kill()
         cluster.master.resume()
         h.backend.close()
+
+
+def test_a_master_whose_port_another_took_is_started_again_on_free_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port free_port() found can be taken before the master binds it (a master of a test
+    running beside this one): the health that then answered was the other master's, so a test
+    paused a master it was not talking to (seen once in a busy run of the test command)."""
+    import kv_mooncake.testing as mt
+
+    with mt.MooncakeCluster() as first:
+        taken = first.master.metrics_port
+        ports = iter([free_port(), taken])
+        real = mt.free_port
+        monkeypatch.setattr(mt, "free_port", lambda: next(ports, None) or real())
+        second = mt.MooncakeMaster()
+        try:
+            second.start()
+            assert second.metrics_port != taken
+            assert second._owns_ports() and first.master._owns_ports()
+            assert second.process is not None and second.process.poll() is None
+        finally:
+            second.close()
