@@ -245,7 +245,8 @@ class Backend:
         .. versionadded:: 0.3
         """
         found = self._lookups.contains(request)
-        self._for_tenant(request, "query", Outcome(found.count, found.failure, found.kind))
+        if request.tenant is not None:  # nothing built for a request that names none
+            self._for_tenant(request, "query", Outcome(found.count, found.failure, found.kind))
         return found
 
     def describe(self, request: BlockRequest) -> list[bytes | None]:
