@@ -134,8 +134,15 @@ def test_capacity_exhausted_gives_a_clean_partial_write(
     """What a full store acknowledges is there and reads back exactly. With kvcore's block
     digests (``auto``, how every caller opens it), Mooncake evicts the write's own digests to
     make room for its data, so the write acknowledges only what a query then finds (often
-    nothing at this edge), never more."""
-    cluster = mooncake_cluster_factory(storage_bytes=16 << 20)  # Mooncake's smallest segment
+    nothing at this edge), never more.
+
+    The master evicts nothing in the background (its high watermark at 1.0): at its default of
+    0.9 its eviction thread drops the oldest block of the full segment soon after the write,
+    on a busy machine before the query below (a store's own eviction, not a lost write; seen
+    in a run of the test command beside two busy loops, and with a 3 s pause here)."""
+    cluster = mooncake_cluster_factory(  # Mooncake's smallest segment
+        storage_bytes=16 << 20, master_args=("--eviction_high_watermark_ratio=1.0",)
+    )
     layout = kvcore.CacheLayout(num_layers=4, num_heads=8, block_size=64, head_dim=128)
     assert layout.block_bytes == 1 << 20  # 24 blocks cannot fit in 16 MiB
     h = open_harness(cluster.config(), layout, verify)
