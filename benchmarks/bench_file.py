@@ -360,7 +360,9 @@ class Bench:
                     for who in names if who != "file"
                 }  # fmt: skip
                 keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
-                req = backend.request("w", keys, host=self.host(self._src), timeout_s=600)
+                req = backend.request(
+                    "w", keys, host=self.host(self._src), timeout_s=600, tenant=TENANT
+                )
                 for raw in raws.values():
                     raw.prepare(src_views)
                     raw.prepare(dst_views)
@@ -410,7 +412,7 @@ class Bench:
 
     def reads(self, backend, keys, raws, dst_views, heads, samples, order, kind) -> None:
         gb = self.total / 1e9
-        req = backend.request("r", keys, host=self.host(self._dst), timeout_s=600)
+        req = backend.request("r", keys, host=self.host(self._dst), timeout_s=600, tenant=TENANT)
         store_files = files_under(backend.plugin._dir.path, ".kv")
         src = np.frombuffer(self._src, dtype=np.uint8)
         dst = np.frombuffer(self._dst, dtype=np.uint8)
@@ -445,7 +447,7 @@ class Bench:
         root = os.path.join(self.ram_work, "ceiling-store")
         backend = self.open(root)
         keys = [uuid.uuid4().hex * 2 for _ in range(self.n)]
-        req = backend.request("w", keys, host=self.host(self._src), timeout_s=600)
+        req = backend.request("w", keys, host=self.host(self._src), timeout_s=600, tenant=TENANT)
         assert backend.write(req) == self.n
         _, names, digests = backend.plugin._transfers._locate_all(req)
         paths = backend.plugin._dir.object_paths(digests)
@@ -533,8 +535,11 @@ class Bench:
             nbytes=(part, part),
         )
         keys = [uuid.uuid4().hex * 2 for _ in range(n)]
-        assert backend.write(backend.request("fill", keys, host=host, timeout_s=600)) == n
-        req = backend.request("q", keys, timeout_s=600)
+        assert (
+            backend.write(backend.request("fill", keys, host=host, timeout_s=600, tenant=TENANT))
+            == n
+        )
+        req = backend.request("q", keys, timeout_s=600, tenant=TENANT)
         times = []
         for _ in range(max(self.args.reps, 11)):
             t0 = time.perf_counter()
@@ -578,7 +583,9 @@ def worker(root: str, capacity: int, blocks: int, batch: int, layout_json: str) 
     written = 0
     for _ in range(blocks // batch):
         keys = [uuid.uuid4().hex * 2 for _ in range(batch)]
-        written += int(backend.write(backend.request("w", keys, host=host, timeout_s=600)))
+        written += int(
+            backend.write(backend.request("w", keys, host=host, timeout_s=600, tenant=TENANT))
+        )
     elapsed = time.perf_counter() - t0
     backend.close()
     print(json.dumps({"written": written, "seconds": elapsed, "end": time.time()}), flush=True)
@@ -705,6 +712,11 @@ def _run_writers(roots, capacity, blocks, batch, layout) -> tuple[float, float]:
     return gbps, blocks_acked / (len(roots) * blocks)
 
 
+#: the tenant every request names (``--tenant``; workers inherit it): the cost of tenants is
+#: this with kv_file's ``tenants`` set (``KVCORE_FILE_TENANTS``) against a run without both
+TENANT = os.environ.get("KVCORE_BENCH_TENANT") or None
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         root, capacity, blocks, batch, layout_json = sys.argv[2:7]
@@ -739,8 +751,17 @@ def main() -> None:
         help="how the raw contender issues its system calls (default: one native batch for "
         "all objects, as kv_file; native: a native call per object; python: os calls)",
     )
+    ap.add_argument(
+        "--tenant",
+        default=None,
+        help="every request names this tenant (with KVCORE_FILE_TENANTS giving kv_file shares: "
+        "the cost of tenants, against a run without either)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.tenant:
+        global TENANT
+        TENANT = os.environ["KVCORE_BENCH_TENANT"] = args.tenant
     if args.shared_blocks < 1 or args.shared_typical_blocks < 1:
         ap.error("--shared-blocks and --shared-typical-blocks must be at least 1")
 

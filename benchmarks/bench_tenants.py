@@ -22,17 +22,32 @@ Ratios, named as issue 61 names them for the flood of ``10x`` (other floods carr
 Admission ``all`` (every write stored: what lets a flood in) gives the ratios; ``adaptive``'s
 hit rates are reported as figures. Hit counts are a function of the trace and the settings:
 repetitions give the same counts (a spread of 0 by construction).
+
+``--io``: each arm of ``all`` at the first flood size is also replayed through kv_file itself
+(``kvcore replay`` without ``--simulate``: real files, the journal, the shares as the store
+enforces them, every block's bytes checked), once, and its hit rate compared with the
+model's: ``<cap>_<arm>_io_vs_simulate`` (goal within 2 %: issue 61).
+
+``--state``: what kv_file's per-tenant state costs in memory, measured as the resident set of
+a fresh process holding an index of ``--state-objects`` objects: spread over 256 tenants with
+shares (each tenant's own LRU order, :mod:`kv_file.shares`) against the same objects without
+tenants; ``state_bytes_per_object_*`` and their difference. The facade's per-tenant counters
+are bounded by construction (256 tenant labels, then ``other``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from benchutil import Report, emit
 
-from kvcore.replay import Trace, flood_trace, load_trace, merge_traces, simulate
+from kvcore.replay import Trace, flood_trace, load_trace, merge_traces, replay, simulate
 from kvcore.tenants import TenantSettings
 
 DEFAULT_TRACE = (
@@ -45,9 +60,15 @@ def label(tokens: int) -> str:
 
 
 def arms(
-    quiet: Trace, capacity_blocks: int, flood_x: int, policy: str, block_bytes: int
+    quiet: Trace,
+    capacity_blocks: int,
+    flood_x: int,
+    policy: str,
+    block_bytes: int,
+    io_root: str | None = None,
 ) -> dict[str, float]:
-    """A's hit rate (blocks) in each arm of the module docstring."""
+    """A's hit rate (blocks) in each arm of the module docstring: on the model, or (with
+    ``io_root``) through kv_file in that directory."""
     half = capacity_blocks // 2
     span = quiet.requests[-1].timestamp_ms - quiet.requests[0].timestamp_ms
     flood = flood_trace(
@@ -62,6 +83,17 @@ def arms(
     shares = TenantSettings(tenants={"A": {"reserved_bytes": half * block_bytes}, "B": {}})
 
     def rate_of(trace: Trace, blocks: int, tenants: TenantSettings | None) -> float:
+        if io_root is not None:
+            run = replay(
+                trace,
+                capacity_blocks=blocks,
+                policy=policy,  # type: ignore[arg-type]
+                config={"root": io_root},
+                block_bytes=block_bytes,
+                tenants=tenants,
+            )
+            assert run["mismatches"] == 0 and run["errors"] == 0, run["error_samples"]
+            return float(run["tenants"].get("A", run)["hit_rate_blocks"])
         tally, _ = simulate(trace, blocks, policy, block_bytes=block_bytes, tenants=tenants)  # type: ignore[arg-type]
         own = tally.tenants.get("A", tally)
         return own.hit_rate_blocks
@@ -75,7 +107,46 @@ def arms(
     }
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def state_worker(objects: int, tenants: int) -> None:
+    """Print the resident bytes an index of ``objects`` objects adds (``tenants`` > 0: spread
+    over that many tenants, each with a share)."""
+    from kv_file.index import Index
+
+    from kvcore.tenants import TenantSettings
+
+    settings = None
+    if tenants:
+        settings = TenantSettings(tenants={f"t{i}": {"reserved_bytes": 1} for i in range(tenants)})
+    index = Index(1 << 60, 1.0, 1.0, settings)
+    names = [f"ns/{i:08x}/k" for i in range(objects)]  # made before the first measurement
+    owners = [f"t{i % tenants}" if tenants else None for i in range(objects)]
+    before = _rss_bytes()
+    index.add_many((i, 4096, names[i], False, None, owners[i]) for i in range(objects))
+    print(json.dumps({"bytes": _rss_bytes() - before, "objects": len(index)}))
+
+
+def state_rss(objects: int, tenants: int) -> int:
+    out = subprocess.run(
+        [sys.executable, __file__, "--state-worker", str(objects), str(tenants)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["bytes"])
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--state-worker":
+        state_worker(int(sys.argv[2]), int(sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--capacities", default="1000000,3000000", help="tokens")
@@ -84,6 +155,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="counts repeat exactly (a check of it)")
     ap.add_argument("--limit", type=int, default=None, help="first N requests of A only")
     ap.add_argument("--block-bytes", type=int, default=16 << 10)
+    ap.add_argument("--io", action="store_true", help="also replay through kv_file (see above)")
+    ap.add_argument("--io-root", default=None, help="where --io's stores go (default: a temp dir)")
+    ap.add_argument("--state", action="store_true", help="measure per-tenant state (see above)")
+    ap.add_argument("--state-objects", type=int, default=1_000_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -126,6 +201,28 @@ def main() -> None:
                         [r["no_tenants"] for r in runs],
                         goal=">= 0.97",
                     )
+                if args.io and flood_x == floods[0]:
+                    with tempfile.TemporaryDirectory(dir=args.io_root) as root:
+                        io = arms(quiet, blocks, flood_x, policy, args.block_bytes, root)
+                    for arm, rate in io.items():
+                        report.figure(f"{tag}_{arm}_io_hit_rate_pct", [pct * rate], "%")
+                        report.ratio(
+                            f"{c}_{arm}_io_vs_simulate",
+                            [rate],
+                            [runs[0][arm]],
+                            goal="within 0.98-1.02",
+                        )
+    if args.state:
+        n = args.state_objects
+        plain = [state_rss(n, 0) / n for _ in range(args.reps)]
+        shared = [state_rss(n, 256) / n for _ in range(args.reps)]
+        report.figure("state_bytes_per_object_no_tenants", plain, "B")
+        report.figure("state_bytes_per_object_256_tenants_shares", shared, "B")
+        report.figure(
+            "state_bytes_per_object_of_tenants",
+            [b - a for a, b in zip(plain, shared, strict=True)],
+            "B",
+        )
     report.notes["setup"] = {
         "trace": args.trace,
         "requests": len(quiet),
@@ -134,7 +231,8 @@ def main() -> None:
         "capacities_blocks": {label(t): t // quiet.tokens_per_block for t in capacities},
         "floods_x_capacity": floods,
         "reserved_share_of_A": 0.5,
-        "mode": "simulate (kv_file's store model; kv_file's I/O path does not enforce shares yet)",
+        "mode": "simulate (kv_file's store model)"
+        + ("; --io: each arm of `all` at the first flood also through kv_file" if args.io else ""),
         "cpus": os.cpu_count(),
     }
     emit(report.as_dict(), args.json)

@@ -35,7 +35,7 @@ from kvcore.requests import (
     check_block_meta,
 )
 from kvcore.schemas import BackendConfig, BackendContext, Capabilities, check_weight_version
-from kvcore.tenants import check_tenant_name
+from kvcore.tenants import CANNOT_CLEAR_TENANT, check_tenant_name
 
 # DEADLINE_GRACE_S and BackendContractError live in kvcore.guard; callers import them from here
 __all__ = ["DEADLINE_GRACE_S", "Backend", "BackendContractError", "VerifyBlocks"]
@@ -372,8 +372,19 @@ class Backend:
             self._event_wiring.publish_blocks(ev.REMOVED, request, request.num_blocks)
         return removed
 
-    def clear(self) -> Outcome:
-        """Objects removed from this backend's namespace (all ranks); see ``kvcore_clear``."""
+    def clear(self, tenant: str | None = None) -> Outcome:
+        """Objects removed from this backend's namespace (all ranks); see ``kvcore_clear``.
+        With ``tenant``: every object that tenant stored instead, of every namespace (see
+        ``kvcore_clear_tenant``).
+
+        .. versionchanged:: 0.3 ``tenant``
+        """
+        if tenant is not None:
+            check_tenant_name(tenant, "tenant")
+            if not self.implements("kvcore_clear_tenant"):
+                return Outcome(0, f"backend {self.name!r} {CANNOT_CLEAR_TENANT}")
+            hook = self._pm.hook.kvcore_clear_tenant
+            return self._guard.count_removed("clear_tenant", lambda: hook(tenant=tenant))[0]
         if not self.implements("kvcore_clear"):
             return Outcome(0, f"backend {self.name!r} cannot clear its namespace")
         removed, answered = self._guard.count_removed("clear", self._pm.hook.kvcore_clear)

@@ -62,8 +62,10 @@ class StoreEvent:
     :param time: wall-clock seconds when the event was published.
     :param objects: each name's identity (:class:`kvcore.keys.ObjectName`; None for names
         kvcore did not build), so a consumer never reads fields back from a name.
+    :param tenant: the tenant whose objects they are (:mod:`kvcore.tenants`: the tenant the
+        write that stored them named), where the publisher knows it; None otherwise.
 
-    .. versionchanged:: 0.3 ``objects``.
+    .. versionchanged:: 0.3 ``objects``, ``tenant``.
     """
 
     seq: int
@@ -76,6 +78,7 @@ class StoreEvent:
     origin: str = LOCAL
     time: float = 0.0
     objects: tuple[ObjectName | None, ...] = ()
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.objects) != len(self.names):

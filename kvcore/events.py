@@ -332,14 +332,16 @@ class EventStream:
         *,
         origin: str = LOCAL,
         objects: Sequence[ObjectName | None] | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Give every subscriber one event per weight version among ``names``.
 
         :param sizes: each object's payload bytes (None: unknown, 0 each).
         :param objects: each name's identity where the publisher has it (a request's
             :class:`kvcore.keys.NameRows`); None: the names are read once, here.
+        :param tenant: whose objects they are, where known (:attr:`StoreEvent.tenant`).
 
-        .. versionchanged:: 0.3 ``objects``.
+        .. versionchanged:: 0.3 ``objects``, ``tenant``.
         """
         if not self._subs:
             return
@@ -371,6 +373,7 @@ class EventStream:
                     origin=origin,
                     time=now,
                     objects=tuple(o for _, _, o in group),
+                    tenant=tenant,
                 )
                 for sub in self._subs:
                     sub._offer(event)

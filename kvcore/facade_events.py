@@ -21,6 +21,7 @@ from kvcore.guard import BackendContractError, CallGuard
 from kvcore.integrity import BlockDigests
 from kvcore.keys import ObjectName, identities
 from kvcore.requests import BlockRequest
+from kvcore.tenants import TENANT_NAME
 
 __all__ = ["FacadeEvents"]
 
@@ -100,11 +101,15 @@ class FacadeEvents:
         names: Sequence[str] = (),
         sizes: Sequence[int] | None = None,
         origin: str = ev.LOCAL,
+        tenant: str | None = None,
     ) -> None:
         """What a watched backend calls (``kvcore_watch``): one change it saw."""
-        if kind not in ev.KINDS or origin not in (ev.LOCAL, ev.PEER):
+        bad_tenant = tenant is not None and not TENANT_NAME.fullmatch(str(tenant))
+        if kind not in ev.KINDS or origin not in (ev.LOCAL, ev.PEER) or bad_tenant:
             guard = self._guard
-            msg = f"backend {guard.name!r} reported kind {kind!r}, origin {origin!r}"
+            msg = f"backend {guard.name!r} reported kind {kind!r}, origin {origin!r}" + (
+                ", a tenant that is no tenant's name" if bad_tenant else ""
+            )
             if guard.strict:
                 raise BackendContractError(msg)
             guard.metrics.add("watch", invalid_results=1)
@@ -125,7 +130,7 @@ class FacadeEvents:
                 names = [names[i] for i in keep]
                 objects = [objects[i] for i in keep]
                 sizes = None if sizes is None else [sizes[i] for i in keep]
-        self.stream.publish(kind, names, sizes, origin=origin, objects=objects)
+        self.stream.publish(kind, names, sizes, origin=origin, objects=objects, tenant=tenant)
 
     def publish_blocks(self, kind: str, request: BlockRequest, n: int) -> None:
         """Every object of the first ``n`` blocks of ``request``, as one event."""
@@ -136,4 +141,6 @@ class FacadeEvents:
         )
         names = [name for row in request.object_names[:n] for name in row]
         objects = identities(request.object_names, n)
-        self.stream.publish(kind, names, list(sizes_per_part) * n, objects=objects)
+        self.stream.publish(
+            kind, names, list(sizes_per_part) * n, objects=objects, tenant=request.tenant
+        )

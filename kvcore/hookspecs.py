@@ -66,6 +66,7 @@ OPTIONAL_HOOKS = (
     "kvcore_flush_token_index",
     "kvcore_remove",
     "kvcore_clear",
+    "kvcore_clear_tenant",
     "kvcore_register_buffer",
     "kvcore_unregister_buffer",
     "kvcore_stats",
@@ -315,6 +316,26 @@ def kvcore_clear() -> int:
     """
 
 
+@hookspec(firstresult=True)
+def kvcore_clear_tenant(tenant: str) -> int:
+    """Delete every object tenant ``tenant`` stored (:mod:`kvcore.tenants`: the tenant a write
+    request named), from every process sharing the store, leaving other tenants' untouched.
+
+    An operator's call when a tenant leaves (``kvcore clear --tenant NAME``). It must be
+    crash-safe: once it has started, no object of the tenant is served again, also after a
+    crash mid-way (the deletion is then finished, never left half done and served). A
+    backend that does not know who stored what does not implement it (kvcore then answers
+    that it cannot). An unknown tenant is answered with a failed ``Outcome`` saying so.
+
+    :param tenant: the tenant's name (checked by kvcore: :data:`kvcore.tenants.TENANT_NAME`).
+    :return: how many objects were removed.
+
+    ``firstresult``: the backend's answer is the result.
+
+    .. versionadded:: 0.3
+    """
+
+
 @hookspec
 def kvcore_register_buffer(ptr: int, nbytes: int) -> None:
     """Announce a host staging region that later requests' buffers will point into.
@@ -380,7 +401,7 @@ def kvcore_watch(report: Callable[..., None] | None) -> Collection[str] | None:
 
     Until stopped, the backend calls, from any of its threads::
 
-        report(kind, names, sizes=None, origin="local")
+        report(kind, names, sizes=None, origin="local", tenant=None)
 
     - ``kind``: ``"evicted"`` (dropped for capacity or expiry), ``"stored"``, ``"removed"``,
       ``"cleared"`` (every object of the namespace is gone) or ``"resync"`` (the backend
@@ -388,7 +409,9 @@ def kvcore_watch(report: Callable[..., None] | None) -> Collection[str] | None:
     - ``names``: the objects' names (empty for ``cleared`` and ``resync``);
     - ``sizes``: each object's payload bytes, or None when unknown;
     - ``origin``: ``"local"`` when this opened backend made the change, ``"peer"`` for
-      another process or client sharing the store.
+      another process or client sharing the store;
+    - ``tenant``: whose objects they are (the tenant the write that stored them named,
+      :mod:`kvcore.tenants`), where the backend keeps it; None otherwise.
 
     ``report`` is cheap (it queues) and never raises for a valid call; call it in the order
     the changes happened.

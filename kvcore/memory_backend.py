@@ -17,6 +17,7 @@ from kvcore.config import BackendConfig
 from kvcore.hookspecs import hookimpl
 from kvcore.requests import BlockRequest, Outcome, leading_run
 from kvcore.schemas import BackendContext, Capabilities
+from kvcore.tenants import DEFAULT_TENANT, UNKNOWN_TENANT
 
 __all__ = ["MemoryBackend", "MemoryConfig"]
 
@@ -41,6 +42,7 @@ class MemoryBackend:
         self.config = config
         self._objects: dict[str, bytes] = {}
         self._meta: dict[str, bytes] = {}  # object name -> its block's metadata, where given
+        self._tenants: dict[str, str] = {}  # object name -> the tenant its write named
         self._lock = threading.Lock()
 
     @hookimpl
@@ -87,6 +89,8 @@ class MemoryBackend:
                     if len(self._objects) >= self.config.max_objects:
                         return Outcome(i, f"store full ({self.config.max_objects} objects)")
                     self._objects[name] = data
+                    if request.tenant is not None:
+                        self._tenants[name] = request.tenant
                     if request.block_meta is not None and request.block_meta[i]:
                         self._meta[name] = request.block_meta[i]
         return request.num_blocks
@@ -112,6 +116,7 @@ class MemoryBackend:
                 found = [self._objects.pop(name, None) is not None for name in names]
                 for name in names:
                     self._meta.pop(name, None)
+                    self._tenants.pop(name, None)
                 removed += any(found)
         return removed
 
@@ -123,7 +128,22 @@ class MemoryBackend:
             removed = len(self._objects)
             self._objects.clear()
             self._meta.clear()
+            self._tenants.clear()
         return removed
+
+    @hookimpl
+    def kvcore_clear_tenant(self, tenant: str) -> int:
+        with self._lock:
+            names = [name for name, owner in self._tenants.items() if owner == tenant]
+            if tenant == DEFAULT_TENANT:  # objects whose writes named no tenant
+                names += [name for name in self._objects if name not in self._tenants]
+            if not names:
+                return Outcome(0, f"{UNKNOWN_TENANT} {tenant!r}: it holds no object here")
+            for name in names:
+                self._objects.pop(name, None)
+                self._meta.pop(name, None)
+                self._tenants.pop(name, None)
+        return len(names)
 
     @hookimpl
     def kvcore_stats(self) -> dict[str, float]:

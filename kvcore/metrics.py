@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvcore.tenants import MAX_TENANTS, OTHER_TENANTS
+
 # prometheus-client is imported where exposition is asked for (families, serve_prometheus), not
 # by every process that imports kvcore and only counts
 if TYPE_CHECKING:
@@ -111,8 +113,7 @@ class _Op:
 
 
 #: tenants counted by name (a label value each); later ones are counted together as "other"
-MAX_TENANT_LABELS = 256
-OTHER_TENANTS = "other"
+MAX_TENANT_LABELS = MAX_TENANTS
 
 
 class TenantCounters:
@@ -285,11 +286,25 @@ class Metrics:
                 hist.add_metric([*values, op], points, total)
             out.append(hist)
         out += self.tenants.families(self.prefix, self.labels)
+        per_tenant: defaultdict[str, list[tuple[str, float]]] = defaultdict(list)
         for name, v in sorted((extra or {}).items()):
+            figure, dot, tenant = name.partition(".")
+            if dot and "tenant_" in figure:  # a figure per tenant (tenant_gauges)
+                per_tenant[figure].append((tenant, float(v)))
+                continue
             gauge = GaugeMetricFamily(
                 f"{self.prefix}_{_sanitize(name)}", name.replace("_", " "), labels=list(self.labels)
             )
             gauge.add_metric(values, float(v))
+            out.append(gauge)
+        for figure, by_tenant in sorted(per_tenant.items()):
+            gauge = GaugeMetricFamily(
+                f"{self.prefix}_{_sanitize(figure)}",
+                f"{figure.replace('_', ' ')}, per tenant",
+                labels=[*self.labels, "tenant"],
+            )
+            for tenant, v in by_tenant:
+                gauge.add_metric([*values, tenant], v)
             out.append(gauge)
         return out
 

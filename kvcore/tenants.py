@@ -45,12 +45,17 @@ from pydantic import (
 )
 
 __all__ = [
+    "CANNOT_CLEAR_TENANT",
     "DEFAULT_TENANT",
+    "MAX_TENANTS",
+    "OTHER_TENANTS",
     "TENANT_NAME",
+    "UNKNOWN_TENANT",
     "TenantLRU",
     "TenantSettings",
     "TenantShare",
     "check_tenant_name",
+    "tenant_gauges",
 ]
 
 #: the tenant of every request no setting maps elsewhere
@@ -59,6 +64,29 @@ DEFAULT_TENANT = "default"
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: at most this many tenants: each is a label value of every per-tenant metric
 MAX_TENANTS = 256
+#: where tenants past :data:`MAX_TENANTS` are counted, in figures per tenant
+OTHER_TENANTS = "other"
+#: how the facade answers a clear of one tenant on a backend that cannot (no ``kvcore_clear_tenant``)
+CANNOT_CLEAR_TENANT = "cannot clear one tenant's objects"
+#: how a backend's answer to a clear of a tenant it never heard of begins (``kvcore_clear_tenant``)
+UNKNOWN_TENANT = "unknown tenant"
+
+
+def tenant_gauges(name: str, values: Mapping[str, float]) -> dict[str, float]:
+    """A backend's figure per tenant (``values``: tenant -> value) as its stats name them,
+    ``{"tenant_<name>.<tenant>": value}``, which :meth:`kvcore.metrics.Metrics.families` exports as the gauge
+    ``<prefix>_backend_tenant_<name>{tenant}``. Past :data:`MAX_TENANTS` tenants, the
+    smallest values are summed as ``other``, so a metric's label values stay bounded.
+
+    .. versionadded:: 0.3
+    """
+    items = sorted(values.items(), key=lambda kv: (-kv[1], kv[0]))
+    out = {f"tenant_{name}.{t}": float(v) for t, v in items[:MAX_TENANTS]}
+    rest = items[MAX_TENANTS:]
+    if rest:
+        key = f"tenant_{name}.{OTHER_TENANTS}"
+        out[key] = out.get(key, 0.0) + float(sum(v for _, v in rest))
+    return out
 
 
 def check_tenant_name(name: object, field: str | None = None) -> str:

@@ -41,6 +41,7 @@ def test_every_option_has_help_and_states_its_default():
         "events",
         "replay",
         "stats",
+        "clear",
     }
     for command, parser in parsers.items():
         for action in _options(parser):

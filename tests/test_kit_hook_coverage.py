@@ -126,6 +126,11 @@ class Recorder(MemoryBackend):
         return MemoryBackend.kvcore_clear(self)
 
     @kvcore.hookimpl
+    def kvcore_clear_tenant(self, tenant):
+        record("kvcore_clear_tenant")
+        return MemoryBackend.kvcore_clear_tenant(self, tenant)
+
+    @kvcore.hookimpl
     def kvcore_flush_token_index(self, request, resident_on_device):
         record("kvcore_flush_token_index")
         return MemoryBackend.kvcore_query(self, request)

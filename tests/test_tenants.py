@@ -254,16 +254,22 @@ def write_trace(path: Path, rows: list[list[int]], tpb: int = 512) -> Path:
 QUIET = [[1, 2, 3, 4, 100 + n] for n in range(40)]
 
 
-def test_replay_reports_each_tenant_and_a_share_keeps_the_quiet_one(tmp_path: Path, capsys):
+@pytest.mark.parametrize("mode", ["simulate", "io"])
+def test_replay_reports_each_tenant_and_a_share_keeps_the_quiet_one(
+    tmp_path: Path, capsys, mode: str
+) -> None:
     quiet = write_trace(tmp_path / "quiet.jsonl", QUIET)
     # a store of 16 blocks (16 KiB each); the flood writes 16 between two quiet requests
-    common = ["replay", str(quiet), "--simulate", "--json", "--policy", "all",
+    how = ["--simulate"] if mode == "simulate" else [
+        "--config", json.dumps({"root": str(tmp_path / "store")})]  # fmt: skip
+    common = ["replay", str(quiet), *how, "--json", "--policy", "all",
               "--capacities", "8192", "--as", "quiet", "--flood", "noisy=40"]  # fmt: skip
     half = json.dumps({"tenants": {"quiet": {"reserved_bytes": 8 * 16384}}})
     rates = {}
     for label, shares in (("none", "{}"), ("half", half)):
         assert main([*common, "--tenants", shares]) == 0
         run = json.loads(capsys.readouterr().out)["runs"][0]
+        assert run["mode"] == mode and run["mismatches"] == run["errors"] == 0
         assert set(run["tenants"]) == {"quiet", "noisy"}
         assert run["tenants"]["noisy"]["block_hits"] == 0
         assert run["tenants"]["noisy"]["requests"] == 40 and run["requests"] == 80
@@ -293,7 +299,8 @@ def test_replay_of_tenants_traces_through_kv_file_counts_each(tmp_path: Path, ca
         (["--flood", "b=lots"], "--flood b: 'lots' must be a number of capacities"),
         (["--flood", "b=-1"], "--flood b: '-1' must be a number of capacities"),
         (["--flood", "default=10"], "--flood: tenant 'default' is given twice"),
-        (["--tenants", "{}"], "--tenants: shares are replayed on the store model only"),
+        (["--tenants", '{"tenants": {"a": {"reserved_bytes": -1}}}'],
+         "--tenants: tenants.a.reserved_bytes: "),
         (["--simulate", "--tenants", '{"tenants": {"a": {"quota_bytes": "x"}}}'],
          "--tenants: tenants.a.quota_bytes: could not parse"),
         (["--simulate", "--tenants", '{"tenants": {"a": {"reserved_bytes": "1GiB"}}}'],

@@ -260,6 +260,16 @@ def _parser() -> _Parser:
 
     add_stats_arguments(st)
 
+    cl = sub.add_parser(
+        "clear",
+        help="delete a tenant's objects (--tenant), or a namespace's, from a store",
+        description="Delete every object a tenant stored, of every namespace and every process "
+        "sharing the store, crash-safe (--tenant); or every object of a namespace.",
+    )
+    from kvcore.cli.clear import add_arguments as add_clear_arguments
+
+    add_clear_arguments(cl)
+
     c = sub.add_parser(
         "check",
         help="run the conformance kit against an installed backend",
@@ -338,6 +348,8 @@ def _runner(command: str) -> Any:
         from kvcore.cli.replay import run
     elif command == "stats":
         from kvcore.cli.stats import run
+    elif command == "clear":
+        from kvcore.cli.clear import run
     else:
         from kvcore.cli.check import run
     return run

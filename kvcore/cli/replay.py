@@ -7,8 +7,9 @@ against capacity, one line per policy, the maximum and the optimum dashed.
 Tenants (issue 61): ``--tenant NAME=TRACE`` adds another tenant's trace, ``--flood NAME=X`` a
 tenant writing X times the capacity in unique blocks over the trace's span; all are merged by
 time (``TRACE`` is the tenant ``--as`` names) and each tenant's hit rate is reported.
-``--tenants`` gives their shares of the store (:class:`kvcore.tenants.TenantSettings`), which
-only ``--simulate`` replays for now, so an operator can size shares before deploying.
+``--tenants`` gives their shares of the store (:class:`kvcore.tenants.TenantSettings`), in
+bytes of the replay's blocks (``--simulate``: the model's; an I/O replay gives kv_file the
+same number of blocks), so an operator can size shares before deploying.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON_OR_PATH",
         help="the tenants' shares (reserved_bytes, quota_bytes per tenant), a JSON object or "
-        "the path of a JSON file; with --simulate only (default: no shares)",
+        "the path of a JSON file, in bytes of --block-bytes blocks (default: no shares)",
     )
     sp.add_argument(
         "--plot",
@@ -277,14 +278,9 @@ def _floods(args: argparse.Namespace) -> dict[str, float]:
 
 
 def _tenants(args: argparse.Namespace) -> TenantSettings | None:
-    """``--tenants``: the shares, checked (an error names the field), with --simulate only."""
+    """``--tenants``: the shares, checked (an error names the field)."""
     if args.tenants is None:
         return None
-    if not args.simulate:
-        raise CliError(
-            "--tenants: shares are replayed on the store model only for now: add --simulate",
-            ExitCode.USAGE,
-        )
     try:
         raw = parse_config_arg(args.tenants)
         return TenantSettings.model_validate(raw)

@@ -19,6 +19,8 @@ import urllib.request
 from collections import defaultdict
 from typing import Any
 
+from pydantic import ByteSize
+
 from kvcore.cli.common import open_for_cli
 from kvcore.cli.console import CommandConsole, Table, print_table
 from kvcore.cli.errors import CliError, ExitCode
@@ -113,8 +115,10 @@ def figures_of_scrape(text: str) -> dict[str, Any]:
                 continue  # the buckets
             # kvcore_<component>_<name>: the transfer manager's or the backend facade's
             component, _, short = name.removeprefix("kvcore_").partition("_")
-            if tenant is not None and op is not None and short.startswith("tenant_"):
-                _add(out["tenants"], tenant, op, short.removeprefix("tenant_"), sample.value)
+            if tenant is not None and short.startswith("tenant_"):
+                # a backend's figure per tenant (tenant_gauges) has no op: the store's
+                where_op = op if op is not None else STORE
+                _add(out["tenants"], tenant, where_op, short.removeprefix("tenant_"), sample.value)
             elif op is not None:
                 group = f"{component} {op}" + (f" ({where})" if where else "")
                 out["ops"].setdefault(group, {})[short] = sample.value
@@ -130,7 +134,9 @@ def figures_of_stats(stats: dict[str, float]) -> dict[str, Any]:
     out = _empty()
     for key, value in stats.items():
         name, _, rest = key.partition(".")
-        if name.startswith("tenant_") and rest.count(".") >= 1:
+        if name.startswith("backend_tenant_") and rest:  # tenant_gauges: rest is the tenant
+            _add(out["tenants"], rest, STORE, name.removeprefix("backend_tenant_"), value)
+        elif name.startswith("tenant_") and rest.count(".") >= 1:
             op, tenant = rest.split(".", 1)
             _add(out["tenants"], tenant, op, name.removeprefix("tenant_"), value)
         elif rest:
@@ -138,6 +144,10 @@ def figures_of_stats(stats: dict[str, float]) -> dict[str, Any]:
         else:
             out["gauges"][name] = value
     return out
+
+
+#: the "operation" of a backend's figures per tenant (bytes held, reserved, evicted)
+STORE = "store"
 
 
 def _add(tenants: dict[str, Any], tenant: str, op: str, counter: str, value: float) -> None:
@@ -159,7 +169,7 @@ def _print(figures: dict[str, Any], console: CommandConsole) -> None:
         console.out.print("per tenant:")
         table = Table(box=None)
         for col in ("tenant", "lookups", "found", "reads", "read", "hit %", "writes",
-                    "written", "refused", "failures"):  # fmt: skip
+                    "written", "refused", "failures", "held", "reserved", "evicted"):  # fmt: skip
             table.add_column(col, justify="left" if col == "tenant" else "right")
         for tenant, ops in sorted(figures["tenants"].items()):
             get: defaultdict[str, dict[str, float]] = defaultdict(dict, ops)
@@ -177,6 +187,9 @@ def _print(figures: dict[str, Any], console: CommandConsole) -> None:
                 _number(get["write"].get("blocks_done")),
                 _number(get["write"].get("blocks_refused", get["admit"].get("blocks_refused"))),
                 _number(failures),
+                _bytes(get[STORE].get("bytes_held")),
+                _bytes(get[STORE].get("bytes_reserved")),
+                _bytes(get[STORE].get("bytes_evicted")),
             )
         print_table(console.out, table)
     if figures["gauges"]:
@@ -189,6 +202,12 @@ def _print(figures: dict[str, Any], console: CommandConsole) -> None:
         print_table(console.out, table)
     if not any(figures.values()):
         console.out.print("no kvcore figures found")
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{ByteSize(int(value)).human_readable(separator=' ')}"
 
 
 def _number(value: float | None) -> str:

@@ -95,15 +95,14 @@ def replay(
     block per block it admits when full, so "capacity" means what it says.
 
     A trace of several tenants (:func:`merge_traces`) is reported per tenant too
-    (``tenants`` in the report); ``tenants`` gives their shares of the store, simulated only
-    (kv_file's I/O path does not enforce shares yet).
+    (``tenants`` in the report); ``tenants`` gives their shares of the store, in bytes of
+    blocks of ``block_bytes`` (an I/O replay scales them to the bytes a block takes in the
+    backend, which must have a ``tenants`` setting, as kv_file has).
 
     .. versionchanged:: 0.3 ``tenants``, and the report's per-tenant counts
     """
     if capacity_blocks < 1:
         raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-    if tenants is not None and not simulate_only:
-        raise ValueError("tenants: shares are replayed on the store model only (simulate_only)")
     bounds = bounds or Bounds(trace)
     store = {
         # no periodic full scans: one could reorder what a replay counts (a backend without
@@ -141,6 +140,7 @@ def replay(
             policy=policy,
             block_bytes=block_bytes,
             store_settings=store,
+            tenants=tenants,
         )
         tally = run.run(progress)
         mode = "io"

@@ -26,6 +26,7 @@ from kvcore.replay.capacity import capacity_holding
 from kvcore.replay.model import Tally, block_key
 from kvcore.replay.trace import Trace, TraceRequest
 from kvcore.schemas import BackendContext, CacheDType, CacheLayout
+from kvcore.tenants import TenantSettings, TenantShare
 from kvcore.transfer import DeviceCache, TransferManager
 
 __all__ = ["IOReplay", "replay_layout"]
@@ -93,6 +94,8 @@ class IOReplay:
     :param config: the backend's other settings.
     :param store_settings: settings the replay puts into the backend's config where it has
         them (watermarks, admission tuning).
+    :param tenants: the tenants' shares, in bytes of blocks of ``block_bytes``: the backend
+        gets them scaled to the bytes its blocks take (its ``tenants`` setting).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class IOReplay:
         policy: str,
         block_bytes: int,
         store_settings: Mapping[str, Any],
+        tenants: TenantSettings | None = None,
     ) -> None:
         self.trace = trace
         self.layout = replay_layout(
@@ -123,6 +127,13 @@ class IOReplay:
             self._settings["admission"] = policy
         self._name, self._config = backend, dict(config)
         self.block_file_bytes = self._block_file_bytes()
+        if tenants is not None:
+            if "tenants" not in fields:
+                raise ConfigError(
+                    f"backend {backend!r} has no 'tenants' setting: a replay with tenants' "
+                    "shares needs one (kv_file has it)"
+                )
+            self._settings["tenants"] = scale_shares(tenants, self.block_file_bytes, block_bytes)
         settings = {**self._config, **self._settings}
         settings["capacity_bytes"] = self._capacity_for(settings, capacity_blocks)
         self.backend = self._open(settings)
@@ -206,7 +217,8 @@ class IOReplay:
         slots = list(range(len(keys)))
         engine.scrub(slice(0, len(keys)))
         t0 = time.perf_counter()
-        read = tm.read({"task_id": f"r{n}", "keys": keys, "device_block_ids": slots}).result()
+        task = {"keys": keys, "device_block_ids": slots, "tenant": request.tenant}
+        read = tm.read({"task_id": f"r{n}", **task}).result()
         tally.read_latency_s.append(time.perf_counter() - t0)
         hits = read.num_blocks
         if read.outcome not in ("complete", "miss"):
@@ -214,9 +226,7 @@ class IOReplay:
         if hits:
             tally.mismatches += engine.wrong_blocks(slice(0, hits), ids[:hits])
         engine.compute(slice(hits, len(keys)), ids[hits:])
-        wrote = tm.write_back(
-            {"task_id": f"w{n}", "keys": keys, "device_block_ids": slots}
-        ).result()
+        wrote = tm.write_back({"task_id": f"w{n}", **task}).result()
         if wrote.outcome not in ("complete", "miss"):
             tally.error(f"request {n} write: {wrote.outcome}: {wrote.error}")
         for counts in (tally,) if request.tenant is None else (tally, tally.of(request.tenant)):
@@ -224,6 +234,23 @@ class IOReplay:
             counts.bytes_written += wrote.bytes
             counts.blocks_refused += wrote.refused_blocks
         return hits
+
+
+def scale_shares(tenants: TenantSettings, store_block: int, model_block: int) -> TenantSettings:
+    """``tenants`` with each byte figure scaled from blocks of ``model_block`` bytes to blocks
+    of ``store_block`` (the same number of blocks reserved, the same quota in blocks)."""
+
+    def scaled(nbytes: int) -> int:
+        return nbytes * store_block // model_block
+
+    shares = {
+        name: TenantShare(
+            reserved_bytes=scaled(int(share.reserved_bytes)),  # type: ignore[arg-type]
+            quota_bytes=None if share.quota_bytes is None else scaled(int(share.quota_bytes)),  # type: ignore[arg-type]
+        )
+        for name, share in tenants.tenants.items()
+    }
+    return tenants.model_copy(update={"tenants": shares})
 
 
 def _manager(

@@ -29,6 +29,7 @@ class _RequestOptions(TypedDict, total=False):
 
     timeout_s: float | None
     block_meta: Sequence[bytes] | None
+    tenant: str | None
 
 
 class _Buffers(TypedDict, total=False):
@@ -143,6 +144,7 @@ class Harness:
         host: HostBuffers | None = None,
         device: DeviceBuffers | None = None,
         block_meta: Sequence[bytes] | None = None,
+        tenant: str | None = None,
     ) -> BlockRequest:
         n = len(seq.keys) - start if n is None else n
         return self.backend.request(
@@ -154,6 +156,7 @@ class Harness:
             host=host,
             device=device,
             block_meta=block_meta,
+            tenant=tenant,
         )
 
     def query(

@@ -102,16 +102,22 @@ def _object_bytes(descs: dict[int, MemoryLayoutDesc]) -> int | None:
 
 class _Batch:
     """The keys of one task with their kvcore identities, grouped into runs one backend call
-    can take (same object size and rank)."""
+    can take (same object size, rank and tenant: each key's from its ``cache_salt``)."""
 
-    def __init__(self, keys: Sequence[ObjectKey], sizes: Sequence[int] | None) -> None:
+    def __init__(
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int] | None,
+        tenant_of: Callable[[str], str | None],
+    ) -> None:
         self.keys = list(keys)
         self.block_keys = [block_key(k) for k in keys]
-        runs: dict[tuple[int, int, int], list[int]] = {}
+        runs: dict[tuple[int, int, int, str | None], list[int]] = {}
         for i, key in enumerate(keys):
             size = sizes[i] if sizes is not None else 0
-            runs.setdefault((size, *slice_of(key.kv_rank)), []).append(i)
-        #: ((object bytes, rank, world size), indices into keys)
+            run = (size, *slice_of(key.kv_rank), tenant_of(key.cache_salt))
+            runs.setdefault(run, []).append(i)
+        #: ((object bytes, rank, world size, tenant), indices into keys)
         self.runs = list(runs.items())
         #: the index into keys of each block of a runner's answer (runs in order)
         self.order = [i for _, indices in self.runs for i in indices]
@@ -142,6 +148,10 @@ class KVCoreL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=settings.max_capacity_bytes)
         self.settings = settings
         self._l1 = l1_memory_desc
+        #: each key's tenant, from its cache_salt (the settings' ``tenants``; None: no tenants)
+        self._tenant_of: Callable[[str], str | None] = lambda salt: settings.tenant_of(
+            salt=salt or None
+        )
         self._followers: list[tuple[Any, threading.Thread]] = []
         self._kv = Store(settings, on_open=self._on_open)
         self._counters = self._kv.counters
@@ -205,11 +215,11 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self,
         backend: kvcore.Backend,
         batch: _Batch,
-        run: tuple[tuple[int, int, int], list[int]],
+        run: tuple[tuple[int, int, int, str | None], list[int]],
         objects: Sequence[MemoryObj] | None = None,
         meta: Sequence[bytes] | None = None,
     ) -> kvcore.BlockRequest:
-        (size, rank, world), indices = run
+        (size, rank, world, tenant), indices = run
         host = None
         if objects is not None:
             host = kvcore.HostBuffers(
@@ -225,6 +235,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
             rank=rank,
             world_size=world,
             block_meta=meta,
+            tenant=tenant,
         )
 
     # -- event fds -------------------------------------------------------------------------
@@ -252,7 +263,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
             raise ValueError(f"store task: {len(keys)} keys for {len(objects)} objects")
         task_id = self._task_id()
         sizes = [obj.get_size() for obj in objects]
-        batch = _Batch(keys, sizes)
+        batch = _Batch(keys, sizes, self._tenant_of)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             meta = [layout_of(obj) for obj in objects] if self._checks_layout(backend) else None
@@ -284,7 +295,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
         task_id = self._task_id()
-        batch = _Batch(keys, None)
+        batch = _Batch(keys, None, self._tenant_of)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             return [self._request(backend, batch, run) for run in batch.runs]
@@ -333,7 +344,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"load task: {len(keys)} keys for {len(objects)} objects")
         task_id = self._task_id()
-        batch = _Batch(keys, [obj.get_size() for obj in objects])
+        batch = _Batch(keys, [obj.get_size() for obj in objects], self._tenant_of)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             if self._kv.layout_unknowable(backend) is not None:
@@ -395,7 +406,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         LMCache's listeners they are gone."""
         if not keys:
             return
-        batch = _Batch(keys, None)
+        batch = _Batch(keys, None, self._tenant_of)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             return [self._request(backend, batch, run) for run in batch.runs]
@@ -520,7 +531,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         unknown = [i for i, s in enumerate(sizes) if s < 0]
         backend = self._backend()
         if unknown and backend is not None:
-            batch = _Batch([keys[i] for i in unknown], None)
+            batch = _Batch([keys[i] for i in unknown], None, self._tenant_of)
             for run in batch.runs:
                 described = backend.describe(self._request(backend, batch, run))
                 for j, meta in zip(run[1], described, strict=True):

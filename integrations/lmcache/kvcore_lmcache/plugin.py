@@ -46,6 +46,10 @@ CHUNK_PART = "chunk"
 _LOADER_KEYS = ("module_path", "class_name")
 
 
+#: the key tag naming a request's tenant (LMCache's ``lmcache.tag.kvcore_tenant`` request config)
+TENANT_TAG = "kvcore_tenant"
+
+
 def chunk_key(key: CacheEngineKey) -> str:
     """The kvcore block key of an in-process LMCache key: every field LMCache compares keys by
     (model, world size, worker id, chunk hash, dtype, tags), each unambiguous."""
@@ -156,7 +160,16 @@ class KVCoreStoragePlugin(StoragePluginInterface):
             parts=(CHUNK_PART,),
             part_bytes=None if size is None else (size,),
             block_meta=meta,
+            tenant=self._tenant_of(keys),
         )
+
+    def _tenant_of(self, keys: Sequence[CacheEngineKey]) -> str | None:
+        """The tenant of a batch's request: the ``kvcore_tenant`` tag LMCache keys carry from
+        a request's ``lmcache.tag.kvcore_tenant`` config (one request's keys share their
+        tags), else the settings' default tenant (None: no tenants set)."""
+        tags = dict(keys[0].tags or ()) if keys else {}
+        named = tags.get(TENANT_TAG)
+        return self.settings.tenant_of(tenant=named if isinstance(named, str) else None)
 
     # -- lookups -----------------------------------------------------------------------------
 

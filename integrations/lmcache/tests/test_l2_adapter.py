@@ -445,3 +445,25 @@ def test_lookups_answer_only_the_objects_worth_loading(open_adapter):
     assert found["slow_engine"] == [0, 1, 2, 3]
     assert len(found["fast_engine"]) < 4
     assert found["fast_engine_status"]["chunks_declined"] == 4 - len(found["fast_engine"])
+
+
+def test_each_keys_tenant_comes_from_its_cache_salt(open_adapter, root, tmp_path):
+    """The settings' ``tenants`` map a key's ``cache_salt`` to its tenant (kept as a digest);
+    the store counts and keeps each tenant's objects apart, and no salt is in its files."""
+    salts = tmp_path / "salts.json"
+    salts.write_text(json.dumps({"salt-of-a-1f3e": "team-a"}))
+    shares = {"tenants": {"team-a": {"reserved_bytes": 1 << 20}}}
+    adapter = open_adapter(
+        backend_config={"root": str(root), "tenants": shares},
+        tenants={**shares, "salts_file": str(salts)},
+    )
+    keys = [key(i, cache_salt="salt-of-a-1f3e" if i < 3 else "") for i in range(5)]
+    assert store(adapter, keys, [random_obj(i) for i in range(5)]).is_successful()
+    assert lookup(adapter, keys) == [0, 1, 2, 3, 4]
+    stats = adapter._kv.opened.stats()  # the facade's counts and the store's bytes, per tenant
+    assert stats["tenant_blocks_done.write.team-a"] == 3
+    assert stats["tenant_blocks_done.write.default"] == 2
+    assert stats["backend_tenant_bytes_held.team-a"] >= 3 * 2048
+    assert stats["backend_tenant_bytes_held.default"] >= 2 * 2048
+    shown = [repr(stats)] + [str(p) for p in Path(root).rglob("*")]
+    assert not any("salt-of-a-1f3e" in text for text in shown)

@@ -254,3 +254,18 @@ def test_lookups_answer_only_the_chunks_worth_loading(managers):
     found, status = outcomes["fast_engine"]
     assert found < 4 and status["chunks_declined"] == 4 - found
     assert status["decide.loads_declined"] >= 1
+
+
+def test_a_chunks_tenant_is_its_requests_kvcore_tenant_tag(managers):
+    """``lmcache.tag.kvcore_tenant`` in a request's configs names its tenant (one the settings
+    know); chunks without it are the default tenant's."""
+    tenants = {"tenants": {"team-a": {}}}
+    manager = managers(**{"storage_plugin.kvcore.tenants": tenants})
+    tagged = [key(i, request_configs={"lmcache.tag.kvcore_tenant": "team-a"}) for i in range(2)]
+    put_and_wait(manager, tagged, [1, 2])
+    put_and_wait(manager, [key(5)], [5])
+    backend = plugin_of(manager).backend
+    assert backend is not None
+    stats = backend.stats()
+    assert stats["tenant_blocks_done.write.team-a"] == 2
+    assert stats["tenant_blocks_done.write.default"] == 1

@@ -64,3 +64,75 @@ def test_each_requests_tenant_is_counted_apart_and_no_salt_is_shown(
     for salt in (SALT_A, SALT_B):
         assert not any(salt in text for text in shown), salt
     assert os.path.isdir(root)
+
+
+def _store_stats(root: Path, namespace: str) -> dict[str, float]:
+    """The kv_file store's own figures (what each tenant holds), opened after the engine."""
+    import kvcore
+
+    with kvcore.open_backend(
+        "file", {"root": str(root), "rescan_interval_s": 0}, context={"namespace": namespace}
+    ) as backend:
+        return backend.stats()
+
+
+def test_a_reserved_share_keeps_a_tenants_prompt_through_another_tenants_flood(
+    model_dir: Path, prompts: Prompts, tmp_path: Path
+) -> None:
+    """kv_file with tenants' shares, through the connector by name: tenant A's stored prompt
+    restores in full after tenant B writes ten times the store's capacity when A holds a
+    reserved share of half the store, and not at all without one (B's flood then evicts it,
+    least recently used first)."""
+    import random
+
+    capacity = 2 << 20
+    # B: unique prompts of A's length, ten times the capacity in KV (the tiny model's KV is
+    # 256 B a token in bfloat16, 512 in float32: counted here at the smaller, so B writes at
+    # least ten times, whatever the dtype)
+    flood_prompts = 10 * capacity // (256 * len(prompts.a)) + 1
+    rng = random.Random(61)
+    flood = [[rng.randrange(1, 512) for _ in range(len(prompts.a))] for _ in range(flood_prompts)]
+    salts = tmp_path / "salts.json"
+    salts.write_text(json.dumps({SALT_A: "team-a", SALT_B: "team-b"}))
+    flood_step = {
+        "op": "generate",
+        "name": "flood",
+        "max_tokens": 1,
+        "prompts": [{"tokens": t, "cache_salt": SALT_B} for t in flood],
+    }
+    restored = {}
+    for arm, share in (("shares", {"reserved_bytes": capacity // 2}), ("no-shares", {})):
+        root = tmp_path / arm
+        connector = file_connector(
+            root,
+            "tenants",
+            tenants={"tenants": {"team-a": share, "team-b": {}}, "salts_file": str(salts)},
+        )
+        connector["backend_config"] = {
+            "root": str(root),
+            "capacity_bytes": capacity,
+            "admission": "all",  # every write stored: what lets a flood in
+            "tenants": {"tenants": {"team-a": share, "team-b": {}}},
+        }
+        run = run_engine(
+            {
+                "model": str(model_dir),
+                "connector": connector,
+                "in_process": True,
+                "steps": [
+                    _generate("A", prompts.a, SALT_A),
+                    flood_step,
+                    {"op": "reset_prefix_cache"},
+                    _generate("A_again", prompts.a, SALT_A),
+                    {"op": "shutdown", "store_root": str(root)},
+                ],
+            },
+            tmp_path,
+            f"tenants-{arm}",
+        )
+        assert run.step("A_again")["tokens"] == run.step("A")["tokens"]
+        restored[arm] = run.step("A_again")["num_cached_tokens"][0]
+        held = _store_stats(root, "tenants")
+        assert held["backend_tenant_bytes_held.team-b"] > 0.4 * capacity  # the flood is in
+    full = len(prompts.a) // 32 * 32
+    assert restored == {"shares": full, "no-shares": 0}, restored

@@ -1,6 +1,7 @@
-"""Removing data (``kvcore_remove``, ``kvcore_clear``): a remove deletes exactly the requested
-blocks, of one rank, and every instance sharing the store sees it; a clear empties the
-namespace, every rank's, and no other."""
+"""Removing data (``kvcore_remove``, ``kvcore_clear``, ``kvcore_clear_tenant``): a remove
+deletes exactly the requested blocks, of one rank, and every instance sharing the store sees
+it; a clear empties the namespace, every rank's, and no other; a tenant's clear removes what
+that tenant stored, and nothing of another tenant's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvcore.backend import Backend
+from kvcore.tenants import CANNOT_CLEAR_TENANT
 from kvcore.testing.harness import Harness, Sequence_, blocks_equal
 from kvcore.testing.kit.fixtures import (
     KitFixtures,
@@ -161,6 +165,37 @@ class RemovalTests(KitFixtures):
         assert done == 3 and blocks_equal(got, own.payload(seq, 0, 3)) == []
         own.backend.clear()
         other_ns.backend.clear()
+
+    @exercises("kvcore_clear_tenant", *DATA_HOOKS)
+    def test_clearing_a_tenant_removes_its_blocks_and_no_other_tenants(
+        self, open_harness: Callable[..., Harness]
+    ) -> None:
+        """.. versionadded:: 0.3"""
+        own = open_harness()
+        _require_hook(own.backend, "kvcore_clear_tenant")
+        twin = open_harness()
+        # tenants of the kit's own: a clear must never touch data the kit did not write
+        kept, cleared = (f"kit-{uuid.uuid4().hex[:12]}" for _ in range(2))
+        a, b = own.new_sequence(3), own.new_sequence(3)
+        assert own.write(a, tenant=kept) == 3 and own.write(b, tenant=cleared) == 3
+        removed = own.backend.clear(tenant=cleared)
+        if removed.failure is not None and CANNOT_CLEAR_TENANT in removed.failure:
+            pytest.skip(f"the backend cannot clear one tenant: {removed.failure}")
+        assert removed.failure is None, f"clearing a tenant failed: {removed.failure}"
+        objects = 3 * len(own.parts)
+        assert removed == 0 or removed >= objects, (
+            f"a tenant's clear reported {int(removed)} objects removed; it held {objects} (0 "
+            "is allowed for stores that cannot count)"
+        )
+        assert own.query(b) == 0, "the cleared tenant's blocks are still found"
+        assert own.read(b)[0] == 0, "the cleared tenant's blocks can still be read"
+        own.assert_reads_back(a, 3)  # the other tenant's, every byte
+        if _sees(twin, a, 3):
+            assert twin.query(b) == 0, "another instance still finds the cleared tenant's blocks"
+        assert own.write(b, tenant=cleared) == 3, "the tenant cannot write again after its clear"
+        own.assert_reads_back(b, 3)
+        unknown = own.backend.clear(tenant=f"kit-{uuid.uuid4().hex[:12]}")
+        assert unknown == 0
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -37,12 +37,13 @@ from kv_file.model import StoreModel
 from kv_file.objfile import encode_name
 from kv_file.objio import DirectReads, read_meta
 from kv_file.paths import StoreDir
-from kv_file.removal import clear_objects, remove_blocks
+from kv_file.removal import clear_objects, clear_tenant, remove_blocks
 from kv_file.transfer import Transfers
 from kv_file.watch import Watch
-from kvcore import BlockRequest
+from kvcore import BlockRequest, Outcome
 from kvcore.evictions import EvictionSink, sink_caller
 from kvcore.keys import name_columns
+from kvcore.tenants import DEFAULT_TENANT, UNKNOWN_TENANT, tenant_gauges
 from kvcore.threads import start_thread, usable_cpus
 
 __all__ = ["FileBackend"]
@@ -116,6 +117,7 @@ class FileBackend:
             fits=fits,
             retire_files=functools.partial(retire_files, self._dir),
             counters=self._counters,
+            tenants=config.tenants,
         )
         self._index = self._catalog.index
         self._files = ObjectFiles(
@@ -153,7 +155,11 @@ class FileBackend:
             sync_dirs=self._sync_dirs,
             io_threads=config.io_threads,
             cpus=self._cpus,
+            default_tenant=DEFAULT_TENANT
+            if config.tenants is None
+            else config.tenants.default_tenant,
         )
+        self._resume_clears()  # a tenant's deletion a crash cut short: finished before serving
         self._stop = threading.Event()
         self._rescanner: threading.Thread | None = None
         if config.rescan_interval_s > 0:
@@ -207,10 +213,23 @@ class FileBackend:
             # 10,000-block query
             if not all(all(map(known, column[lo:hi])) for column in columns):
                 first = next(i for i in range(lo, hi) if not all(map(known, names[i])))
-                return self._files.learn(request, first)  # looked for on disk
+                # looked for on disk
+                return self._withheld_from(request, start, self._files.learn(request, first))
             if hi < total and request.expired():
                 return hi
-        return total
+        return self._withheld_from(request, start, total)
+
+    def _withheld_from(self, request: BlockRequest, start: int, end: int) -> int:
+        """``end``, or the first block from ``start`` of a tenant being deleted (its objects
+        are no longer found)."""
+        index = self._index
+        if not index.clearing:
+            return end
+        names = request.object_names[start:end]
+        by_name = index.by_name
+        digests = [by_name.get(n, -1) for block in names for n in block]
+        cut = index.withheld(digests)
+        return end if cut is None else start + cut // len(request.parts)
 
     @kvcore.hookimpl
     def kvcore_describe(self, request: BlockRequest) -> list[bytes | None]:
@@ -265,6 +284,29 @@ class FileBackend:
         return clear_objects(self._files, self._name_prefix, self._own_directory)
 
     @kvcore.hookimpl
+    def kvcore_clear_tenant(self, tenant: str) -> int:
+        """Unlink every object of ``tenant`` in the directory, of every namespace and every
+        process sharing it, crash-safe (see :func:`kv_file.removal.clear_tenant`)."""
+        self._catalog.sync()
+        tenants = self.config.tenants
+        named = tenants is not None and tenant in (*tenants.tenants, tenants.default_tenant)
+        if not named and tenant != DEFAULT_TENANT and not self._index.tenant_bytes[tenant]:
+            return Outcome(
+                0,
+                f"{UNKNOWN_TENANT} {tenant!r}: the store's settings do not name it and it "
+                "holds no object",
+            )
+        return clear_tenant(self._files, tenant)
+
+    def _resume_clears(self) -> None:
+        """Finish the deletions of tenants the journal says were started and not finished by
+        a store that is no longer open (its process died, or a removal failed and it closed):
+        one still clearing finishes its own."""
+        for tenant in self._catalog.orphaned_clears():
+            log.warning("kv_file: finishing the deletion of tenant %r left unfinished", tenant)
+            clear_tenant(self._files, tenant)
+
+    @kvcore.hookimpl
     def kvcore_stats(self) -> dict[str, float]:
         self._settle()
         index = self._index
@@ -280,6 +322,28 @@ class FileBackend:
         )
         out["direct_reads"] = float(self._direct.count)
         out.update(self._admission.stats())
+        out.update(self._tenant_stats())
+        return out
+
+    def _tenant_stats(self) -> dict[str, float]:
+        """Bytes each tenant holds (of every process), and, with shares, each one's reserved
+        share and quota and the bytes this process evicted of it."""
+        index, tenants = self._index, self.config.tenants
+        with index.lock:
+            held = dict(index.tenant_bytes)
+        if tenants is not None:
+            for tenant in [*tenants.tenants, tenants.default_tenant]:
+                held.setdefault(tenant, 0)
+        out = tenant_gauges("bytes_held", held)
+        evicted = dict(self._catalog.evicted_by)
+        if evicted:
+            out.update(tenant_gauges("bytes_evicted", evicted))
+        if tenants is not None and tenants.tenants:
+            shares = tenants.tenants.items()
+            out.update(tenant_gauges("bytes_reserved", {t: s.reserved_bytes for t, s in shares}))
+            quotas = {t: s.quota_bytes for t, s in shares if s.quota_bytes is not None}
+            if quotas:
+                out.update(tenant_gauges("bytes_quota", quotas))
         return out
 
     @kvcore.hookimpl
@@ -351,6 +415,7 @@ class FileBackend:
         reservations of processes that died (see :meth:`Catalog.reconcile`)."""
         self._catalog.reconcile()
         self._catalog.admit([0])  # adopted files may pass the capacity: evict down to it
+        self._resume_clears()
 
     def _rescan_loop(self) -> None:
         while not self._stop.wait(self.config.rescan_interval_s):

@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import kvcore
@@ -28,6 +29,7 @@ from kv_file.objio import read_name
 from kv_file.paths import StoreDir, discard
 from kvcore import events as ev
 from kvcore.keys import BlockId
+from kvcore.tenants import DEFAULT_TENANT, TenantSettings
 
 __all__ = ["Catalog"]
 
@@ -70,9 +72,10 @@ class Catalog:
         fits: frozenset[int] | None,
         retire_files: Callable[[list[int]], list[tuple[int, str]]],
         counters: kvcore.Counters,
+        tenants: TenantSettings | None = None,
     ) -> None:
         self._dir = store_dir
-        self.index = Index(capacity, high, low)
+        self.index = Index(capacity, high, low, tenants)
         self._fits = fits
         self._retire_files = retire_files
         self._unreserve = 0  # bytes of retired files deleted since, not yet given back
@@ -91,6 +94,10 @@ class Catalog:
         self._leaving: set[int] = set()  # victims this process is handing over now
         self._watches: list[_Watch] = []  # writes in progress (see watch_writes)
         self.evictions = 0  # objects this process evicted
+        self.evicted_by: Counter[str] = Counter()  # ... and their bytes, by their tenant
+        #: the opened store that started each tenant's clear (the clearing record's origin)
+        self.clearers: dict[str, int] = {}
+        self.clears_running: Counter[str] = Counter()  # tenants this process is clearing now
         # stored records applied and their bytes in the journal: their mean sizes a rewrite
         self._stored_records = 0
         self._stored_record_bytes = 0
@@ -181,15 +188,27 @@ class Catalog:
         it (the index need not parse those names)."""
         index, token, watches, fits_sizes = self.index, self.token, self._watches, self._fits
         report = None if quiet else self.report
-        runs: list[tuple[str, str, list[str], list[int]]] = []  # (kind, origin, names, sizes)
+        # (kind, origin, tenant, names, sizes)
+        runs: list[tuple[str, str, str | None, list[str], list[int]]] = []
         # consecutive stored and touched records go to the index as one call each (one lock
         # per run, not per record); a record of another kind applies them first, in order
-        adds: list[tuple[int, int, str | None, bool, BlockId | Unknown | None]] = []
+        adds: list[tuple[int, int, str | None, bool, BlockId | Unknown | None, str | None]] = []
         touches: list[int] = []
         unknown = Unknown.BLOCK
         stored = stored_bytes = 0  # (locals: this loop runs once per record of every process)
         for r in records:
             kind, digest = r.kind, r.digest
+            if kind is Kind.CLEARING or kind is Kind.CLEARED:  # a tenant's, no object's
+                if adds:
+                    index.add_many(adds)
+                    adds = []
+                if touches:
+                    index.touch_each(touches)
+                    touches = []
+                cleared = (r.tenant or b"").decode("ascii", "replace") or DEFAULT_TENANT
+                index.set_clearing(cleared, kind is Kind.CLEARING)
+                self.clearers[cleared] = r.origin
+                continue
             if kind is Kind.TOUCHED:
                 if adds:
                     index.add_many(adds)
@@ -212,9 +231,14 @@ class Catalog:
                 )
                 pinned = digest in pin and r.origin == token
                 block = unknown if blocks is None else blocks.get(digest, unknown)
-                adds.append((digest, size, name if fits else None, pinned, block))
+                owner = r.tenant
+                tenant = None if owner is None else owner.decode("ascii", "replace")
+                adds.append((digest, size, name if fits else None, pinned, block, tenant))
+                tenant = tenant or DEFAULT_TENANT
                 stored += 1
-                stored_bytes += record_bytes(0 if raw is None else len(raw))
+                stored_bytes += record_bytes(
+                    0 if raw is None else len(raw), 0 if owner is None else len(owner)
+                )
             else:
                 if adds:
                     index.add_many(adds)
@@ -222,16 +246,16 @@ class Catalog:
                 entry = index.drop(digest)
                 if entry is None:
                     continue
-                name, size = entry.name, entry.size
+                name, size, tenant = entry.name, entry.size, entry.tenant
             if report is None or name is None:
                 continue
             payload = size - header_size(len(name.encode("utf-8", "surrogatepass")))
             what, origin = _EVENT_KINDS[kind], ev.LOCAL if r.origin == token else ev.PEER
-            if runs and runs[-1][0] == what and runs[-1][1] == origin:
-                runs[-1][2].append(name)
-                runs[-1][3].append(payload)
+            if runs and runs[-1][:3] == (what, origin, tenant):
+                runs[-1][3].append(name)
+                runs[-1][4].append(payload)
             else:
-                runs.append((what, origin, [name], [payload]))
+                runs.append((what, origin, tenant, [name], [payload]))
         if adds:
             index.add_many(adds)
         if touches:
@@ -239,8 +263,8 @@ class Catalog:
         self._stored_records += stored
         self._stored_record_bytes += stored_bytes
         if report is not None:
-            for what, origin, names, sizes in runs:
-                report(what, names, sizes, origin)
+            for what, origin, tenant, names, sizes in runs:
+                report(what, names, sizes, origin, tenant=tenant)
 
     def _report_difference(self, before: dict[int, Entry]) -> None:
         """After re-reading a replaced journal: report what came and went meanwhile."""
@@ -284,12 +308,49 @@ class Catalog:
         self.journal.replace(self._records_of(self.index.snapshot()))
         self._counters.add("journal_compactions")
 
-    def _records_of(self, live: Iterable[tuple[int, int, str | None]]) -> list[Record]:
-        return [
+    def _records_of(self, live: Iterable[tuple[int, int, str | None, str]]) -> list[Record]:
+        """A compact journal: every object, and every tenant clear not finished."""
+        clearing = [
+            Record(Kind.CLEARING, 0, origin=self.token, tenant=tenant_bytes(t))
+            for t in sorted(self.index.clearing)
+        ]
+        return clearing + [
             Record(Kind.STORED, d, s, None if n is None else n.encode("utf-8", "surrogatepass"),
-                   self.token)
-            for d, s, n in live
+                   self.token, tenant_bytes(t))
+            for d, s, n, t in live
         ]  # fmt: skip
+
+    # -- deleting a tenant -------------------------------------------------------------------
+
+    def start_clearing(self, tenant: str) -> None:
+        """From now on, no process serves or stores ``tenant``'s objects (a durable record:
+        a restart resumes the deletion, see :func:`kv_file.removal.clear_tenant`)."""
+        with self._exclusive():
+            if tenant not in self.index.clearing:
+                self._commit([Record(Kind.CLEARING, 0, origin=self.token,
+                                     tenant=tenant_bytes(tenant))])  # fmt: skip
+
+    def orphaned_clears(self) -> list[str]:
+        """Tenants whose clear no process is running: started by a store no longer open in a
+        live process (it died mid-way), or by this one, which gave up (a removal failed)."""
+        clearing, clearers, running = self.index.clearing, self.clearers, self.clears_running
+        return sorted(
+            t
+            for t in clearing
+            if not running[t]
+            and (clearers.get(t) == self.token or not self.journal.alive(clearers.get(t, 0)))
+        )
+
+    def finish_clearing(self, tenant: str) -> bool:
+        """Record that ``tenant``'s deletion is done, if no object of it is left (False: some
+        are: delete them first)."""
+        with self._exclusive():
+            if self.index.of_tenant(tenant):
+                return False
+            if tenant in self.index.clearing:
+                self._commit([Record(Kind.CLEARED, 0, origin=self.token,
+                                     tenant=tenant_bytes(tenant))])  # fmt: skip
+            return True
 
     # -- the store's own files ---------------------------------------------------------------
 
@@ -320,20 +381,28 @@ class Catalog:
     # -- changes this process makes -----------------------------------------------------------
 
     def admit(
-        self, sizes: list[int], touched: Sequence[int] = (), deadline: float | None = None
+        self,
+        sizes: list[int],
+        touched: Sequence[int] = (),
+        deadline: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> int:
-        """Reserve bytes for writes of ``sizes`` (in order), evicting LRU objects first as
-        needed; returns how many (a leading run) were admitted. ``touched``: objects the write
-        skips as already stored, now most recently used. With :attr:`hand_over` set, victims
-        are handed over before they leave (see :meth:`_admit_handing_over`), by ``deadline``.
+        """Reserve bytes for writes of ``sizes`` (in order) by ``tenant``, evicting LRU
+        objects first as needed (by the tenants' shares, where configured); returns how many
+        (a leading run) were admitted. ``touched``: objects the write skips as already stored,
+        now most recently used. With :attr:`hand_over` set, victims are handed over before
+        they leave (see :meth:`_admit_handing_over`), by ``deadline``.
         """
         if self.hand_over is not None:
-            return self._admit_handing_over(sizes, touched, deadline)
+            return self._admit_handing_over(sizes, touched, deadline, tenant)
         retired: list[tuple[int, str]] = []
         with self._exclusive():
-            victims, admitted = self.index.plan_admission(self._beside_files(), sizes)
+            victims, admitted = self.index.plan_admission(
+                self._beside_files(), sizes, tenant=tenant
+            )
             victim_bytes = 0
             if victims:
+                self._count_evicted(victims)
                 # Renamed away from their names under the lock (a rename costs a fraction of
                 # an unlink, which frees the pages); their bytes stay reserved until the
                 # temp files are deleted, after the lock (a crash leaves stale temps, which the
@@ -349,7 +418,7 @@ class Catalog:
         return admitted
 
     def _admit_handing_over(
-        self, sizes: list[int], touched: Sequence[int], deadline: float | None
+        self, sizes: list[int], touched: Sequence[int], deadline: float | None, tenant: str
     ) -> int:
         """:meth:`admit` for a store in front of another: each victim reaches the receiver
         before it leaves this store, so no crash can lose it.
@@ -367,7 +436,7 @@ class Catalog:
         assert hand_over is not None
         with self._exclusive():
             victims, admitted = self.index.plan_admission(
-                self._beside_files(), sizes, self._leaving
+                self._beside_files(), sizes, self._leaving, tenant
             )
             self._commit([Record(Kind.TOUCHED, d, origin=self.token) for d in touched])
             self.journal.reserve(sum(sizes[:admitted]))
@@ -390,6 +459,7 @@ class Catalog:
             self._leaving.difference_update(victims)
             leave = [d for d in victims if d in taken and self.index.size_of(d) is not None]
             if leave:
+                self._count_evicted(leave)
                 victim_bytes = sum(self.index.size_of(d) or 0 for d in leave)
                 retired = self._retire_files(leave)
                 self.evictions += len(leave)
@@ -405,6 +475,14 @@ class Catalog:
                     self.journal.reserve(-sizes[admitted])
         self._delete_retired(retired, victim_bytes)
         return admitted
+
+    def _count_evicted(self, victims: list[int]) -> None:
+        """Count victims' bytes by their tenant (lock held, before their records)."""
+        lru = self.index.lru
+        for digest in victims:
+            entry = lru.get(digest)
+            if entry is not None:
+                self.evicted_by[entry.tenant] += entry.size
 
     def _delete_retired(self, retired: list[tuple[int, str]], victim_bytes: int) -> None:
         """Delete evicted objects' retired files (outside the lock) and give their bytes back."""
@@ -441,6 +519,7 @@ class Catalog:
         files: Sequence[tuple[int, int, bytes | None]],
         watch: _Watch | None = None,
         blocks: Mapping[int, BlockId | None] | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> set[int]:
         """Written files ``(digest, size, name)`` are in place: their reservations become
         files, recorded in one go and pinned (kept from eviction until
@@ -451,11 +530,18 @@ class Catalog:
         With the ``watch`` (:meth:`watch_writes`) that covered the renames, only files some
         record was about since are looked for (an ``lstat`` each, under the lock); without
         it, every file is. ``blocks``: each file's block by digest, where the caller knows it
-        (see :meth:`_apply`)."""
+        (see :meth:`_apply`). ``tenant``: whose write stored them."""
         if not files:
             return set()
+        owner = tenant_bytes(tenant)
         with self._exclusive():
             self.journal.reserve(-sum(size for _, size, _ in files))
+            if tenant in self.index.clearing:  # deleted as it arrives: refused
+                for d, _, _ in files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._dir.object_path(d))
+                self._counters.add("write_refused_tenant_clearing", len(files))
+                return {d for d, _, _ in files}
             lost = {
                 d
                 for d, _, _ in files
@@ -465,7 +551,7 @@ class Catalog:
             if lost:
                 self._counters.add("write_lost", len(lost))
             records = [
-                Record(Kind.STORED, d, size, name, self.token)
+                Record(Kind.STORED, d, size, name, self.token, owner)
                 for d, size, name in files
                 if d not in lost
             ]
@@ -600,6 +686,11 @@ class _Watch:
     def __init__(self, digests: frozenset[int]) -> None:
         self.digests = digests
         self.touched: set[int] = set()
+
+
+def tenant_bytes(tenant: str) -> bytes | None:
+    """``tenant`` as a stored record names it (None: the default tenant, in no bytes)."""
+    return None if tenant == DEFAULT_TENANT else tenant.encode("ascii")
 
 
 def _blocks(nbytes: int) -> int:

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 import kvcore
 from kvcore.config import check_namespace
 from kvcore.schemas import interval_field
+from kvcore.tenants import TenantSettings
 
 __all__ = ["FileConfig", "check_root", "default_root", "safe_namespace"]
 
@@ -117,6 +118,14 @@ class FileConfig(kvcore.BackendConfig):
         "then saved at close)",
     )
 
+    tenants: TenantSettings | None = Field(
+        default=None,
+        description="tenants' shares of the store (kvcore.tenants.TenantSettings): each "
+        "tenant's reserved_bytes (no other tenant's write evicts them) and quota_bytes (the "
+        "most it holds); every process sharing the root should set the same. None: one LRU "
+        "for every tenant (bytes held are still counted per tenant)",
+    )
+
     @field_validator("root")
     @classmethod
     def _root(cls, value: str) -> str:
@@ -138,4 +147,6 @@ class FileConfig(kvcore.BackendConfig):
                 f"low_watermark {self.low_watermark} must be <= high_watermark "
                 f"{self.high_watermark}"
             )
+        if self.tenants is not None:
+            self.tenants.check_capacity(int(self.capacity_bytes), "tenants")
         return self

@@ -8,6 +8,10 @@ progress acknowledges (pinned: eviction passes them over), and the times of its 
 which the backend writes to the files' mtimes in batches (:meth:`Index.take_touched`), so a
 store rebuilt from a scan still knows their recency.
 
+Each object belongs to the tenant whose write stored it (:mod:`kvcore.tenants`; the journal's
+stored records say which), and the index counts each tenant's bytes. With tenants' shares
+configured, eviction follows them (:mod:`kv_file.shares`).
+
 After the first lookup a query is one dict probe per name, with no hashing and no system call.
 """
 
@@ -20,7 +24,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from kv_file.shares import Shares
 from kvcore.keys import BlockId, ObjectName
+from kvcore.tenants import DEFAULT_TENANT, TenantSettings
 
 __all__ = ["Entry", "Index", "Unknown", "block_of"]
 
@@ -50,12 +56,16 @@ class Entry:
     stamp: int = 0  # when it was indexed, so a scan that started earlier cannot drop it
     logged_touch: float = 0.0  # when this process last put a read of it in the journal
     block: BlockId | None = None  # see block_of
+    tenant: str = DEFAULT_TENANT  # whose write stored it
+    tick: int = 0  # with shares: when it was last added or read (the LRU order, as a number)
 
 
 class Index:
     """Thread-safe; ``by_name`` may be probed without the lock (a dict probe is atomic)."""
 
-    def __init__(self, capacity: int, high: float, low: float) -> None:
+    def __init__(
+        self, capacity: int, high: float, low: float, tenants: TenantSettings | None = None
+    ) -> None:
         self.capacity = capacity
         self.high_bytes = int(capacity * high)
         self.low_bytes = int(capacity * low)
@@ -67,6 +77,14 @@ class Index:
         self.touched: dict[int, int] = {}  # digest -> wall-clock ns of its last read hit here
         self._stamps = itertools.count(1)
         self._pinned: Counter[int] = Counter()  # objects a write in progress acknowledges
+        #: bytes of each tenant's objects
+        self.tenant_bytes: Counter[str] = Counter()
+        #: with shares configured: each tenant's order, and admissions planned by the shares
+        self.shares = None if tenants is None or not tenants.tenants else Shares(tenants)
+        #: tenants whose objects are being deleted (the journal's clearing records): none of
+        #: their objects is served or stored (replaced whole, so it may be read unlocked)
+        self.clearing: frozenset[str] = frozenset()
+        self._ticks = itertools.count(1)
 
     def stamp(self) -> int:
         return next(self._stamps)
@@ -131,43 +149,99 @@ class Index:
         with self.lock:
             return [d for d, e in self.lru.items() if e.name is None]
 
-    def snapshot(self) -> list[tuple[int, int, str | None]]:
-        """``(digest, size, name)`` of every object, least recently used first."""
+    def snapshot(self) -> list[tuple[int, int, str | None, str]]:
+        """``(digest, size, name, tenant)`` of every object, least recently used first."""
         with self.lock:
-            return [(d, e.size, e.name) for d, e in self.lru.items()]
+            return [(d, e.size, e.name, e.tenant) for d, e in self.lru.items()]
+
+    def of_tenant(self, tenant: str) -> list[int]:
+        """The digests of ``tenant``'s objects."""
+        with self.lock:
+            if self.shares is not None:
+                return list(self.shares.orders.get(tenant, ()))
+            return [d for d, e in self.lru.items() if e.tenant == tenant]
+
+    def withheld(self, digests: Iterable[int]) -> int | None:
+        """The position of the first of ``digests`` whose object belongs to a tenant being
+        cleared (None: none does; call only while :attr:`clearing` holds a tenant)."""
+        clearing, lru = self.clearing, self.lru
+        with self.lock:
+            for k, digest in enumerate(digests):
+                entry = lru.get(digest)
+                if entry is not None and entry.tenant in clearing:
+                    return k
+        return None
+
+    def set_clearing(self, tenant: str, clearing: bool) -> None:
+        """``tenant``'s objects are being deleted (or no longer)."""
+        with self.lock:
+            now = set(self.clearing)
+            if clearing:
+                now.add(tenant)
+            else:
+                now.discard(tenant)
+            self.clearing = frozenset(now)
 
     # -- changes (as the journal's records say) ---------------------------------------------
 
     def add_many(
-        self, files: Iterable[tuple[int, int, str | None, bool, BlockId | Unknown | None]]
+        self,
+        files: Iterable[tuple[int, int, str | None, bool, BlockId | Unknown | None, str | None]],
     ) -> None:
-        """Index files now in place, each ``(digest, size, name, pin, block)`` in order under
-        one lock, replacing what was at its digest. ``pin``: also pin it (see :meth:`hold`),
-        atomically, so no eviction comes between. ``block``: :func:`block_of` the name, when
-        the caller knows it (else it is parsed)."""
+        """Index files now in place, each ``(digest, size, name, pin, block, tenant)`` in
+        order under one lock, replacing what was at its digest. ``pin``: also pin it (see
+        :meth:`hold`), atomically, so no eviction comes between. ``block``: :func:`block_of`
+        the name, when the caller knows it (else it is parsed). ``tenant``: whose write stored
+        it (None: not said, as for a file a scan found: the tenant of what it replaces, else
+        the default tenant)."""
         with self.lock:
             add = self._add
-            for digest, size, name, pin, block in files:
-                add(digest, size, name, pin, block)
+            for digest, size, name, pin, block, tenant in files:
+                add(digest, size, name, pin, block, tenant)
 
     def _add(
-        self, digest: int, size: int, name: str | None, pin: bool, block: BlockId | Unknown | None
+        self,
+        digest: int,
+        size: int,
+        name: str | None,
+        pin: bool,
+        block: BlockId | Unknown | None,
+        tenant: str | None,
     ) -> None:
         """One file of :meth:`add_many` (lock held)."""
         old = self.lru.pop(digest, None)
         if old is not None:  # replaced in place (a concurrent writer of the same name)
-            self.files_bytes -= old.size
+            self._uncount(digest, old)
             self._unblock(digest, old)
             if old.name is not None and old.name != name:
                 self.by_name.pop(old.name, None)
             if name is None:
                 name = old.name
+            if tenant is None:
+                tenant = old.tenant
         entry = self.lru[digest] = Entry(size, None, next(self._stamps))
+        entry.tenant = DEFAULT_TENANT if tenant is None else tenant
         self.files_bytes += size
+        self.tenant_bytes[entry.tenant] += size
+        if self.shares is not None:
+            entry.tick = next(self._ticks)
+            self.shares.add(entry.tenant, digest, entry.tick)
         if name is not None:
             self._name(entry, digest, name, block)
         if pin:
             self._pinned[digest] += 1
+
+    def _uncount(self, digest: int, entry: Entry) -> None:
+        """``entry`` (at ``digest``) leaves the index: its bytes are no longer held (lock
+        held)."""
+        self.files_bytes -= entry.size
+        held = self.tenant_bytes[entry.tenant] - entry.size
+        if held > 0:
+            self.tenant_bytes[entry.tenant] = held
+        else:
+            del self.tenant_bytes[entry.tenant]
+        if self.shares is not None:
+            self.shares.drop(entry.tenant, digest)
 
     def drop(self, digest: int) -> Entry | None:
         """Forget a file that is gone; returns its entry (None if it was not indexed)."""
@@ -176,7 +250,7 @@ class Index:
             if entry is None:
                 return None
             self.touched.pop(digest, None)
-            self.files_bytes -= entry.size
+            self._uncount(digest, entry)
             self._unblock(digest, entry)
             if entry.name is not None:
                 self.by_name.pop(entry.name, None)
@@ -186,15 +260,34 @@ class Index:
         """Most recently used now, in order (other processes' reads, as their records say)."""
         with self.lock:
             lru = self.lru
+            if self.shares is not None:
+                self._touch_shared(digests)
+                return
             for digest in digests:
                 if digest in lru:
                     lru.move_to_end(digest)
+
+    def _touch_shared(self, digests: Iterable[int], now_ns: int | None = None) -> None:
+        """A touch with shares configured: the tenant's order moves too (lock held)."""
+        lru, touched, shares, ticks = self.lru, self.touched, self.shares, self._ticks
+        assert shares is not None
+        for digest in digests:
+            entry = lru.get(digest)
+            if entry is not None:
+                lru.move_to_end(digest)
+                entry.tick = next(ticks)
+                shares.touch(entry.tenant, digest, entry.tick)
+                if now_ns is not None:
+                    touched[digest] = now_ns
 
     def touch_many(self, digests: Iterable[int], now_ns: int) -> None:
         """Read hits of this process at ``now_ns``, in order, under one lock: most recently
         used, and the time to save as their files' mtimes."""
         with self.lock:
             lru, touched = self.lru, self.touched
+            if self.shares is not None:
+                self._touch_shared(digests, now_ns)
+                return
             for digest in digests:
                 if digest in lru:
                     lru.move_to_end(digest)
@@ -222,6 +315,10 @@ class Index:
             self.blocks.clear()
             self.touched.clear()
             self.files_bytes = 0
+            self.tenant_bytes.clear()
+            self.clearing = frozenset()
+            if self.shares is not None:
+                self.shares.clear()
             return old
 
     def take_touched(self) -> dict[int, int]:
@@ -251,7 +348,11 @@ class Index:
                     del self._pinned[digest]
 
     def plan_admission(
-        self, in_flight: int, sizes: list[int], leaving: frozenset[int] | set[int] = frozenset()
+        self,
+        in_flight: int,
+        sizes: list[int],
+        leaving: frozenset[int] | set[int] = frozenset(),
+        tenant: str = DEFAULT_TENANT,
     ) -> tuple[list[int], int]:
         """What admitting writes of ``sizes`` (in order) takes, with ``in_flight`` bytes
         reserved by writes already running: the LRU victims to evict first, and how many of
@@ -264,9 +365,23 @@ class Index:
         of this process is handing over already: not chosen again, and still counted (the
         receiver may not take them). Nothing changes here: the caller deletes the victims'
         files, then records their eviction.
+
+        With shares configured, ``tenant`` writes, and the victims are chosen by the shares
+        (:meth:`kv_file.shares.Shares.plan`).
         """
         with self.lock:
             projected = self.files_bytes + in_flight
+            if self.shares is not None:
+                return self.shares.plan(
+                    tenant,
+                    sizes,
+                    projected,
+                    (self.capacity, self.high_bytes, self.low_bytes),
+                    self.tenant_bytes,
+                    self._unit_of,
+                    self._size_and_tenant,
+                    leaving,
+                )
             if projected + sum(sizes) <= self.high_bytes:
                 return [], len(sizes)
             candidates = self._eviction_units(leaving)
@@ -285,6 +400,19 @@ class Index:
                 projected += size
                 admitted += 1
             return victims, admitted
+
+    def _unit_of(self, digest: int) -> tuple[list[int], bool]:
+        """The objects evicted with ``digest`` (its block's parts), and whether one of them
+        is pinned (lock held)."""
+        entry = self.lru[digest]
+        unit = [digest]
+        if entry.block is not None:
+            unit = sorted(self.blocks.get(entry.block, ()), key=lambda d: d != digest)
+        return unit, any(d in self._pinned for d in unit)
+
+    def _size_and_tenant(self, digest: int) -> tuple[int, str]:
+        entry = self.lru[digest]
+        return entry.size, entry.tenant
 
     def _eviction_units(self, leaving: frozenset[int] | set[int]) -> Iterator[list[int]]:
         """Unpinned objects in LRU order, each with the other parts of its block (lock held)."""

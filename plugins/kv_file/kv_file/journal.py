@@ -17,10 +17,13 @@ Two files in the namespace directory, both 0600:
   to the committed length. Bytes below the committed length never change within a
   generation, so a reader may read them without the lock (:meth:`Journal.read_ahead`) and take
   the lock only for what was committed after: the lock is held for the few newest records,
-  not for everything the other processes did since. Each record is 40 bytes (length u32, kind u8, flags u8, 2 spare,
-  the file digest as two u64, the file's size u64, the origin's token u32, the name's length
-  u32) followed by the name's bytes (stored records only), padded to 8 bytes. Nothing in
-  either file is ever executed or unpickled.
+  not for everything the other processes did since. Each record is 40 bytes (length u32, kind u8, flags u8, the
+  tenant's length u8, 1 spare, the file digest as two u64, the file's size u64, the origin's
+  token u32, the name's length u32) followed by the name's bytes and the tenant's (stored
+  records only), padded to 8 bytes. A stored record names the tenant whose write stored the
+  object (:mod:`kvcore.tenants`; none: :data:`~kvcore.tenants.DEFAULT_TENANT`); a reader of
+  kv_file < 0.3 skips the tenant's bytes with the padding (the record's length covers them)
+  and reads the byte as spare. Nothing in either file is ever executed or unpickled.
 
 What survives what:
 
@@ -68,7 +71,7 @@ _SLOTS_AT = 64
 #: token, pid, process start time (clock ticks since boot), reserved bytes, spare
 _SLOT = struct.Struct("<IIQQQ")
 NUM_SLOTS = (LEDGER_BYTES - _SLOTS_AT) // _SLOT.size
-_REC = struct.Struct("<IBBxxQQQII")
+_REC = struct.Struct("<IBBBxQQQII")
 _MASK64 = (1 << 64) - 1
 
 
@@ -78,11 +81,17 @@ class Kind(enum.IntEnum):
     REMOVED = 3  # deleted by remove or clear
     TOUCHED = 4  # read (or skipped by a write): most recently used now
     GONE = 5  # found missing by a scan or a lookup (deleted by hand, a crash mid-way)
+    #: a tenant's objects are being deleted (``Record.tenant``; no digest): from here on no
+    #: process serves or stores them, until...
+    CLEARING = 6
+    #: ...every object of the tenant is removed (kv_file >= 0.3; an older reader rebuilds)
+    CLEARED = 7
 
 
-def record_bytes(name_len: int) -> int:
-    """What a record with a name of ``name_len`` bytes takes in the journal."""
-    return -(-(_REC.size + name_len) // 8) * 8
+def record_bytes(name_len: int, tenant_len: int = 0) -> int:
+    """What a record with a name of ``name_len`` bytes (and a tenant's of ``tenant_len``)
+    takes in the journal."""
+    return -(-(_REC.size + name_len + tenant_len) // 8) * 8
 
 
 @dataclass(slots=True)
@@ -92,6 +101,9 @@ class Record:
     size: int = 0
     name: bytes | None = None
     origin: int = 0
+    #: the tenant whose write stored the object (stored records; None: the default tenant),
+    #: as ASCII: a tenant's name (:data:`kvcore.tenants.TENANT_NAME`) is at most 64 bytes
+    tenant: bytes | None = None
 
     def encode(self) -> bytes:
         return encode_records((self,))
@@ -108,11 +120,14 @@ def encode_records(records: Iterable[Record]) -> bytes:
     append = parts.append
     for r in records:
         name = r.name or b""
-        digest, n = r.digest, len(name)
-        length = (head + n + 7) & ~7  # record_bytes(n)
-        append(pack(length, r.kind, 0, digest & _MASK64, digest >> 64, r.size, r.origin, n))
+        tenant = r.tenant or b""
+        digest, n, t = r.digest, len(name), len(tenant)
+        length = (head + n + t + 7) & ~7  # record_bytes(n, t)
+        append(pack(length, r.kind, 0, t, digest & _MASK64, digest >> 64, r.size, r.origin, n))
         append(name)
-        append(_PADDING[length - head - n])
+        if t:
+            append(tenant)
+        append(_PADDING[length - head - n - t])
     return b"".join(parts)
 
 
@@ -129,11 +144,18 @@ def decode(data: bytes | memoryview) -> list[Record]:
     while pos < end:
         if end - pos < size:
             raise JournalError(f"a record header is cut at byte {pos}")
-        length, kind, _, lo, hi, fsize, origin, name_len = unpack(data, pos)
-        if length < size + name_len or length % 8 or pos + length > end or kind not in kinds:
+        length, kind, _, tenant_len, lo, hi, fsize, origin, name_len = unpack(data, pos)
+        if (
+            length < size + name_len + tenant_len
+            or length % 8
+            or pos + length > end
+            or kind not in kinds
+        ):
             raise JournalError(f"no valid record at byte {pos}")
-        name = bytes(data[pos + size : pos + size + name_len]) if name_len else None
-        out.append(Record(kinds[kind], lo | (hi << 64), fsize, name, origin))
+        at = pos + size + name_len
+        name = bytes(data[pos + size : at]) if name_len else None
+        tenant = bytes(data[at : at + tenant_len]) if tenant_len else None
+        out.append(Record(kinds[kind], lo | (hi << 64), fsize, name, origin, tenant))
         pos += length
     return out
 
@@ -391,6 +413,14 @@ class Journal:
         until :meth:`reap` frees them: their files may be on disk)."""
         # only the slots below the high-water mark: a handful, not the ledger's thousand
         return sum(slot[3] for _, slot in self._slots(self._slots_used()) if slot[0])
+
+    def alive(self, token: int) -> bool:
+        """Whether the opened store ``token`` is still open in a live process (no lock: one
+        read of the shared ledger)."""
+        for _, (slot_token, pid, start, _, _) in self._slots(self._slots_used()):
+            if slot_token == token:
+                return _alive(pid, start)
+        return False
 
     def reap(self) -> int:
         """Free the slots of stores whose process is gone; returns the bytes they held. Call

@@ -12,8 +12,8 @@ decisions (an I/O replay on kv_file and a simulated one count the same hits, wri
 refusals and evictions).
 
 With tenants (:mod:`kvcore.tenants`), the model keeps one LRU per tenant and picks victims by
-the tenants' shares: the rule kv_file's store is to enforce (issue 61). Until it does, a
-replay with tenants runs on the model only.
+the tenants' shares, the rule kv_file's store enforces (:mod:`kv_file.shares`); an I/O replay
+with tenants counts what the model counts (``tests/test_tenants.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Removing objects: ``kvcore_remove`` (a request's blocks) and ``kvcore_clear`` (a namespace).
+"""Removing objects: ``kvcore_remove`` (a request's blocks), ``kvcore_clear`` (a namespace) and
+``kvcore_clear_tenant`` (a tenant's objects, of every namespace).
 
 An object file is unlinked only when :meth:`~kv_file.files.ObjectFiles.look` finds a regular
 file at its path; the removals are then made durable per the fsync policy and recorded, so
@@ -17,7 +18,13 @@ from kv_file.objio import read_name
 from kv_file.paths import discard
 from kvcore import Outcome
 
-__all__ = ["clear_objects", "remove_blocks"]
+__all__ = ["clear_objects", "clear_tenant", "remove_blocks"]
+
+#: a tenant's objects are removed (and their removal recorded) this many at a time
+_CLEAR_BATCH = 512
+#: passes over a tenant's objects before a clear gives up (each pass removes every object the
+#: index holds of it; a failed removal ends the clear, which the next open or scan resumes)
+_CLEAR_PASSES = 8
 
 
 def remove_blocks(
@@ -70,6 +77,52 @@ def clear_objects(files: ObjectFiles, name_prefix: bytes, own_directory: bool) -
     if failure is not None:
         return Outcome(len(removed), f"clear failed: {describe(failure)}")
     return len(removed)
+
+
+def clear_tenant(files: ObjectFiles, tenant: str) -> int:
+    """Unlink every object of ``tenant`` (of every namespace in the directory); the count
+    removed, as an Outcome that says why when a removal failed.
+
+    Crash-safe: a clearing record goes into the journal first, and from then on no process
+    sharing the directory serves an object of the tenant or stores one (its writes are
+    refused), until the clear is recorded as finished, with no object of it left. A clear a
+    crash interrupted stays in the journal (a compaction keeps it): the next process to open
+    the directory, or its next full scan, finishes it. Objects a scan adopts (files no record
+    tells of) belong to no tenant's clear: they are the default tenant's.
+    """
+    catalog = files.catalog
+    catalog.clears_running[tenant] += 1
+    try:
+        return _clear_tenant(files, tenant)
+    finally:
+        catalog.clears_running[tenant] -= 1
+
+
+def _clear_tenant(files: ObjectFiles, tenant: str) -> int:
+    catalog = files.catalog
+    catalog.start_clearing(tenant)
+    removed = 0
+    failure: OSError | None = None
+    for _ in range(_CLEAR_PASSES):
+        todo = catalog.index.of_tenant(tenant)
+        for start in range(0, len(todo), _CLEAR_BATCH):
+            done: list[int] = []
+            for digest in todo[start : start + _CLEAR_BATCH]:
+                try:
+                    if unlink_object(files, digest):
+                        done.append(digest)
+                except OSError as exc:
+                    failure = failure or exc
+            removed_durably(files, done)
+            removed += len(done)
+        if failure is not None or catalog.finish_clearing(tenant):
+            break
+    files.counters.add("tenant_objects_cleared", removed)
+    if failure is not None:
+        return Outcome(removed, f"clearing tenant {tenant!r} failed: {describe(failure)}")
+    if tenant in catalog.index.clearing:
+        return Outcome(removed, f"clearing tenant {tenant!r}: objects kept coming back")
+    return removed
 
 
 def unlink_object(files: ObjectFiles, digest: int) -> bool:

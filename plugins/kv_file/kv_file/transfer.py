@@ -30,6 +30,7 @@ from kv_file.stamps import Stamps
 from kvcore import BlockRequest
 from kvcore.fileio import FileRead
 from kvcore.keys import NameRows
+from kvcore.tenants import DEFAULT_TENANT
 
 __all__ = ["Transfers"]
 
@@ -43,6 +44,7 @@ class Transfers:
         directories too (``data_and_dir``).
     :param io_threads: threads for I/O that waits on the disk; ``cpus``: the cores kvcore's
         threads run on (I/O that copies uses one thread per core).
+    :param default_tenant: the tenant of a write whose request names none.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class Transfers:
         sync_dirs: bool,
         io_threads: int,
         cpus: int,
+        default_tenant: str = DEFAULT_TENANT,
     ) -> None:
         self._dir = store_dir
         self._catalog = catalog
@@ -72,6 +75,7 @@ class Transfers:
         self._sync_dirs = sync_dirs
         self._io_threads = io_threads
         self._cpus = cpus
+        self._default_tenant = default_tenant  # a write's that names none
         self._stamps = Stamps(store_dir, catalog, batches, self.digest)
 
     def read(self, request: BlockRequest) -> int:
@@ -131,6 +135,14 @@ class Transfers:
             mixed = self._stamps.refuse_mixed(request, outcomes, stamps)
             if mixed:
                 hits[:] = [(k, digest) for k, digest in hits if k // nparts not in mixed]
+            if index.clearing:  # a tenant being deleted: its objects are no longer served
+                hits.sort()
+                cut = index.withheld(digest for _, digest in hits)
+                if cut is not None:
+                    first = hits[cut][0] - hits[cut][0] % nparts  # its block's first object
+                    outcomes[first:] = ["read_withheld"] * (len(outcomes) - first)
+                    hits[:] = [(k, d) for k, d in hits if k < first]
+                    self._batches.count(["read_withheld_blocks"])
         finally:  # what the read learned, for every process: after the data, off its path
             # most recently used in the request's order, whichever thread read what first
             hits.sort()
@@ -249,6 +261,10 @@ class Transfers:
         is writing now or a crash left, is replaced by the same bytes).
         """
         self._catalog.sync()
+        tenant = request.tenant or self._default_tenant
+        if tenant in self._index.clearing:  # being deleted: nothing of it is stored
+            self._batches.count(["write_refused_tenant_clearing"] * request.num_blocks)
+            return 0
         host = request.host
         assert host is not None  # the core sends host buffers to io="host" backends
         index = self._index
@@ -282,7 +298,10 @@ class Transfers:
         workers = self._io_threads if self._sync else min(self._io_threads, self._cpus)
         # skipped objects are being stored again: most recently used, for every process
         admitted = catalog.admit(
-            [planned[k][2] for k in order], touched=pinned, deadline=request.deadline
+            [planned[k][2] for k in order],
+            touched=pinned,
+            deadline=request.deadline,
+            tenant=tenant,
         )
         for k in order[admitted:]:
             before[k] = "write_refused"
@@ -360,6 +379,7 @@ class Transfers:
                         None
                         if blocks is None
                         else {d: blocks[k // nparts] for k, d, _, _ in written},
+                        tenant,
                     )
             for k, digest, _, _ in written:
                 if digest in lost:

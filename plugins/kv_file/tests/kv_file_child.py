@@ -82,9 +82,45 @@ def churn(root: str, worker: int, seconds: float, capacity: int, out: str) -> No
     log.close()
 
 
+def tenant_write(root: str, config: str, tenant: str, keys: list[str]) -> None:
+    """Write ``keys`` as ``tenant`` in batches of 8 into a store opened with ``config`` (JSON),
+    then say how many blocks were acknowledged."""
+    store = open_store(root, **json.loads(config))
+    acked = 0
+    for start in range(0, len(keys), 8):
+        acked += int(write(store, keys[start : start + 8], tenant=tenant))
+    store.close()
+    print(json.dumps({"acked": acked}), flush=True)
+
+
+def clear_and_die(root: str, config: str, tenant: str) -> None:
+    """Start clearing ``tenant`` and SIGKILL this process once the first few of its objects
+    are removed (and recorded): a crash mid-clear."""
+    import signal
+
+    from kv_file import removal
+
+    removal._CLEAR_BATCH = 4
+    recorded = removal.removed_durably
+
+    def record_then_die(files, digests):  # type: ignore[no-untyped-def]
+        recorded(files, digests)
+        if digests:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    removal.removed_durably = record_then_die
+    store = open_store(root, **json.loads(config))
+    store.clear(tenant=tenant)
+    raise AssertionError("the clear ended without its SIGKILL")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    if mode == "crash":
+    if mode == "clear_and_die":
+        clear_and_die(args[0], args[1], args[2])
+    elif mode == "tenant_write":
+        tenant_write(args[0], args[1], args[2], json.loads(args[3]))
+    elif mode == "crash":
         crash(args[0], args[1], int(args[2]))
     elif mode == "remove":
         remove(args[0], json.loads(args[1]))

@@ -57,9 +57,17 @@ def host_for(arrays: list[np.ndarray], n: int) -> HostBuffers:
     return HostBuffers(ptrs=ptrs, nbytes=tuple(a.shape[1] for a in arrays))
 
 
-def write(backend: kvcore.Backend, keys: list[str], version: int = 0, timeout_s: float = 30) -> int:
+def write(
+    backend: kvcore.Backend,
+    keys: list[str],
+    version: int = 0,
+    timeout_s: float = 30,
+    tenant: str | None = None,
+) -> int:
     arrays = payload(backend, keys, version)
-    req = backend.request("t-write", keys, host=host_for(arrays, len(keys)), timeout_s=timeout_s)
+    req = backend.request(
+        "t-write", keys, host=host_for(arrays, len(keys)), timeout_s=timeout_s, tenant=tenant
+    )
     return backend.write(req)
 
 

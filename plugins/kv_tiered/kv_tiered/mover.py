@@ -115,14 +115,20 @@ class Mover:
             self._cond.notify()
         return True
 
-    def forget(self, names: set[str] | None) -> None:
-        """Drop queued copies of blocks named in ``names`` (all, for None) and wait for the
-        running ones: what is removed must not be copied back afterwards."""
+    def forget(self, names: set[str] | None, tenant: str | None = None) -> None:
+        """Drop queued copies of blocks named in ``names`` (all, for None; with ``tenant``,
+        those of requests of that tenant) and wait for the running ones: what is removed must
+        not be copied back afterwards."""
         with self._cond:
             kept: deque[Copy] = deque()
             for copy in self._queue:
                 rows = copy.request.object_names
-                keep = [] if names is None else [i for i, b in enumerate(rows) if b[0] not in names]
+                if tenant is not None:
+                    keep = [] if copy.request.tenant == tenant else list(range(copy.blocks))
+                elif names is None:
+                    keep = []
+                else:
+                    keep = [i for i, b in enumerate(rows) if b[0] not in names]
                 if len(keep) < copy.blocks:
                     self._queued_blocks -= copy.blocks - len(keep)
                     self._counters.add(f"{copy.kind}_cancelled_blocks", copy.blocks - len(keep))

@@ -81,7 +81,13 @@ class StackEvictions:
             if not self._held_above(name, part, identity)
         ]
         if left:
-            self._report(ev.EVICTED, [n for n, _, _ in left], [s for _, s, _ in left], event.origin)
+            self._report(
+                ev.EVICTED,
+                [n for n, _, _ in left],
+                [s for _, s, _ in left],
+                event.origin,
+                tenant=event.tenant,
+            )
 
     def _held_above(self, name: str, part: str, identity: ObjectName | None) -> bool:
         """Whether a tier above the last one holds the object ``name``."""

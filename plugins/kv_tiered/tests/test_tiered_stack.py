@@ -251,6 +251,25 @@ def test_remove_and_clear_reach_every_tier(tmp_path) -> None:
         h.backend.close()
 
 
+def test_a_tenants_clear_reaches_every_tier_and_leaves_other_tenants(tmp_path) -> None:
+    h = open_stack(tmp_path)
+    near, far = tier_harness(h, 0), tier_harness(h, 1)
+    try:
+        kept, gone = h.new_sequence(3), h.new_sequence(3)
+        assert h.write(kept, tenant="A") == 3 and h.write(gone, tenant="B") == 3
+        flush(h)  # in both tiers, each tier told whose they are
+        assert (near.query(gone), far.query(gone)) == (3, 3)
+        removed = h.backend.clear(tenant="B")
+        assert removed.failure is None and removed == 2 * 3 * len(h.parts)
+        assert (near.query(gone), far.query(gone)) == (0, 0)
+        assert (near.query(kept), far.query(kept)) == (3, 3)
+        h.assert_reads_back(kept, 3)
+        unknown = h.backend.clear(tenant="nobody")
+        assert unknown == 0 and "unknown tenant 'nobody'" in str(unknown.failure)
+    finally:
+        h.backend.close()
+
+
 @pytest.fixture
 def memory_over_file(tmp_path) -> Iterator[tuple[Harness, Harness]]:
     """A stack of memory (this process) over file (shared, write-through), and another
