@@ -29,6 +29,7 @@ from kvcore.metrics import Metrics
 from kvcore.requests import (
     BlockRequest,
     DeviceBuffers,
+    FailureKind,
     HostBuffers,
     Outcome,
     Presence,
@@ -382,11 +383,15 @@ class Backend:
         if tenant is not None:
             check_tenant_name(tenant, "tenant")
             if not self.implements("kvcore_clear_tenant"):
-                return Outcome(0, f"backend {self.name!r} {CANNOT_CLEAR_TENANT}")
+                return Outcome(
+                    0, f"backend {self.name!r} {CANNOT_CLEAR_TENANT}", FailureKind.UNSUPPORTED
+                )
             hook = self._pm.hook.kvcore_clear_tenant
             return self._guard.count_removed("clear_tenant", lambda: hook(tenant=tenant))[0]
         if not self.implements("kvcore_clear"):
-            return Outcome(0, f"backend {self.name!r} cannot clear its namespace")
+            return Outcome(
+                0, f"backend {self.name!r} cannot clear its namespace", FailureKind.UNSUPPORTED
+            )
         removed, answered = self._guard.count_removed("clear", self._pm.hook.kvcore_clear)
         if answered and self._event_wiring.publishes(ev.CLEARED):
             self.events.publish(ev.CLEARED)

@@ -147,7 +147,8 @@ class CallGuard:
             self.metrics.observe(op, time.monotonic() - t0, calls=1, invalid_results=1)
             return Outcome(0, "invalid result", FailureKind.INVALID_RESULT), False
         self.metrics.observe(op, time.monotonic() - t0, calls=1, objects_removed=result)
-        return Outcome(result, getattr(result, "failure", None)), True
+        failure = getattr(result, "failure", None)
+        return Outcome(result, failure, _kind_of(result) if failure else None), True
 
     def lifecycle(self, op: str, caller: Callable[..., Any], **kwargs: Any) -> Any:
         """Call a hook outside the data path (register, stats, watch, close...): its answer,

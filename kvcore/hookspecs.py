@@ -325,7 +325,10 @@ def kvcore_clear_tenant(tenant: str) -> int:
     crash-safe: once it has started, no object of the tenant is served again, also after a
     crash mid-way (the deletion is then finished, never left half done and served). A
     backend that does not know who stored what does not implement it (kvcore then answers
-    that it cannot). An unknown tenant is answered with a failed ``Outcome`` saying so.
+    that it cannot, of kind :attr:`kvcore.FailureKind.UNSUPPORTED`). An unknown tenant (not
+    in the store's settings, no object of it held) is answered with
+    ``Outcome(0, "<why>", FailureKind.UNKNOWN_TENANT)``: callers decide on the kind, never the
+    text.
 
     :param tenant: the tenant's name (checked by kvcore: :data:`kvcore.tenants.TENANT_NAME`).
     :return: how many objects were removed.

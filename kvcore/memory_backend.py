@@ -15,7 +15,7 @@ from pydantic import Field
 
 from kvcore.config import BackendConfig
 from kvcore.hookspecs import hookimpl
-from kvcore.requests import BlockRequest, Outcome, leading_run
+from kvcore.requests import BlockRequest, FailureKind, Outcome, leading_run
 from kvcore.schemas import BackendContext, Capabilities
 from kvcore.tenants import DEFAULT_TENANT, UNKNOWN_TENANT
 
@@ -138,7 +138,11 @@ class MemoryBackend:
             if tenant == DEFAULT_TENANT:  # objects whose writes named no tenant
                 names += [name for name in self._objects if name not in self._tenants]
             if not names:
-                return Outcome(0, f"{UNKNOWN_TENANT} {tenant!r}: it holds no object here")
+                return Outcome(
+                    0,
+                    f"{UNKNOWN_TENANT} {tenant!r}: it holds no object here",
+                    FailureKind.UNKNOWN_TENANT,
+                )
             for name in names:
                 self._objects.pop(name, None)
                 self._meta.pop(name, None)

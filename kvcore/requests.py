@@ -52,6 +52,12 @@ class FailureKind(StrEnum):
     DEADLINE = "deadline"
     #: bytes read differ from their digest (never delivered; see :mod:`kvcore.integrity`)
     CORRUPT = "corrupt"
+    #: the backend does not implement what was asked (a clear of its namespace, or of one
+    #: tenant, where it has no such hook)
+    UNSUPPORTED = "unsupported"
+    #: a clear of a tenant the store does not know: its settings do not name it and it holds
+    #: no object of it (``kvcore_clear_tenant``); nothing was wrong, and nothing was removed
+    UNKNOWN_TENANT = "unknown_tenant"
 
 
 class Outcome(int):

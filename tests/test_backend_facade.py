@@ -298,3 +298,20 @@ def test_a_failing_or_malformed_describe_or_listing_answers_nothing_and_counts(a
             call()
     strict.close()
     backend.close()
+
+
+def test_a_clear_says_by_its_kind_why_it_removed_nothing():
+    """A caller tells "cannot" from "nothing of that tenant" by the answer's kind, not its
+    text: kv_tiered and the kit decide on it."""
+    be = kvcore.open_backend(MemoryBackend, context={"layout": LAYOUT})
+    unknown = be.clear(tenant="nobody")
+    assert unknown == 0 and unknown.kind is kvcore.FailureKind.UNKNOWN_TENANT
+    assert "'nobody'" in str(unknown.failure)
+    be.close()
+    from backend_written_for_0_1 import DictBackend
+
+    old = kvcore.open_backend(DictBackend, context={"layout": LAYOUT})
+    cannot = old.clear(tenant="a")
+    assert cannot == 0 and cannot.kind is kvcore.FailureKind.UNSUPPORTED
+    assert "cannot clear one tenant's objects" in str(cannot.failure)
+    old.close()

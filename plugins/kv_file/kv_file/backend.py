@@ -40,7 +40,7 @@ from kv_file.paths import StoreDir
 from kv_file.removal import clear_objects, clear_tenant, remove_blocks
 from kv_file.transfer import Transfers
 from kv_file.watch import Watch
-from kvcore import BlockRequest, Outcome
+from kvcore import BlockRequest, FailureKind, Outcome
 from kvcore.evictions import EvictionSink, sink_caller
 from kvcore.keys import name_columns
 from kvcore.tenants import DEFAULT_TENANT, UNKNOWN_TENANT, tenant_gauges
@@ -290,11 +290,12 @@ class FileBackend:
         self._catalog.sync()
         tenants = self.config.tenants
         named = tenants is not None and tenant in (*tenants.tenants, tenants.default_tenant)
-        if not named and tenant != DEFAULT_TENANT and not self._index.tenant_bytes[tenant]:
+        if not named and tenant != DEFAULT_TENANT and not self._index.holds(tenant):
             return Outcome(
                 0,
                 f"{UNKNOWN_TENANT} {tenant!r}: the store's settings do not name it and it "
                 "holds no object",
+                FailureKind.UNKNOWN_TENANT,
             )
         return clear_tenant(self._files, tenant)
 

@@ -345,7 +345,7 @@ class Catalog:
         """Record that ``tenant``'s deletion is done, if no object of it is left (False: some
         are: delete them first)."""
         with self._exclusive():
-            if self.index.of_tenant(tenant):
+            if self.index.holds(tenant):
                 return False
             if tenant in self.index.clearing:
                 self._commit([Record(Kind.CLEARED, 0, origin=self.token,

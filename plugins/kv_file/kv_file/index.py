@@ -79,6 +79,9 @@ class Index:
         self._pinned: Counter[int] = Counter()  # objects a write in progress acknowledges
         #: bytes of each tenant's objects
         self.tenant_bytes: Counter[str] = Counter()
+        #: how many objects each tenant holds (a clear is done when its count is 0: an object
+        #: may be empty, so its bytes cannot say)
+        self._tenant_objects: Counter[str] = Counter()
         #: with shares configured: each tenant's order, and admissions planned by the shares
         self.shares = None if tenants is None or not tenants.tenants else Shares(tenants)
         #: tenants whose objects are being deleted (the journal's clearing records): none of
@@ -154,6 +157,11 @@ class Index:
         with self.lock:
             return [(d, e.size, e.name, e.tenant) for d, e in self.lru.items()]
 
+    def holds(self, tenant: str) -> bool:
+        """Whether any object of ``tenant`` is indexed (without a scan)."""
+        with self.lock:
+            return self._tenant_objects[tenant] > 0
+
     def of_tenant(self, tenant: str) -> list[int]:
         """The digests of ``tenant``'s objects."""
         with self.lock:
@@ -223,6 +231,7 @@ class Index:
         entry.tenant = DEFAULT_TENANT if tenant is None else tenant
         self.files_bytes += size
         self.tenant_bytes[entry.tenant] += size
+        self._tenant_objects[entry.tenant] += 1
         if self.shares is not None:
             entry.tick = next(self._ticks)
             self.shares.add(entry.tenant, digest, entry.tick)
@@ -240,6 +249,11 @@ class Index:
             self.tenant_bytes[entry.tenant] = held
         else:
             del self.tenant_bytes[entry.tenant]
+        left = self._tenant_objects[entry.tenant] - 1
+        if left > 0:
+            self._tenant_objects[entry.tenant] = left
+        else:
+            del self._tenant_objects[entry.tenant]
         if self.shares is not None:
             self.shares.drop(entry.tenant, digest)
 
@@ -316,6 +330,7 @@ class Index:
             self.touched.clear()
             self.files_bytes = 0
             self.tenant_bytes.clear()
+            self._tenant_objects.clear()
             self.clearing = frozenset()
             if self.shares is not None:
                 self.shares.clear()

@@ -42,7 +42,6 @@ from kv_tiered.peers import PeerChanges
 from kv_tiered.stack_events import StackEvictions
 from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, FailureKind, HostBuffers, Outcome
-from kvcore.tenants import UNKNOWN_TENANT
 
 __all__ = ["TieredBackend"]
 
@@ -283,23 +282,24 @@ class TieredBackend:
     def kvcore_clear_tenant(self, tenant: str) -> int:
         """Every object of ``tenant`` removed from every tier (see ``kvcore_clear_tenant``):
         each tier's own clear of a tenant; a tier that cannot clear one makes the answer a
-        failure naming it (the other tiers are cleared still)."""
+        failure naming it, of the first failing tier's kind (``unsupported`` where it has no
+        such hook): the other tiers are cleared still."""
         self._mover.forget(None, tenant)
         cleared = 0
-        failure = None
+        failure: Outcome | None = None
         unknown: list[str] = []  # tiers that never held the tenant: fine while another did
         for i, tier in enumerate(self.tiers):
             got = tier.clear(tenant=tenant)
-            if got.failure is not None and got.failure.startswith(UNKNOWN_TENANT):
-                unknown.append(got.failure)
+            if got.kind is FailureKind.UNKNOWN_TENANT:
+                unknown.append(got.failure or "")
             elif got.failure is not None:
                 if tier.implements("kvcore_clear_tenant"):
                     self._failed(i, "clear_tenant", got)
-                failure = failure or f"tier {i} ({tier.name}): {got.failure}"
+                failure = failure or Outcome(0, f"tier {i} ({tier.name}): {got.failure}", got.kind)
             cleared += int(got)
         if failure is None and len(unknown) == len(self.tiers):
-            failure = unknown[0]
-        return cleared if failure is None else Outcome(cleared, failure)
+            return Outcome(cleared, unknown[0], FailureKind.UNKNOWN_TENANT)
+        return cleared if failure is None else Outcome(cleared, failure.failure, failure.kind)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

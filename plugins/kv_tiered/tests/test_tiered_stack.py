@@ -13,6 +13,7 @@ import pytest
 from kv_tiered.mover import Copy
 
 import kvcore
+from kvcore import FailureKind
 from kvcore.testing import Harness, blocks_equal, harness_opener, small_layout
 
 #: what a small kv_file store counts for its own files (ledger, journal) on top of its objects
@@ -266,6 +267,7 @@ def test_a_tenants_clear_reaches_every_tier_and_leaves_other_tenants(tmp_path) -
         h.assert_reads_back(kept, 3)
         unknown = h.backend.clear(tenant="nobody")
         assert unknown == 0 and "unknown tenant 'nobody'" in str(unknown.failure)
+        assert unknown.kind is FailureKind.UNKNOWN_TENANT  # each tier's answer, by its kind
     finally:
         h.backend.close()
 
