@@ -14,21 +14,13 @@ import warnings
 from typing import Any, NoReturn
 
 from kvcore.cli.console import LOG_DIR_ENV, CommandConsole, make_console, quiet_stderr
-from kvcore.cli.errors import CliError, ExitCode, classify
-from kvcore.config import parse_config_arg
+from kvcore.cli.errors import ExitCode, classify
+from kvcore.cli.options import add_config_option, load_config_arg
 
 __all__ = ["DEBUG_ENV", "load_config_arg", "main"]
 
 #: set to 1 for tracebacks on errors (the same as --debug)
 DEBUG_ENV = "KVCORE_DEBUG"
-
-
-def load_config_arg(value: str | None) -> dict[str, Any]:
-    """``--config`` takes inline JSON (``'{"root": "/data"}'``) or a path to a JSON file."""
-    try:
-        return parse_config_arg(value)
-    except ValueError as exc:
-        raise CliError(f"--config: {exc}", ExitCode.CONFIG) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,13 +150,7 @@ def _parser() -> _Parser:
             metavar="NAME",
             help=f"backend to {what}, one of: {installed} (default: %(default)s)",
         )
-        sp.add_argument(
-            "--config",
-            default=None,
-            metavar="JSON_OR_PATH",
-            help="backend config: a JSON object or the path of a JSON file; environment "
-            "variables override it (default: the backend's defaults)",
-        )
+        add_config_option(sp, detail="environment variables override it")
         sp.add_argument(
             "--namespace",
             default=None,
@@ -236,13 +222,10 @@ def _parser() -> _Parser:
         help=f"backend of an I/O replay, one with a capacity_bytes setting (default: "
         f"%(default)s; installed: {installed})",
     )
-    r.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON_OR_PATH",
-        help="backend config: a JSON object or the path of a JSON file; the replay sets its "
-        "capacity, watermarks and admission, and writes under a fresh namespace removed at "
-        "the end (default: the backend's defaults)",
+    add_config_option(
+        r,
+        detail="the replay sets its capacity, watermarks and admission, and writes under a "
+        "fresh namespace removed at the end",
     )
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     from kvcore.cli.replay import add_arguments as add_replay_arguments
@@ -277,13 +260,7 @@ def _parser() -> _Parser:
         "open), then run the conformance kit against it and summarise.",
     )
     c.add_argument("name", metavar="NAME", help=f"backend to check, one of: {installed}")
-    c.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON_OR_PATH",
-        help="backend config: a JSON object or the path of a JSON file (default: the "
-        "backend's defaults)",
-    )
+    add_config_option(c)
     c.add_argument(
         "-k",
         dest="keyword",
@@ -299,13 +276,7 @@ def _parser() -> _Parser:
         "follow. kv_file reports every change in its directory, whoever makes it.",
     )
     e.add_argument("name", metavar="NAME", help=f"backend to follow, one of: {installed}")
-    e.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON_OR_PATH",
-        help="backend config: a JSON object or the path of a JSON file (default: the "
-        "backend's defaults)",
-    )
+    add_config_option(e)
     e.add_argument(
         "--namespace",
         default="default",

@@ -169,7 +169,7 @@ class _NoProgress:
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
-    from kvcore.cli import load_config_arg
+    from kvcore.cli.options import load_config_arg
 
     config = load_config_arg(args.config)
     if args.plot:

@@ -45,7 +45,7 @@ class _Tally:
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
-    from kvcore.cli import load_config_arg
+    from kvcore.cli.options import load_config_arg
     from kvcore.testing.suite import small_layout
 
     config = load_config_arg(args.config)

@@ -21,6 +21,7 @@ import json
 from kvcore.cli.common import open_for_cli
 from kvcore.cli.console import CommandConsole
 from kvcore.cli.errors import CliError, ExitCode
+from kvcore.cli.options import add_config_option, load_config_arg
 from kvcore.schemas import BackendContext
 from kvcore.tenants import check_tenant_name
 
@@ -34,13 +35,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         help="delete every object this tenant stored, of every namespace (default: every "
         "object of --namespace)",
     )
-    sp.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON_OR_PATH",
-        help="the backend's config, a JSON object or the path of a JSON file (default: the "
-        "backend's defaults)",
-    )
+    add_config_option(sp, what="the backend's config")
     sp.add_argument(
         "--namespace",
         default="default",
@@ -51,7 +46,6 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
-    from kvcore.cli import load_config_arg
 
     if args.tenant is not None:
         try:

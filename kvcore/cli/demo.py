@@ -282,7 +282,7 @@ def print_summary(s: dict[str, Any], console: Console) -> None:
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
-    from kvcore.cli import load_config_arg
+    from kvcore.cli.options import load_config_arg
 
     config = load_config_arg(args.config)
     namespace = scratch_namespace("demo", args.namespace)

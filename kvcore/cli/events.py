@@ -21,7 +21,7 @@ from kvcore.schemas import BackendContext
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
-    from kvcore.cli import load_config_arg
+    from kvcore.cli.options import load_config_arg
 
     config = load_config_arg(args.config)
     backend = open_for_cli(args.name, config, BackendContext(namespace=args.namespace))

@@ -138,7 +138,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, console: CommandConsole) -> int:
-    from kvcore.cli import load_config_arg
+    from kvcore.cli.options import load_config_arg
 
     if args.limit is not None and args.limit < 1:
         raise CliError(f"--limit: {args.limit} must be at least 1", ExitCode.USAGE)

@@ -24,6 +24,7 @@ from pydantic import ByteSize
 from kvcore.cli.common import open_for_cli
 from kvcore.cli.console import CommandConsole, Table, print_table
 from kvcore.cli.errors import CliError, ExitCode
+from kvcore.cli.options import add_config_option, load_config_arg
 from kvcore.schemas import BackendContext
 
 #: a scrape gives up after this long
@@ -37,13 +38,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         help="a kvcore Prometheus endpoint to scrape (http://HOST:PORT/metrics), or a "
         "backend's name to open for its own figures",
     )
-    sp.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON_OR_PATH",
-        help="with a backend: its config, a JSON object or the path of a JSON file (default: "
-        "the backend's defaults)",
-    )
+    add_config_option(sp, what="with a backend, its config")
     sp.add_argument(
         "--namespace",
         default="default",
@@ -56,8 +51,6 @@ def run(args: argparse.Namespace, console: CommandConsole) -> int:
     if args.source.startswith(("http://", "https://")):
         figures = figures_of_scrape(scrape(args.source))
     else:
-        from kvcore.cli import load_config_arg
-
         backend = open_for_cli(
             args.source, load_config_arg(args.config), BackendContext(namespace=args.namespace)
         )

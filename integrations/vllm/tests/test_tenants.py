@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from conftest import STATS_STEP, Prompts, file_connector, run_engine
+from kvcore_vllm.session import EngineRun
 
 SALT_A = "salt-of-team-a-5c1e"
 SALT_B = "salt-of-team-b-9d2f"
@@ -20,35 +21,37 @@ def _generate(name: str, tokens: list[int], salt: str) -> dict:
             "prompts": [{"tokens": tokens, "cache_salt": salt}]}  # fmt: skip
 
 
+def _salted_connector(tmp_path: Path, root: Path, shares: dict[str, dict]) -> dict:
+    """The file connector by name, each salt mapped to its team (``shares``: each team's
+    share). The salts are in a file: vLLM logs the connector's settings, which then hold its
+    path only."""
+    salts = tmp_path / "salts.json"
+    salts.write_text(json.dumps({SALT_A: "team-a", SALT_B: "team-b"}))
+    return file_connector(root, "tenants", tenants={"tenants": shares, "salts_file": str(salts)})
+
+
+def _run(
+    model_dir: Path, connector: dict, steps: list[dict], tmp_path: Path, name: str
+) -> EngineRun:
+    """The real engine in this process, through ``connector``, running ``steps``."""
+    spec = {"model": str(model_dir), "connector": connector, "in_process": True, "steps": steps}
+    return run_engine(spec, tmp_path, name)
+
+
 def test_each_requests_tenant_is_counted_apart_and_no_salt_is_shown(
     model_dir: Path, prompts: Prompts, tmp_path: Path
 ) -> None:
     root = tmp_path / "store"
-    # the salts in a file: vLLM logs the connector's settings, which then hold its path only
-    salts = tmp_path / "salts.json"
-    salts.write_text(json.dumps({SALT_A: "team-a", SALT_B: "team-b"}))
-    connector = file_connector(
-        root,
-        "tenants",
-        tenants={"tenants": {"team-a": {}, "team-b": {}}, "salts_file": str(salts)},
-    )
-    run = run_engine(
-        {
-            "model": str(model_dir),
-            "connector": connector,
-            "in_process": True,
-            "steps": [
-                _generate("A", prompts.a, SALT_A),
-                _generate("B", prompts.b, SALT_B),
-                {"op": "reset_prefix_cache"},
-                _generate("A_again", prompts.a, SALT_A),
-                STATS_STEP,
-                {"op": "shutdown", "store_root": str(root)},
-            ],
-        },
-        tmp_path,
-        "tenants",
-    )
+    connector = _salted_connector(tmp_path, root, {"team-a": {}, "team-b": {}})
+    steps = [
+        _generate("A", prompts.a, SALT_A),
+        _generate("B", prompts.b, SALT_B),
+        {"op": "reset_prefix_cache"},
+        _generate("A_again", prompts.a, SALT_A),
+        STATS_STEP,
+        {"op": "shutdown", "store_root": str(root)},
+    ]
+    run = _run(model_dir, connector, steps, tmp_path, "tenants")
     metrics = run.step("stats")["metrics"]
     tenant = {k.removeprefix("kvcore.be."): v for k, v in metrics.items() if ".tenant_" in k}
     # each tenant's saves are its own; only team-a's prompt was asked for again, and restored
@@ -92,8 +95,6 @@ def test_a_reserved_share_keeps_a_tenants_prompt_through_another_tenants_flood(
     flood_prompts = 10 * capacity // (256 * len(prompts.a)) + 1
     rng = random.Random(61)
     flood = [[rng.randrange(1, 512) for _ in range(len(prompts.a))] for _ in range(flood_prompts)]
-    salts = tmp_path / "salts.json"
-    salts.write_text(json.dumps({SALT_A: "team-a", SALT_B: "team-b"}))
     flood_step = {
         "op": "generate",
         "name": "flood",
@@ -103,33 +104,22 @@ def test_a_reserved_share_keeps_a_tenants_prompt_through_another_tenants_flood(
     restored = {}
     for arm, share in (("shares", {"reserved_bytes": capacity // 2}), ("no-shares", {})):
         root = tmp_path / arm
-        connector = file_connector(
-            root,
-            "tenants",
-            tenants={"tenants": {"team-a": share, "team-b": {}}, "salts_file": str(salts)},
-        )
+        shares = {"team-a": share, "team-b": {}}
+        connector = _salted_connector(tmp_path, root, shares)
         connector["backend_config"] = {
             "root": str(root),
             "capacity_bytes": capacity,
             "admission": "all",  # every write stored: what lets a flood in
-            "tenants": {"tenants": {"team-a": share, "team-b": {}}},
+            "tenants": {"tenants": shares},
         }
-        run = run_engine(
-            {
-                "model": str(model_dir),
-                "connector": connector,
-                "in_process": True,
-                "steps": [
-                    _generate("A", prompts.a, SALT_A),
-                    flood_step,
-                    {"op": "reset_prefix_cache"},
-                    _generate("A_again", prompts.a, SALT_A),
-                    {"op": "shutdown", "store_root": str(root)},
-                ],
-            },
-            tmp_path,
-            f"tenants-{arm}",
-        )
+        steps = [
+            _generate("A", prompts.a, SALT_A),
+            flood_step,
+            {"op": "reset_prefix_cache"},
+            _generate("A_again", prompts.a, SALT_A),
+            {"op": "shutdown", "store_root": str(root)},
+        ]
+        run = _run(model_dir, connector, steps, tmp_path, f"tenants-{arm}")
         assert run.step("A_again")["tokens"] == run.step("A")["tokens"]
         restored[arm] = run.step("A_again")["num_cached_tokens"][0]
         held = _store_stats(root, "tenants")
