@@ -242,22 +242,25 @@ def kvcore_evict_to(sink: Callable[..., Collection[str] | None] | None) -> bool:
     block is ever in neither (a crash included). Events (:func:`kvcore_watch`) say *that* an
     object was evicted; by the time a subscriber reads one, its bytes are gone.
 
-    :param sink: called as ``sink(objects, deadline)`` (:mod:`kvcore.evictions`) by the write
-        that evicts, with ``objects`` ``[(object name, payload), ...]`` still in the store:
-        each payload is the object's verified bytes, valid only during the call (the sink
-        copies what it keeps, and must not call back into the backend); ``deadline`` is the
-        write's (a ``time.monotonic()`` instant, or None). It returns the names it stored;
-        only those leave the store, the others stay (and the write takes only what still
-        fits). A block's parts (K and V, scales) are offered in one call. An exception from
-        the sink is counted and logged (nothing leaves), never raised into the write. None:
-        stop. :func:`kvcore.evictions.sink_caller` calls a sink of either version.
+    :param sink: called as ``sink(objects, deadline, tenant=...)`` (:mod:`kvcore.evictions`)
+        by the write that evicts, with ``objects`` ``[(object name, payload), ...]`` still in
+        the store: each payload is the object's verified bytes, valid only during the call
+        (the sink copies what it keeps, and must not call back into the backend); ``deadline``
+        is the write's (a ``time.monotonic()`` instant, or None); ``tenant`` is whose writes
+        stored the objects (one call per tenant; a store that keeps no tenants offers them as
+        :data:`kvcore.tenants.DEFAULT_TENANT`'s), so the receiver stores them as that tenant's.
+        It returns the names it stored; only those leave the store, the others stay (and the
+        write takes only what still fits). A block's parts (K and V, scales) are offered in
+        one call. An exception from the sink is counted and logged (nothing leaves), never
+        raised into the write. None: stop. :func:`kvcore.evictions.sink_caller` calls a sink
+        of any version (without ``tenant``, without ``deadline``).
     :return: True if the backend will call ``sink``; False or None if it cannot.
 
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.3
        (a sink taking ``objects`` alone and returning None, as first drafted, is called that
-       way and taken to have stored everything)
+       way and taken to have stored everything; one without ``tenant`` is called without it)
     """
 
 

@@ -4,10 +4,12 @@ and what a sink does not store stays in the store, whole."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
 import pytest
 
+from kvcore.tenants import DEFAULT_TENANT
 from kvcore.testing.harness import Harness
 from kvcore.testing.kit.fixtures import (
     DeclaredCapacity,
@@ -122,3 +124,50 @@ class EvictionTests(KitFixtures):
                 if set(row) & set(offer):
                     assert set(row) <= set(offer), f"block {row[0]} offered part by part"
         assert offered
+
+    @exercises("kvcore_evict_to", "kvcore_write")
+    def test_each_offer_names_the_tenant_whose_writes_stored_it(
+        self,
+        open_harness: Callable[..., Harness],
+        backend_capacity: DeclaredCapacity | None,
+    ) -> None:
+        """For a backend with ``kvcore_evict_to``: write about twice the capacity as two
+        tenants in turn; each object offered to a sink that takes ``tenant`` is offered as
+        the tenant whose write stored it (the tier below then keeps it as theirs: its shares,
+        figures and ``clear --tenant``). A store that keeps no tenants (no
+        ``kvcore_clear_tenant``) offers every object as the default tenant's: the test then
+        has nothing to check, and skips.
+
+        .. versionadded:: 0.3"""
+        h, n = _twice_the_capacity(open_harness, backend_capacity)
+        _require_hook(h.backend, "kvcore_evict_to")
+        offered: dict[str, str] = {}
+
+        def sink(
+            objects: list[tuple[str, memoryview]], deadline: float | None, tenant: str
+        ) -> list[str]:
+            offered.update((name, tenant) for name, _ in objects)
+            return [name for name, _ in objects]
+
+        if not h.backend.evict_to(sink):
+            pytest.skip("the backend says it cannot hand evictions over (kvcore_evict_to)")
+        tenants = [f"kit-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+        whose: dict[str, str] = {}
+        try:
+            for k in range(max(2, n // 4)):
+                seq, tenant = h.new_sequence(4), tenants[k % 2]
+                whose.update((name, tenant) for row in h.request(seq).object_names for name in row)
+                h.write(seq, tenant=tenant)
+        finally:
+            h.backend.evict_to(None)
+        mine = {name: t for name, t in offered.items() if name in whose}
+        assert mine, f"{n} blocks written over a capacity of ~{n // 2}: nothing offered"
+        if set(mine.values()) == {DEFAULT_TENANT} and not h.backend.implements(
+            "kvcore_clear_tenant"
+        ):  # a backend that can clear a tenant knows whose each object is: it must say
+            pytest.skip("the backend keeps no tenants: it offers every object as the default's")
+        wrong = [name for name, t in mine.items() if t != whose[name]]
+        assert not wrong, (
+            f"{len(wrong)} of {len(mine)} objects offered as another tenant's: {wrong[0]} as "
+            f"{mine[wrong[0]]!r}, written by {whose[wrong[0]]!r}"
+        )

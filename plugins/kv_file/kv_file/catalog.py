@@ -86,10 +86,10 @@ class Catalog:
         )
         self.report: Callable[..., None] | None = None
         #: where victims go before they leave (see :meth:`_admit_handing_over`): called with
-        #: ``[(digest, name, size, object path)]`` and the write's deadline, outside the lock;
-        #: returns the digests it took
+        #: ``[(digest, name, size, object path, tenant)]`` and the write's deadline, outside
+        #: the lock; returns the digests it took
         self.hand_over: (
-            Callable[[list[tuple[int, str | None, int, str]], float | None], set[int]] | None
+            Callable[[list[tuple[int, str | None, int, str, str]], float | None], set[int]] | None
         ) = None
         self._leaving: set[int] = set()  # victims this process is handing over now
         self._watches: list[_Watch] = []  # writes in progress (see watch_writes)
@@ -443,12 +443,19 @@ class Catalog:
             if not victims:
                 return admitted
             known = {
-                d: (e.name, e.size) for d in victims if (e := self.index.lru.get(d)) is not None
+                d: (e.name, e.size, e.tenant)
+                for d in victims
+                if (e := self.index.lru.get(d)) is not None
             }
             self._leaving.update(victims)
         taken: set[int] = set()
         try:
-            offered = [(d, *known[d], self._dir.object_path(d)) for d in victims if d in known]
+            offered = [
+                (d, name, size, self._dir.object_path(d), tenant)
+                for d in victims
+                if d in known
+                for name, size, tenant in [known[d]]
+            ]
             taken = hand_over(offered, deadline)
         except Exception as exc:  # nothing leaves: the write takes what fits without it
             self._counters.add("evict_handover_errors")

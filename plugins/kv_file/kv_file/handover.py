@@ -26,18 +26,19 @@ class HandOver:
         self._counters = counters
 
     def __call__(
-        self, victims: list[tuple[int, str | None, int, str]], deadline: float | None
+        self, victims: list[tuple[int, str | None, int, str, str]], deadline: float | None
     ) -> set[int]:
-        """Read victims (``(digest, name, size, path)``) from their files, verified, and offer
-        them to the sink; returns the digests that may leave: those it took, and those with
+        """Read victims (``(digest, name, size, path, tenant)``) from their files, verified,
+        and offer them to the sink, one call per tenant (in the order the tenants' first
+        victims come); returns the digests that may leave: those it took, and those with
         nothing left to hand over (gone meanwhile, or corrupt)."""
         sink = self.sink
         if sink is None:
             return set()
-        objects: list[tuple[str, memoryview]] = []
-        offered: dict[str, int] = {}
+        by_tenant: dict[str, list[tuple[str, memoryview]]] = {}
+        offered: dict[tuple[str, str], int] = {}
         nothing_to_keep: set[int] = set()
-        for digest, name, size, path in victims:
+        for digest, name, size, path, tenant in victims:
             raw = encode_name(name) if name is not None else read_name(path)
             if raw is None:
                 nothing_to_keep.add(digest)
@@ -47,12 +48,15 @@ class HandOver:
             outcome = read_object(path, raw, [buffer], digest=digest, expected_len=payload)
             if outcome is ReadOutcome.OK:
                 text = raw.decode("utf-8", "surrogatepass")
-                objects.append((text, buffer))
-                offered[text] = digest
+                by_tenant.setdefault(tenant, []).append((text, buffer))
+                offered[tenant, text] = digest
             else:  # evicted or removed by another process meanwhile, or corrupt
                 if outcome is not ReadOutcome.MISSING:
                     self._counters.add("evict_handover_unreadable")
                 nothing_to_keep.add(digest)
-        taken = {offered[n] for n in sink(objects, deadline) if n in offered} if objects else set()
+        taken: set[int] = set()
+        for tenant, objects in by_tenant.items():
+            stored = sink(objects, deadline, tenant)
+            taken.update(offered[tenant, n] for n in stored if (tenant, n) in offered)
         self._counters.add("evict_handed_over", len(taken))
         return taken | nothing_to_keep

@@ -28,6 +28,7 @@ from kv_tiered.tiers import Tiers
 from kvcore import BlockRequest, HostBuffers
 from kvcore.evictions import Objects
 from kvcore.keys import BlockId, ObjectName
+from kvcore.tenants import DEFAULT_TENANT
 
 __all__ = ["EvictionHandDown"]
 
@@ -80,15 +81,18 @@ class EvictionHandDown:
         for tier in self._tiers[:-1]:
             tier.evict_to(None)
 
-    def _evicted(self, tier: int, objects: Objects, deadline: float | None) -> list[str]:
-        """The sink of tier ``tier``: write ``objects`` to the tier below by ``deadline``;
-        returns the names stored there."""
+    def _evicted(
+        self, tier: int, objects: Objects, deadline: float | None, tenant: str = DEFAULT_TENANT
+    ) -> list[str]:
+        """The sink of tier ``tier``: write ``objects`` to the tier below by ``deadline``, as
+        ``tenant``'s (whose writes stored them above); returns the names stored there."""
         below = tier + 1
+        named = None if tenant == DEFAULT_TENANT else tenant
         end = time.monotonic() + self._timeout_s
         if deadline is not None:
             end = min(end, deadline)
         stored: list[str] = []
-        for request, buffers in self._requests(objects, end):
+        for request, buffers in self._requests(objects, end, named):
             # names kvcore did not build in this namespace (an engine's own) get a digest of
             # their own below, like any object (kvcore.integrity): verified, never guessed
             write = functools.partial(_write, self._tiers[below], request)
@@ -112,7 +116,7 @@ class EvictionHandDown:
         return stored
 
     def _requests(
-        self, objects: Objects, deadline: float
+        self, objects: Objects, deadline: float, tenant: str | None = None
     ) -> list[tuple[BlockRequest, list[list[bytearray]]]]:
         """One write request per set of parts: each block's objects as one row, in the
         layout's part order, in buffers of their own (an abandoned write may still read
@@ -143,7 +147,7 @@ class EvictionHandDown:
             sizes = tuple(len(v) for v in payloads[0])
             if any(tuple(len(v) for v in row) != sizes for row in payloads):
                 for one in rows:  # blocks of other sizes: a request each
-                    requests += self._requests([one[1][p] for p in parts], deadline)
+                    requests += self._requests([one[1][p] for p in parts], deadline, tenant)
                 continue
             keyed = [b for b, _ in rows if isinstance(b, BlockId)]
             if len(keyed) == len(rows):  # kvcore's names, text for text the ones handed over
@@ -165,6 +169,7 @@ class EvictionHandDown:
                     ),
                     num_blocks=len(rows),
                     part_nbytes=sizes,
+                    tenant=tenant,
                 ),
                 buffers,
             ))  # fmt: skip

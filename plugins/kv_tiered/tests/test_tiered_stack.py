@@ -272,6 +272,44 @@ def test_a_tenants_clear_reaches_every_tier_and_leaves_other_tenants(tmp_path) -
         h.backend.close()
 
 
+def test_blocks_handed_down_on_eviction_stay_their_tenants(tmp_path) -> None:
+    """A block the near tier evicts reaches the far tier as its tenant's (kvcore_evict_to's
+    ``tenant``): the far tier's figures count it there, and clearing the tenant removes it
+    from the far tier too, not only the copies still near."""
+    layout = small_layout()
+    block = 2 * layout.part_bytes("k")
+    tiers = [
+        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block + OWN,
+         "high_watermark": 1.0, "low_watermark": 1.0, "rescan_interval_s": 0},
+        {"backend": "file", "root": str(tmp_path / "far"), "rescan_interval_s": 0},
+    ]  # fmt: skip
+    backend = kvcore.open_backend(
+        "tiered",
+        {"tiers": tiers, "write_policy": "write-back-on-evict"},
+        context={"layout": layout},
+        strict=True,
+    )
+    h = Harness(backend, layout)
+    far = tier_harness(h, 1)
+    try:
+        kept = h.new_sequence(2)
+        assert h.write(kept, tenant="A") == 2  # the oldest: evicted first
+        gone = [h.new_sequence(2) for _ in range(12)]
+        for seq in gone:
+            assert h.write(seq, tenant="B") == 2
+        flush(h)
+        held = far.backend.stats()
+        assert far.query(kept) == 2, "A's blocks were not handed down"
+        assert held.get("backend_tenant_bytes_held.A", 0) >= 2 * block
+        assert held.get("backend_tenant_bytes_held.B", 0) >= 2 * block
+        assert held.get("backend_tenant_bytes_held.default", 0) == 0, "handed down as nobody's"
+        assert h.backend.clear(tenant="B").failure is None
+        assert all(h.query(seq) == 0 for seq in gone), "B's blocks outlived its clear"
+        h.assert_reads_back(kept, 2)
+    finally:
+        backend.close()
+
+
 @pytest.fixture
 def memory_over_file(tmp_path) -> Iterator[tuple[Harness, Harness]]:
     """A stack of memory (this process) over file (shared, write-through), and another
