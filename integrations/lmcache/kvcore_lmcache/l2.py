@@ -52,7 +52,7 @@ from lmcache.v1.platform import create_event_notifier
 import kvcore
 from kvcore import events as ev
 from kvcore.keys import ObjectName
-from kvcore_lmcache.keys import block_key, key_fields, slice_of
+from kvcore_lmcache.keys import SaltBook, block_key, key_fields, slice_of
 from kvcore_lmcache.layouts import layout_of, parse_layout
 from kvcore_lmcache.settings import AdapterSettings
 from kvcore_lmcache.store import Store
@@ -153,6 +153,10 @@ class KVCoreL2Adapter(L2AdapterInterface):
             salt=salt or None
         )
         self._followers: list[tuple[Any, threading.Thread]] = []
+        #: the salts of the keys this server was given (names hold salts' ids only), and the
+        #: store's keys whose salt has not come yet
+        self._salts = SaltBook()
+        self._salts_learnt = threading.Event()  # a salt some waiting keys wait for came
         self._kv = Store(settings, on_open=self._on_open)
         self._counters = self._kv.counters
         self._store_efd = create_event_notifier()
@@ -258,12 +262,45 @@ class KVCoreL2Adapter(L2AdapterInterface):
         with self._lock:
             return next(self._task_ids)
 
+    def _batch(self, keys: Sequence[ObjectKey], sizes: Sequence[int] | None) -> _Batch:
+        """``keys`` grouped for the backend, their salts learnt (see :meth:`_object_key`)."""
+        if self._salts.learn(k.cache_salt for k in keys):
+            self._salts_learnt.set()  # the event thread reports the keys that waited
+        return _Batch(keys, sizes, self._tenant_of)
+
+    def _object_key(self, text: str) -> ObjectKey | None:
+        """The ``ObjectKey`` a block key was made from: None for a name this adapter did not
+        build, or one whose salt this server has not seen (its name holds the salt's id)."""
+        fields = key_fields(text)
+        if fields is None:
+            return None
+        salt = self._salts.salt_of(fields.salt_id)
+        if salt is None:
+            return None
+        try:
+            return ObjectKey(
+                chunk_hash=fields.chunk_hash,
+                model_name=fields.model_name,
+                kv_rank=fields.kv_rank,
+                object_group_id=fields.object_group_id,
+                cache_salt=salt,
+            )
+        except ValueError:  # fields LMCache's ObjectKey refuses: not an object it stored
+            return None
+
+    def _resolve(self) -> None:
+        """Report the stored keys whose salts came since they were seen (as the listing's)."""
+        keys = [k for t in self._salts.resolved() if (k := self._object_key(t)) is not None]
+        if keys:
+            self._counters.add("keys_salt_resolved", len(keys))
+            self._seed(keys)
+
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         if len(keys) != len(objects):
             raise ValueError(f"store task: {len(keys)} keys for {len(objects)} objects")
         task_id = self._task_id()
         sizes = [obj.get_size() for obj in objects]
-        batch = _Batch(keys, sizes, self._tenant_of)
+        batch = self._batch(keys, sizes)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             meta = [layout_of(obj) for obj in objects] if self._checks_layout(backend) else None
@@ -295,7 +332,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
         task_id = self._task_id()
-        batch = _Batch(keys, None, self._tenant_of)
+        batch = self._batch(keys, None)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             return [self._request(backend, batch, run) for run in batch.runs]
@@ -344,7 +381,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         if len(keys) != len(objects):
             raise ValueError(f"load task: {len(keys)} keys for {len(objects)} objects")
         task_id = self._task_id()
-        batch = _Batch(keys, [obj.get_size() for obj in objects], self._tenant_of)
+        batch = self._batch(keys, [obj.get_size() for obj in objects])
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             if self._kv.layout_unknowable(backend) is not None:
@@ -406,7 +443,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         LMCache's listeners they are gone."""
         if not keys:
             return
-        batch = _Batch(keys, None, self._tenant_of)
+        batch = self._batch(keys, None)
 
         def build(backend: kvcore.Backend) -> list[kvcore.BlockRequest]:
             return [self._request(backend, batch, run) for run in batch.runs]
@@ -432,6 +469,9 @@ class KVCoreL2Adapter(L2AdapterInterface):
             event = subscription.get(timeout=1.0)
             if event is not None:
                 self._guard("events", None, partial(self._apply, event))
+            if self._salts_learnt.is_set():
+                self._salts_learnt.clear()
+                self._guard("events", None, self._resolve)
             if not subscription.listing_pending:
                 self._seeded_all.set()
 
@@ -443,10 +483,16 @@ class KVCoreL2Adapter(L2AdapterInterface):
         for ident, size in zip(event.objects, event.sizes or [0] * len(event.objects), strict=True):
             if ident is None or ident.namespace != self.settings.namespace or ident.part != PART:
                 continue
-            key = _object_key(ident.block_key)
+            key = self._object_key(ident.block_key)
             if key is not None:
                 keys.append(key)
                 sizes.append(size)
+            elif event.kind == "stored":  # another tenant's, or one whose salt comes later
+                waits = self._salts.wait(ident.block_key)
+                if waits is not None:  # counted once per key
+                    self._counters.add(
+                        "keys_unknown_salt" if waits else "keys_unknown_salt_dropped"
+                    )
         if not keys:
             return
         if event.kind in ("removed", "evicted"):
@@ -514,14 +560,19 @@ class KVCoreL2Adapter(L2AdapterInterface):
         if backend is None:
             return []
         out = []
+        unknown = 0
         namespace = self.settings.namespace
         for name in backend.names():
             ident = ObjectName.parse(name)
             if ident is None or ident.namespace != namespace or ident.part != PART:
                 continue
-            key = _object_key(ident.block_key)
+            key = self._object_key(ident.block_key)
             if key is not None:
                 out.append((ident.block_key, key))
+            elif key_fields(ident.block_key) is not None:
+                unknown += 1
+        if unknown:  # another server's tenants: their salts never came here
+            self._counters.add("listed_keys_unknown_salt", unknown)
         return out
 
     def _sizes_of(self, keys: list[ObjectKey]) -> list[int]:
@@ -531,7 +582,7 @@ class KVCoreL2Adapter(L2AdapterInterface):
         unknown = [i for i, s in enumerate(sizes) if s < 0]
         backend = self._backend()
         if unknown and backend is not None:
-            batch = _Batch([keys[i] for i in unknown], None, self._tenant_of)
+            batch = self._batch([keys[i] for i in unknown], None)
             for run in batch.runs:
                 described = backend.describe(self._request(backend, batch, run))
                 for j, meta in zip(run[1], described, strict=True):
@@ -585,22 +636,6 @@ class KVCoreL2Adapter(L2AdapterInterface):
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()
-
-
-def _object_key(text: str) -> ObjectKey | None:
-    fields = key_fields(text)
-    if fields is None:
-        return None
-    try:
-        return ObjectKey(
-            chunk_hash=fields.chunk_hash,
-            model_name=fields.model_name,
-            kv_rank=fields.kv_rank,
-            object_group_id=fields.object_group_id,
-            cache_salt=fields.cache_salt,
-        )
-    except ValueError:  # fields LMCache's ObjectKey refuses: not an object it stored
-        return None
 
 
 def _encoded(key: ObjectKey) -> EncodedObjectKey:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import key, load, lookup, memory_obj, random_obj, store, wait_fd
 from kvcore_lmcache import l2_adapter_spec
-from kvcore_lmcache.keys import block_key, key_fields
+from kvcore_lmcache.keys import block_key, key_fields, salt_id
 from kvcore_lmcache.l2 import PART, KVCoreL2Adapter
 from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
@@ -93,13 +93,14 @@ def test_keys_differing_in_one_field_never_share_an_object(open_adapter, field, 
         ("模型/ü", "user:42 ~ ünï"),
     ],
 )
-def test_a_block_key_decodes_back_to_every_field(model, salt):
+def test_a_block_key_decodes_back_to_every_field_and_holds_no_salt(model, salt):
     k = key(3, model_name=model, cache_salt=salt, kv_rank=0x02010201, object_group_id=5)
     text = block_key(k)
     assert "/" not in text and "\n" not in text
+    assert not salt or salt not in text  # a salt is a secret: the key holds its id
     fields = key_fields(text)
     assert fields is not None
-    assert fields == (k.chunk_hash, model, 0x02010201, 5, salt)
+    assert fields == (k.chunk_hash, model, 0x02010201, 5, salt_id(salt))
 
 
 def test_same_size_kv_of_another_dtype_is_never_loaded(open_adapter):
@@ -163,8 +164,12 @@ def test_a_restarted_server_starts_from_what_the_store_holds(open_adapter):
 
     again = open_adapter()
     assert again.wait_seeded(30)
+    # the names hold salts' ids: the keys of salt "a" wait until a request brings the salt
+    assert dict(again.get_usage().bytes_by_cache_salt) == {"": 3 * 2048}
+    assert again.report_status()["keys_unknown_salt"] == 3
+    assert lookup(again, [key(99, cache_salt="a")]) == []
+    assert _wait(lambda: again.get_usage().total_bytes_used == 6 * 2048)
     usage = again.get_usage()
-    assert usage.total_bytes_used == 6 * 2048
     assert dict(usage.bytes_by_cache_salt) == {"": 3 * 2048, "a": 3 * 2048}
     late = Recorder()  # LMCache registers its listeners after building the adapter
     again.register_listener(late)
@@ -319,6 +324,7 @@ def test_a_server_sharing_the_store_learns_what_another_stored(open_adapter):
     watcher.register_listener(recorder)
     other = open_adapter()
     keys = [key(i, cache_salt="s") for i in range(3)]
+    assert lookup(watcher, [key(99, cache_salt="s")]) == []  # the watcher has seen salt "s"
     store(other, keys, [random_obj(i) for i in range(3)])
     assert _wait(
         lambda: sorted(k.chunk_hash for k, _ in recorder.stored) == [k.chunk_hash for k in keys]
@@ -467,3 +473,30 @@ def test_each_keys_tenant_comes_from_its_cache_salt(open_adapter, root, tmp_path
     assert stats["backend_tenant_bytes_held.default"] >= 2 * 2048
     shown = [repr(stats)] + [str(p) for p in Path(root).rglob("*")]
     assert not any("salt-of-a-1f3e" in text for text in shown)
+
+
+def test_no_salt_is_in_the_stores_names_files_or_events_and_unknown_salts_wait(open_adapter, root):
+    """An MP key's ``cache_salt`` is a secret: the store's object names, files and events hold
+    its id only. A server that never saw a salt lists no key of it (counted) and reports the
+    keys another server stores with it once a request brings the salt."""
+    secret = "salt-of-team-b-7a41"
+    watcher = open_adapter()
+    recorder = Recorder()
+    watcher.register_listener(recorder)
+    writer = open_adapter()
+    keys = [key(i, cache_salt=secret) for i in range(4)]
+    assert store(writer, keys, [random_obj(i) for i in range(4)]).is_successful()
+    backend = writer._kv.opened
+    assert backend is not None
+    names = backend.names()
+    files = [p for p in Path(root).rglob("*") if p.is_file()]
+    shown = [*names, *(str(p) for p in files)]
+    assert not any(secret in text for text in shown)
+    assert not any(secret.encode() in p.read_bytes() for p in files)
+    assert any(salt_id(secret) in name for name in names)
+    assert _wait(lambda: watcher.report_status().get("keys_unknown_salt", 0) == 4)
+    assert recorder.stored == [] and watcher.list_l2_keys().entries == ()
+    assert lookup(watcher, [key(99, cache_salt=secret)]) == []
+    assert _wait(lambda: len(recorder.stored) == 4)
+    assert sorted(k.chunk_hash for k, _ in recorder.stored) == [k.chunk_hash for k in keys]
+    assert {e.key.to_object_key() for e in watcher.list_l2_keys().entries} == set(keys)

@@ -199,7 +199,7 @@ def test_a_restarted_server_serves_its_stored_chunks_byte_for_byte_from_kv_file(
 
     keys = _stored_keys(server.root)
     assert len(keys) == 4
-    assert {(k.model_name, k.cache_salt, k.object_group_id) for k in keys} == {(MODEL, "", 0)}
+    assert {(k.model_name, k.salt_id, k.object_group_id) for k in keys} == {(MODEL, "", 0)}
     assert {k.kv_rank for k in keys} == {(1 << 24) | (1 << 8)}  # world 1, rank 0, local 1/0
 
     server.start()  # an empty L1: every hit below comes from kv_file
