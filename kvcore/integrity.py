@@ -18,10 +18,11 @@ Two layouts, chosen per request by its names:
   checked against its own digest, and no name is ever guessed.
 
 The digests' own calls are counted apart (``write_digests``, ``read_digests``,
-``remove_digests``, ``remove_unverified``), so ``blocks_done.write`` still counts the blocks a
-caller wrote. A write stores the digests, then the data (small objects first: a store that
-fills up takes them whenever it takes any data); a block counts as stored only when both are,
-and a crash between leaves a digest whose block no query finds. A read reads the digests, then
+``remove_digests``), so ``blocks_done.write`` still counts the blocks a caller wrote. A write
+stores the digests, then the data (small objects first: a store that fills up takes them
+whenever it takes any data); a block counts as stored only when both are, and a crash or a
+short write between leaves a digest whose block no query finds (never removed by the write:
+see :meth:`BlockDigests.write`). A read reads the digests, then
 the data, and checks the bytes that arrived before the caller sees a count: the first block whose bytes differ from its
 digest ends the leading run, is removed from the store (data and digest, as a REMOVED
 event) and is counted (``corrupt_blocks.read``); the outcome's kind is
@@ -247,8 +248,19 @@ class BlockDigests:
     def write(self, request: BlockRequest) -> Outcome:
         """Store the digests, then the objects of the blocks whose digests landed; a block
         counts with both. Digests go first because they are small: a store that fills up
-        takes them whenever it takes any data, and a block whose data did not land leaves
-        only its digest, which is removed (``remove_unverified``)."""
+        takes them whenever it takes any data.
+
+        A write that stops short removes nothing. Names are content-derived, so an object it
+        finds stored, a digest above all, may belong to a block that another write (a thread
+        of this process, another process, a tier stack's hand-down) stored whole and reported
+        as stored; removing it would make that block unreadable while its writer counts it as
+        kept (a stack would then hold it in no tier). A digest whose data never landed is
+        left for the next write of the block (same name, same digest) or for the store's own
+        eviction: 16 bytes per part, never served alone (a query needs the data too).
+
+        .. versionchanged:: 0.3
+           digests of blocks whose data did not land, and the blocks a full store evicted
+           while they were written, are no longer removed (``remove_unverified``)."""
         n = request.num_blocks
         if n == 0:
             return self._plain.write(request)
@@ -262,19 +274,12 @@ class BlockDigests:
             return digests
         data = self._plain.write(_leading(request, d))
         m = int(data)
-        if m < d and self._can_remove:
-            # digests of blocks whose data did not land would only take room
-            self._plain.remove(self.digests_of(request.slice(m, d)), op="remove_unverified")
         if m and (m < n or data.failure is not None):
             # a short write means a full store, and a store that evicts to make room may have
             # evicted this very write's digests for its data (Mooncake does): acknowledge only
             # what is there now
             found = int(self.query(request.slice(0, m)))
             if found < m:
-                if self._can_remove:  # what is left of them would never be served
-                    lost = request.slice(found, m)
-                    self._plain.remove(lost, op="remove_unverified")
-                    self._plain.remove(self.digests_of(lost), op="remove_unverified")
                 why = data.failure or digests.failure or "store full"
                 return Outcome(found, f"{why}; {m - found} blocks evicted while written")
         return data if m < d or d == n else digests

@@ -9,6 +9,7 @@ from test_correctness import cache_of, keys, lay, part_bytes
 
 import kvcore
 from kvcore import hookimpl
+from kvcore.testing import Harness, blocks_equal
 from kvcore.transfer import TransferManager
 from kvcore.transfer.integrity import DIGEST_PART
 
@@ -143,3 +144,28 @@ def test_a_lookup_asks_the_backend_once_for_blocks_and_digests_together():
     assert tm.query({"task_id": "q4", "keys": []}) == 0
     tm.close()
     tm._test_backend.close()
+
+
+def test_a_short_write_never_removes_a_block_another_write_stored_whole():
+    """A write that stops short (the store is full) must leave every object it did not create
+    where it is: names are content-derived, so the digest a short write finds already stored
+    is the digest of a block some other write (another thread, process or tier stack) stored
+    whole and may already have reported as stored. Removing it as "unverified" made that
+    block unreadable: a tier stack that had handed the block down then held it in no tier
+    (issue 62, file over Mooncake with a stalled master: the background copy and the
+    eviction hand-down of one block racing)."""
+    layout = lay()
+    store = kvcore.open_backend("memory", {"max_objects": 4}, context={"layout": layout})
+    h = Harness(store, layout)
+    seq = h.new_sequence(2)
+    # block 1 stored whole by one write: its digest, K and V (3 of the 4 objects)
+    assert h.write(seq, 1, 1) == 1
+    assert h.read(seq, 1, 1)[0] == 1
+    # another write of blocks 0 and 1: block 0's digest takes the last object, block 1's is
+    # found stored, then block 0's K does not fit: nothing of block 0 or 1 is acknowledged
+    assert h.write(seq) == 0
+    done, got = h.read(seq, 1, 1)
+    assert done == 1, "a short write removed the digest of a block stored whole before it"
+    assert blocks_equal(got, h.payload(seq, 1, 1)) == []
+    assert store.stats().get("blocks_done.remove_unverified", 0) == 0
+    store.close()

@@ -171,7 +171,8 @@ def test_a_full_backend_is_a_miss_never_an_exception(
     open_store: Callable[..., KVCoreStore],
 ) -> None:
     # 12 objects: the digests of the 4 blocks' K and V first (kvcore.integrity), then the K
-    # and V of 2 of them; the digests of the 2 blocks without data are removed again
+    # and V of 2 of them; the digests of the 2 blocks without data stay (a short write removes
+    # nothing: another writer may have stored those blocks whole meanwhile)
     store = open_store("memory", config={"max_objects": 12})
     rank = FastDeployRank(store, store.layout)
     hashes = _hashes(4, "full")
@@ -185,7 +186,7 @@ def test_a_full_backend_is_a_miss_never_an_exception(
     got = FastDeployRank(store, store.layout).read(hashes, [4, 5, 6, 7])
     assert (got.matched, got.restored) == (2, [4, 5])
     assert store.stats()["failures_reported.write"] == 1
-    assert store.stats()["blocks_done.remove_unverified"] == 2
+    assert store.stats().get("blocks_done.remove_unverified", 0) == 0
 
 
 def test_a_missing_block_answers_not_found(open_store: Callable[..., KVCoreStore]) -> None:

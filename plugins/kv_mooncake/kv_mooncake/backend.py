@@ -9,7 +9,11 @@
   master was stalled: the master keeps that put until ``put_start_discard_timeout_sec``,
   30 s by default, and meanwhile no put of the name lands). The existence check skipped every
   name stored whole, so an upsert only ever replaces such an unfinished put, with the same
-  bytes (same name, same bytes).
+  bytes (same name, same bytes). A put that meets another live writer's put of the same name
+  (Mooncake answers one of two concurrent puts of a key with -601) waits for it within the
+  deadline and counts once the master holds the name whole (``puts_racing_another_writer``):
+  two engines, or a stack's background copy and its eviction hand-down, writing one block both
+  get it acknowledged.
 - Read: ``batch_get_into``; its per-object answers (bytes read, or -704) give the leading run.
 - Segmented host buffers (an object in pieces, one per layer, in the engine's own cache
   blocks): ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, one piece
@@ -62,6 +66,7 @@ from kv_mooncake.codes import (
     ALREADY_EXISTS,
     HAS_LEASE,
     INVALID_PARAMS,
+    INVALID_WRITE,
     NOT_FOUND,
     REPLICA_NOT_READY,
     TRANSFER_FAILED,
@@ -540,8 +545,13 @@ class MooncakeBackend:
             results = self._store.batch_get_into_multi_buffers(keys, objects.ptrs, objects.pieces)
         done = []
         for key, r, size in zip(keys, results, objects.sizes, strict=True):
-            if r in (size, NOT_FOUND) or (r < 0 and not self._other_size(key, r, size)):
+            if r in (size, NOT_FOUND):
                 done.append(r)
+                continue
+            if not self._other_size(key, r, size):
+                # not a stored object of another size (asked of the master): a transfer that
+                # failed or came back short, which never removes an object that may be whole
+                done.append(r if r < 0 else 0)
                 continue
             # a smaller object (a count, or -800 from the multi-buffer call) or a larger (-600)
             self._counters.add("miss_size_mismatch")
@@ -551,8 +561,10 @@ class MooncakeBackend:
         return done, sum(s for r, s in zip(results, objects.sizes, strict=True) if r == s)
 
     def _other_size(self, key: str, code: int, size: int) -> bool:
-        """Whether a failed get found the object stored with another size than asked."""
-        if code not in (INVALID_PARAMS, TRANSFER_FAILED):
+        """Whether a get that answered ``code`` (a byte count other than ``size``, or the
+        codes another size gives) found the object stored with another size than asked: the
+        master's word, so a short or failed transfer of a whole object never counts."""
+        if code < 0 and code not in (INVALID_PARAMS, TRANSFER_FAILED):
             return False
         stored = self._store.get_size(key)
         return stored > 0 and stored != size
@@ -573,7 +585,24 @@ class MooncakeBackend:
         # -705: another writer stored the same name (hence the same bytes) first; -706: it
         # did, and a reader holds it
         done = [1 if r in (0, ALREADY_EXISTS, HAS_LEASE) else r for r in results]
-        return done, sum(s for r, s in zip(results, objects.sizes, strict=True) if r == 0)
+        return self._racing_puts(keys, done), sum(
+            s for r, s in zip(results, objects.sizes, strict=True) if r == 0
+        )
+
+    def _racing_puts(self, keys: list[str], done: list[int]) -> list[int]:
+        """Keys another writer was putting at the same moment (-601): stored once the master
+        has them whole (names are content-derived: the same bytes), else still in flight
+        (REPLICA_NOT_READY: the write waits for them within its deadline, like any other
+        writer's unfinished put), so two writers of one block both get it acknowledged."""
+        racing = [i for i, r in enumerate(done) if r == INVALID_WRITE]
+        if not racing:
+            return done
+        self._counters.add("puts_racing_another_writer", len(racing))
+        exist = self._store.batch_is_exist([keys[i] for i in racing])
+        out = list(done)
+        for i, e in zip(racing, exist, strict=True):
+            out[i] = 1 if e == 1 else REPLICA_NOT_READY
+        return out
 
     def _confirm_puts(self, keys: list[str], results: list[int]) -> list[int]:
         """The puts that answered stored, asked of the master: a name whose put another writer
@@ -653,6 +682,14 @@ class MooncakeBackend:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, _READY_POLL_MAX_S)
                 lo += first  # keys before it are done
+                if op == "write":
+                    # what the other writer landed meanwhile is stored: putting it again would
+                    # only replace its object (same bytes) and race that writer once more
+                    landed = leading_run(self._store.batch_is_exist(keys[lo:hi]), 1)
+                    ok[lo : lo + landed] = [True] * landed
+                    lo += landed
+                    if lo == hi:
+                        return True, None
                 continue
             if code < 0:
                 self._counters.add(f"miss_{reason(code)}")

@@ -125,20 +125,25 @@ def soak(
         first = (max(acked) + 1) if acked else first + 1_000_000
     stack = kvcore.open_backend("tiered", config, context={"layout": layout})
     h = Harness(stack, layout)
-    neither = wrong = 0
+    lost: list[int] = []
+    wrong = 0
     try:
         for i in acked:
             seq = block(layout, i)
             done, got = h.read(seq)
             if done != 1:
-                neither += 1
+                lost.append(i)
             elif blocks_equal(got, h.payload(seq, 0, 1)):
                 wrong += 1
+        stats = {k: v for k, v in stack.stats().items() if "fail" in k and v}
     finally:
         stack.close()
-    return {"kills": kills, "acknowledged": len(acked), "in_neither_tier": neither,
+    # which blocks were lost (their writer: the round whose range holds them) and the reading
+    # stack's failure counters: what a failure's report needs to be traced
+    return {"kills": kills, "acknowledged": len(acked), "in_neither_tier": len(lost),
             "wrong_bytes": wrong, "acknowledged_per_writer": per_writer,
-            "first_ack_s": [round(t, 3) for t in first_ack_s]}  # fmt: skip
+            "first_ack_s": [round(t, 3) for t in first_ack_s], "lost_blocks": lost[:20],
+            "reader_stats": stats}  # fmt: skip
 
 
 def report(name: str, counts: dict[str, Any]) -> None:
