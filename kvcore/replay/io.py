@@ -126,7 +126,7 @@ class IOReplay:
         if "admission" in fields:
             self._settings["admission"] = policy
         self._name, self._config = backend, dict(config)
-        self.block_file_bytes = self._block_file_bytes()
+        self.block_file_bytes, self._own_bytes_per_object = self._block_file_bytes()
         if tenants is not None:
             if "tenants" not in fields:
                 raise ConfigError(
@@ -144,15 +144,24 @@ class IOReplay:
 
     def _capacity_for(self, settings: Mapping[str, Any], blocks: int) -> int:
         """``capacity_bytes`` that holds ``blocks`` blocks of objects and the store's own files
-        (:func:`capacity_holding`): the objects get the capacity the store model has."""
+        at their size when the store is full (:func:`capacity_holding`): the objects get the
+        capacity the store model has."""
         return capacity_holding(
             lambda capacity: self._open({**settings, "capacity_bytes": capacity}),
             blocks * self.block_file_bytes,
+            objects=blocks * len(self.layout.parts),
+            own_bytes_per_object=self._own_bytes_per_object,
         )
 
-    def _block_file_bytes(self) -> int:
-        """Bytes one block takes in the store (headers included): measured by storing one,
-        since the store's capacity is in bytes and the replay's in blocks."""
+    def _block_file_bytes(self) -> tuple[int, float]:
+        """Bytes one block takes in the store (headers included), and what each object adds
+        to the store's own files (the stat ``own_files_bytes_per_object``; 0 without it):
+        measured by storing one, since the store's capacity is in bytes and the replay's in
+        blocks. The probe is a block as the trace names them (its first tenant's, its largest
+        id: names, and the store's records of them, are as long as the trace's)."""
+        requests = self.trace.requests
+        tenant = next((r.tenant for r in requests if r.tenant is not None), None)
+        largest = max((int(max(r.hash_ids)) for r in requests if len(r.hash_ids)), default=0)
         settings = {**self._config, **self._settings, "admission": "all"}
         if "admission" not in self._settings:
             settings.pop("admission")
@@ -161,11 +170,12 @@ class IOReplay:
             before = backend.stats().get("backend_bytes_used", 0.0)
             engine = _Engine(self.layout)
             with _manager(self.layout, engine, backend, self.trace, self.namespace) as tm:
-                engine.compute(slice(0, 1), np.asarray([0]))
-                result = tm.write_back(
-                    {"task_id": "probe", "keys": [block_key(-1)], "device_block_ids": [0]}
-                ).result()
-            used = backend.stats().get("backend_bytes_used", 0.0) - before
+                engine.compute(slice(0, 1), np.asarray([largest]))
+                probe = {"keys": [block_key(largest, tenant)], "device_block_ids": [0]}
+                result = tm.write_back({"task_id": "probe", **probe, "tenant": tenant}).result()
+            after = backend.stats()
+            used = after.get("backend_bytes_used", 0.0) - before
+            own_per_object = float(after.get("backend_own_files_bytes_per_object", 0.0))
             backend.clear()
         finally:
             backend.close()
@@ -174,7 +184,7 @@ class IOReplay:
                 f"backend {self._name!r} did not store a probe block ({result.outcome}: "
                 f"{result.error}) or reports no bytes_used: a replay at a capacity needs both"
             )
-        return int(used)
+        return int(used), own_per_object
 
     def run(self, progress: Callable[[int], None] | None = None) -> Tally:
         """Replay the whole trace; the store is cleared and closed afterwards."""

@@ -319,6 +319,8 @@ class FileBackend:
             evictions=float(self._catalog.evictions),
             journal_bytes=float(self._catalog.journal.size),
             own_files_bytes=float(self._catalog.own_bytes()),
+            own_files_bytes_per_object=self._catalog.own_bytes_per_object(),
+            own_files_bytes_base=float(self._catalog.own_bytes_base()),
             directory_bytes=float(self._catalog.directory_bytes),
         )
         out["direct_reads"] = float(self._direct.count)

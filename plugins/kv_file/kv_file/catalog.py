@@ -297,13 +297,24 @@ class Catalog:
         self._apply(records, pin=pin, blocks=blocks)
         self._maybe_compact()
 
+    def _record_bytes_per_object(self) -> float:
+        """What one object's record takes in a compact journal: the mean size of the stored
+        records seen."""
+        return self._stored_record_bytes / max(1, self._stored_records)
+
+    def _journal_ceiling(self) -> int:
+        """The size at which the journal is rewritten: :data:`_COMPACT_FACTOR` times what its
+        rewrite would hold (one stored record per object), and never below the floor. It
+        grows and shrinks with the objects only, not with the records appended since the last
+        rewrite. Needs no lock (two integers and a dict's length)."""
+        live = self._record_bytes_per_object() * len(self.index)
+        return max(self._compact_min, int(_COMPACT_FACTOR * live))
+
     def _maybe_compact(self) -> None:
-        """Rewrite the journal compactly once it has grown to :data:`_COMPACT_FACTOR` times
-        what its rewrite would hold: one stored record per object, of the mean size of the
-        stored records seen (one comparison per commit: the rewrite is O(objects)). A journal
-        of a store that only grew is that rewrite already, and is left alone however long."""
-        mean = self._stored_record_bytes / max(1, self._stored_records)
-        if self.journal.size < max(self._compact_min, _COMPACT_FACTOR * mean * len(self.index)):
+        """Rewrite the journal compactly once it has grown to its ceiling (one comparison
+        per commit: the rewrite is O(objects)). A journal of a store that only grew is that
+        rewrite already, and is left alone however long."""
+        if self.journal.size < self._journal_ceiling():
             return
         self.journal.replace(self._records_of(self.index.snapshot()))
         self._counters.add("journal_compactions")
@@ -364,14 +375,35 @@ class Catalog:
         self.directory_bytes = self._dir.directory_bytes()
 
     def own_bytes(self) -> int:
-        """Bytes the store's own files take or may take before the next admission: the
-        ledger, the journal and the compact copy of it that a rewrite writes beside it (the
-        old one's blocks are freed once the new one is in place). The journal counts at least
-        what it may grow to before its first rewrite, so a store whose journal is short counts
-        one constant (how many objects fit does not change with every record). Needs no lock
-        (two integers and one read of the shared ledger); admission calls it under the lock."""
-        journal = max(self.journal.size, self._compact_min)
-        return self._ledger_bytes + _blocks(journal) + _blocks(journal // _COMPACT_FACTOR)
+        """Bytes the store's own files take or may take: the ledger, the journal and the
+        compact copy of it that a rewrite writes beside it (the old one's blocks are freed
+        once the new one is in place).
+
+        The journal counts at its ceiling (:meth:`_journal_ceiling`), the most it grows to
+        before its next rewrite, and the copy at what a rewrite writes. So the room left to
+        objects depends on how many objects there are, never on where the journal is between
+        two rewrites: a full store holds as many objects just before a rewrite as just after
+        it, instead of evicting objects for journal records as the journal grows and taking
+        as many new ones once it shrinks. Needs no lock (integers and one read of the shared
+        ledger); admission calls it under the lock.
+
+        .. versionchanged:: 0.3 The journal counts at its ceiling, not at its current size
+           (room for objects no longer follows the journal's cycle of growth and rewrite).
+        """
+        ceiling = self._journal_ceiling()
+        journal = max(self.journal.size, ceiling)
+        return self._ledger_bytes + _blocks(journal) + _blocks(ceiling // _COMPACT_FACTOR)
+
+    def own_bytes_per_object(self) -> float:
+        """What each object adds to :meth:`own_bytes` once the journal's ceiling is past its
+        floor: its share of the journal at the ceiling and of the compact copy."""
+        return (_COMPACT_FACTOR + 1) * self._record_bytes_per_object()
+
+    def own_bytes_base(self) -> int:
+        """What :meth:`own_bytes` counts beside the objects' shares once the journal's ceiling
+        is past its floor: the ledger, and a file system block for each of the journal and
+        its copy (their sizes round up to one)."""
+        return self._ledger_bytes + 2 * _BLOCK
 
     def _beside_files(self) -> int:
         """What counts against the capacity beside the indexed files (lock held): every

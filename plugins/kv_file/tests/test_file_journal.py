@@ -153,6 +153,44 @@ def test_a_journal_that_only_grew_is_not_rewritten(tmp_path) -> None:
     reopened.close()
 
 
+def test_a_full_store_holds_as_many_objects_through_the_journals_cycles(tmp_path) -> None:
+    """The journal grows with every write and shrinks at each rewrite; the room it leaves to
+    objects must not. A full store of small objects with long names (the journal a large
+    share of the store) is written through several rewrites: the objects it holds after each
+    write stay within one write's worth, and the files on disk within the capacity.
+    (Counting the journal at its current size, the store evicted objects for journal records
+    as the journal grew and took as many new ones after each rewrite: 776-938 objects in
+    turn here.)"""
+    root = str(tmp_path / "s")
+    tiny = CacheLayout(num_layers=1, num_heads=1, block_size=4, head_dim=8)
+    capacity = 4 << 20
+    store = open_store(
+        root, tiny, rescan_interval_s=0, capacity_bytes=capacity,
+        high_watermark=1.0, low_watermark=1.0,
+    )  # fmt: skip
+    per_write = 8  # blocks
+    held: list[int] = []
+    for w in range(600):
+        keys = [f"c{w}-{i}-" + "x" * 180 for i in range(per_write)]  # records of ~250 bytes
+        assert write(store, keys) == per_write
+        if w >= 100:  # full by then (about 800 objects fit)
+            held.append(int(store.stats()["backend_objects"]))
+        if w >= 100 and w % 25 == 0:
+            files = sum(os.path.getsize(p) for p in object_files(root))
+            own = sum(  # what the file system allocated (the ledger is sparse)
+                os.stat(os.path.join(root, "default", n)).st_blocks * 512
+                for n in ("journal", "ledger")
+            )
+            assert files + own <= capacity, f"write {w}: {files} + {own} bytes"
+    stats = store.stats()
+    assert stats["backend_evictions"] > 0
+    # the journal went through several rewrites while the objects were counted
+    assert stats["backend_journal_compactions"] >= 3, stats["backend_journal_compactions"]
+    assert max(held) - min(held) <= 2 * per_write * len(tiny.parts), (min(held), max(held))
+    assert stats["backend_own_files_bytes_per_object"] > 0
+    store.close()
+
+
 def test_records_round_trip_and_damage_is_detected(tmp_path) -> None:
     records = [
         Record(Kind.STORED, 2**128 - 1, 4096, b"ns/" + b"x" * 70_000, 7),
