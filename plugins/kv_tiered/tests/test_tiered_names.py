@@ -101,20 +101,10 @@ def test_a_copy_undone_after_a_peers_removal_removes_by_typed_names(tmp_path) ->
         other.backend.close()
 
 
-def test_evicted_blocks_reach_the_tier_below_typed(tmp_path) -> None:
+def test_evicted_blocks_reach_the_tier_below_typed(open_evicting_stack) -> None:
     layout = small_layout()
-    block = 2 * layout.part_bytes("k")
-    tiers = [
-        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block + (32 << 10),
-         "high_watermark": 1.0, "low_watermark": 1.0, "rescan_interval_s": 0},
-        {"backend": "memory"},  # keeps digests beside the blocks (no checksums of its own)
-    ]  # fmt: skip
-    backend = kvcore.open_backend(
-        "tiered",
-        {"tiers": tiers, "write_policy": "write-back-on-evict"},
-        context={"layout": layout},
-        strict=True,
-    )
+    # memory below keeps digests beside the blocks (no checksums of its own)
+    backend = open_evicting_stack(layout, below={"backend": "memory"})
     h = Harness(backend, layout)
     writes = record(backend.plugin.tiers[1], "write")
     try:

@@ -16,9 +16,6 @@ import kvcore
 from kvcore import FailureKind
 from kvcore.testing import Harness, blocks_equal, harness_opener, small_layout
 
-#: what a small kv_file store counts for its own files (ledger, journal) on top of its objects
-OWN = 32 << 10
-
 
 def open_stack(tmp_path, strict: bool = True, **config: Any) -> Harness:
     """file (near) over file (far): both shared and checksummed, so nothing is followed."""
@@ -272,23 +269,13 @@ def test_a_tenants_clear_reaches_every_tier_and_leaves_other_tenants(tmp_path) -
         h.backend.close()
 
 
-def test_blocks_handed_down_on_eviction_stay_their_tenants(tmp_path) -> None:
+def test_blocks_handed_down_on_eviction_stay_their_tenants(open_evicting_stack) -> None:
     """A block the near tier evicts reaches the far tier as its tenant's (kvcore_evict_to's
     ``tenant``): the far tier's figures count it there, and clearing the tenant removes it
     from the far tier too, not only the copies still near."""
     layout = small_layout()
     block = 2 * layout.part_bytes("k")
-    tiers = [
-        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block + OWN,
-         "high_watermark": 1.0, "low_watermark": 1.0, "rescan_interval_s": 0},
-        {"backend": "file", "root": str(tmp_path / "far"), "rescan_interval_s": 0},
-    ]  # fmt: skip
-    backend = kvcore.open_backend(
-        "tiered",
-        {"tiers": tiers, "write_policy": "write-back-on-evict"},
-        context={"layout": layout},
-        strict=True,
-    )
+    backend = open_evicting_stack(layout)
     h = Harness(backend, layout)
     far = tier_harness(h, 1)
     try:
@@ -464,21 +451,12 @@ def test_the_stack_declares_what_every_tier_honours(tmp_path) -> None:
         with_memory.close()
 
 
-def test_write_back_on_evict_moves_exactly_what_the_first_tier_evicts(tmp_path) -> None:
+def test_write_back_on_evict_moves_exactly_what_the_first_tier_evicts(
+    tmp_path, open_evicting_stack
+) -> None:
     layout = small_layout()
-    block = 2 * layout.part_bytes("k")
-    tiers = [
-        # about 8 blocks (headers, journal and ledger aside), evicting one object at a time
-        {"backend": "file", "root": str(tmp_path / "near"), "capacity_bytes": 10 * block + OWN,
-         "high_watermark": 1.0, "low_watermark": 1.0, "rescan_interval_s": 0},
-        {"backend": "file", "root": str(tmp_path / "far"), "rescan_interval_s": 0},
-    ]  # fmt: skip
-    backend = kvcore.open_backend(
-        "tiered",
-        {"tiers": tiers, "write_policy": "write-back-on-evict"},
-        context={"layout": layout},
-        strict=True,
-    )
+    # about 8 blocks (headers, journal and ledger aside), evicting one object at a time
+    backend = open_evicting_stack(layout)
     h = Harness(backend, layout)
     near, far = tier_harness(h, 0), tier_harness(h, 1)
     try:
