@@ -333,6 +333,11 @@ class PrefillRate:
         #: per (token + pair_cost * pairs) and per step: the model's shapes fix attention's share
         self._shaped = DecayingFit(2, half_life_s, clock)
         self._most_pairs = 0.0
+        #: each step's seconds over what the fit expected of it just before (lately), and
+        #: over those of the steps it had to extrapolate to (a fresh engine's long prefills)
+        self._checked = DecayingFit(1, half_life_s, clock)
+        self._checked_far = DecayingFit(1, half_life_s, clock)
+        self.steps_extrapolated = 0
         self._lock = threading.Lock()
         self.samples = 0
 
@@ -345,7 +350,16 @@ class PrefillRate:
             pairs += n * (context + n / 2)
         if tokens <= 0 or seconds <= 0:
             return
+        # the estimate this step would have had, against what it took: an operator sees
+        # whether the fit is right, and above all whether its extrapolations are (a fresh
+        # engine's first long prefill is estimated from its short steps only)
+        expected, extrapolated = self._predict(tokens, pairs, 1)
         with self._lock:
+            if expected is not None and expected > 0:
+                self._checked.add((expected,), seconds)
+                if extrapolated:
+                    self._checked_far.add((expected,), seconds)
+                    self.steps_extrapolated += 1
             self._fit.add((tokens, 1.0, pairs), seconds)
             if self.pair_cost is not None:
                 self._shaped.add((tokens + self.pair_cost * pairs, 1.0), seconds)
@@ -363,6 +377,11 @@ class PrefillRate:
             return 0.0
         pairs = tokens * (context + tokens / 2)
         steps = math.ceil(tokens / (self.tokens_per_step or tokens))
+        return self._predict(tokens, pairs, steps)[0]
+
+    def _predict(self, tokens: float, pairs: float, steps: int) -> tuple[float | None, bool]:
+        """Seconds for this much work (None while unknown), and whether the estimate reaches
+        past the steps timed (extrapolated with the model's shapes)."""
         with self._lock:
             measured = self._fit.weight >= KNOWN_WEIGHT
             coef = self._fit.coefficients() if measured else None
@@ -374,25 +393,38 @@ class PrefillRate:
             )
         if shaped is not None:  # steps too short to show attention: the model's shapes do
             assert self.pair_cost is not None
-            return float(shaped[0] * (tokens + self.pair_cost * pairs) + shaped[1] * steps)
+            return float(shaped[0] * (tokens + self.pair_cost * pairs) + shaped[1] * steps), True
         if coef is None:
             assumed = self.assumed_tokens_per_s
-            return None if assumed is None else tokens / assumed
-        return float(coef[0] * tokens + coef[1] * steps + coef[2] * pairs)
+            return (None if assumed is None else tokens / assumed), False
+        return float(coef[0] * tokens + coef[1] * steps + coef[2] * pairs), not spans
 
     def figures(self) -> dict[str, float]:
-        """The fitted costs now, and the rate of a 1,024-token prefill (empty while unknown)."""
+        """The fitted costs now, and the rate of a 1,024-token prefill (empty while unknown);
+        ``actual_vs_expected``: steps' seconds over the estimate they had just before (lately),
+        and ``extrapolated_actual_vs_expected`` over the steps that reached past every step timed
+        before them (``steps_extrapolated`` of them): how right the first long prefills'
+        estimates were, which a fresh engine's decisions rest on."""
         with self._lock:
             coef = self._fit.coefficients() if self._fit.weight >= KNOWN_WEIGHT else None
+            checked = self._checked.coefficients()
+            checked_far = self._checked_far.coefficients()
+            far = self.steps_extrapolated
         if coef is None:
             return {}
         one_k = self.estimate_s(1024) or 0.0
-        return {
+        out = {
             "per_token_s": float(coef[0]),
             "per_step_s": float(coef[1]),
             "per_token_pair_s": float(coef[2]),
             "tokens_per_s_1k": 1024 / one_k if one_k > 0 else math.inf,
         }
+        if checked is not None:
+            out["actual_vs_expected"] = float(checked[0])
+        if checked_far is not None and far:
+            out["extrapolated_actual_vs_expected"] = float(checked_far[0])
+            out["steps_extrapolated"] = float(far)
+        return out
 
 
 def pair_cost_of(

@@ -126,10 +126,23 @@ def test_short_steps_extrapolate_with_attention_from_the_models_shapes() -> None
     truth = engine(4000, 0)
     assert plain.estimate_s(4000) < 0.8 * truth  # linear: attention missing
     assert shaped.estimate_s(4000) == pytest.approx(truth, rel=0.02)
+    assert "extrapolated_actual_vs_expected" not in shaped.figures()
     # timed long steps, which then decide (here the engine is twice as slow as its shapes say)
+    expected_2000 = shaped.estimate_s(2000)
     for n in (2000, 4000):
         shaped.observe_step(2 * engine(n, 0), [(n, 0)])
     assert shaped.estimate_s(4000) == pytest.approx(2 * truth, rel=0.1)
+    # and the operator sees how wrong the extrapolation was: only the first long step reached
+    # past every step timed before it (4000 is within reach of 2000)
+    figures = shaped.figures()
+    assert figures["steps_extrapolated"] == 1
+    assert expected_2000 is not None
+    assert figures["extrapolated_actual_vs_expected"] == pytest.approx(
+        2 * engine(2000, 0) / expected_2000, rel=1e-6
+    )
+    # every step against its estimate just before: the steps after the first long one are
+    # estimated from it, so the mean over all lies well inside the first one's miss
+    assert 0.5 < figures["actual_vs_expected"] < figures["extrapolated_actual_vs_expected"]
 
 
 def test_prefill_grows_with_context_when_the_steps_show_it() -> None:
