@@ -18,7 +18,8 @@ from kvcore.requests import BlockRequest, HostBuffers
 
 __all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "ProbeRead", "probe_read"]
 
-#: a probe read (:func:`probe_read`) stops after this long (once two sizes were read)...
+#: a probe (:func:`probe_read`) starts no read it expects to end past this long (its first
+#: measured read excepted: one size is the least a decision needs)...
 PROBE_BUDGET_S = 0.03
 #: ...or this many bytes
 PROBE_BYTES = 16 << 20
@@ -42,12 +43,13 @@ def probe_read(
 ) -> ProbeRead:
     """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
     blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
-    blocks (two sizes at least: a store's per-call latency and its bandwidth told apart) until
-    ``budget_s`` has passed or ``max_bytes`` were read, or, after any read, ``enough()`` says
-    what was read decides the question asked (:meth:`LoadDecider.needs_probe`), so the reads
-    land in :attr:`kvcore.Backend.read_rate`. Returns the blocks read, and whether a read
-    came back short (a fresh client's first reads included: a store that fails every read is
-    asked once, never measured); what was read is dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
+    blocks (two sizes tell a store's per-call latency from its bandwidth) until the next read
+    would end past ``budget_s`` (one read is always made) or ``max_bytes`` were read, or, after
+    any read, ``enough()`` says what was read decides the question asked
+    (:meth:`LoadDecider.needs_probe`), so the reads land in :attr:`kvcore.Backend.read_rate`.
+    Returns the blocks read, and whether a read came back short (a fresh client's first reads
+    included: a store that fails every read is asked once, never measured); what was read is
+    dropped (the engine loads its blocks itself, if it decides to). A backend whose blocks
     have no known size, that does not read host memory, or that was opened for lookups only
     and cannot read then (:attr:`kvcore.Capabilities.lookup_reads` False: its rate comes from
     the process that reads, :meth:`ReadRate.observe`) is not probed (0).
@@ -82,8 +84,8 @@ def _probe_reads(
     budget_s: float,
     enough: Callable[[], bool] | None,
 ) -> ProbeRead:
-    """Reads of 1, 2, 4, ... blocks into ``base`` until ``budget_s`` has passed or
-    ``enough()``. Sizes the store was measured at lately are skipped: where one block was
+    """Reads of 1, 2, 4, ... blocks into ``base`` until the next would end past ``budget_s``
+    (as long as the last read measured took, per block), or ``enough()``. Sizes the store was measured at lately are skipped: where one block was
     read before, the first read is of two (one more size is what tells latency from
     bandwidth); where reads of two sizes left its bandwidth unseen, one at least twice the
     largest (:meth:`kvcore.estimates.ReadRate.tells_apart`)."""
@@ -93,13 +95,21 @@ def _probe_reads(
     while rate.known and not rate.tells_apart(step * per_block) and step * 2 <= most:
         step *= 2
     read, t0 = 0, time.monotonic()
+    last: tuple[int, float] | None = None  # (blocks, seconds) of the last read measured
     while read < most:
         n = min(step, most - read)
+        if last is not None and time.monotonic() - t0 + last[1] * n / last[0] > budget_s:
+            # this read would end past the budget (it reads twice the last one): a decision
+            # the reads leave open recomputes (LoadDecider.decide_over), and the next one
+            # reads the other size. (Read anyway, a 2x read after one of 26 ms took a 30 ms
+            # probe to 78 ms, on a load that then re-read those blocks.)
+            break
         ptrs = tuple(
             tuple(base + (read + i) * per_block + sum(sizes[:j]) for j in range(len(sizes)))
             for i in range(n)
         )
         host = HostBuffers(ptrs=ptrs, nbytes=tuple(sizes))
+        started = time.monotonic()
         got = int(backend.read(request.slice(read, read + n, host=host)))
         read += got
         if got < n:  # the rest is gone, or the store failed: nothing more to learn now
@@ -107,10 +117,11 @@ def _probe_reads(
         if read == got and not rate.known:
             # the client's first read measures nothing (its connection): the budget starts now
             t0 = time.monotonic()
-        # past the budget, even after one read: a decision the reads leave open recomputes
-        # (LoadDecider.decide_over), and the next one reads the other size
-        elif time.monotonic() - t0 >= budget_s:
-            break
+        else:
+            last = (n, time.monotonic() - started)
+            # past the budget, even after one read: the decision weighs what that one gave
+            if time.monotonic() - t0 >= budget_s:
+                break
         if enough is not None and enough():
             break
         step *= 2

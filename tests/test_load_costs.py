@@ -352,6 +352,32 @@ class _SlowReads(MemoryBackend):
         return MemoryBackend.kvcore_read(self, request)
 
 
+class _ReadsByTheBlock(MemoryBackend):
+    """Every read takes 0.1 s a block: a read of twice as many blocks takes twice as long."""
+
+    @hookimpl
+    def kvcore_read(self, request):
+        time.sleep(0.1 * request.num_blocks)
+        return MemoryBackend.kvcore_read(self, request)
+
+
+def test_a_probe_starts_no_read_it_expects_to_end_past_its_budget() -> None:
+    """Reads of 1 (the client's first: its setup, not a sample), 2 and 4 blocks end 0.6 s
+    into a 0.8 s budget; the next, of 8 blocks, would end at 1.4 s: the probe stops at 7
+    blocks (a loaded machine stretches the sleeps, so it may stop sooner, never later). It
+    used to start that read because the budget was not yet spent: 15 blocks, 1.4 s."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    with kvcore.open_backend(_ReadsByTheBlock, context={"namespace": "budget"}) as backend:
+        host = _Buffers(32, fill=3).host()
+        written = backend.request("w", _keys(32), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 32
+        bare = backend.request("p", _keys(32), parts=("obj",), part_bytes=(SIZE,))
+        read = probe_read(backend, bare, budget_s=0.8)
+        assert 3 <= read.blocks <= 7 and not read.short
+        assert backend.read_rate.known  # the 2-block read at least was measured
+
+
 def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_proven() -> None:
     from test_runner import SIZE, _Buffers, _keys
 
