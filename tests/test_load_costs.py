@@ -353,11 +353,12 @@ class _SlowReads(MemoryBackend):
 
 
 class _ReadsByTheBlock(MemoryBackend):
-    """Every read takes 0.1 s a block: a read of twice as many blocks takes twice as long."""
+    """Every call into the plugin's read sleeps 50 ms a block (a probe's read of n blocks
+    calls it twice here: about 0.1 s a block): twice the blocks, twice the time."""
 
     @hookimpl
     def kvcore_read(self, request):
-        time.sleep(0.1 * request.num_blocks)
+        time.sleep(0.05 * request.num_blocks)
         return MemoryBackend.kvcore_read(self, request)
 
 
