@@ -379,6 +379,22 @@ def test_a_probe_starts_no_read_it_expects_to_end_past_its_budget() -> None:
         assert backend.read_rate.known  # the 2-block read at least was measured
 
 
+def test_a_probe_of_a_store_known_slow_reads_the_least_it_can() -> None:
+    """The store's rate is known (another process's load of one block took 0.1 s: a probe's
+    budget three times over). A probe would read two blocks next, to tell latency from
+    bandwidth; known to end past the budget, that read is not made: one block is (it used to
+    read two, 0.2 s, on the request's way to its first token)."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    with kvcore.open_backend(_ReadsByTheBlock, context={"namespace": "known-slow"}) as backend:
+        host = _Buffers(8, fill=3).host()
+        written = backend.request("w", _keys(8), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 8
+        backend.read_rate.observe(SIZE, 0.1)
+        bare = backend.request("p", _keys(8), parts=("obj",), part_bytes=(SIZE,))
+        assert probe_read(backend, bare, budget_s=0.03) == (1, False)
+
+
 def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_proven() -> None:
     from test_runner import SIZE, _Buffers, _keys
 
