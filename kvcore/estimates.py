@@ -345,15 +345,19 @@ class PrefillRate:
         """One engine step took ``seconds`` computing ``batch``: ``(tokens, context)`` per
         request (``context``: tokens already computed before this step's)."""
         tokens = pairs = 0.0
+        longest = 0
         for n, context in batch:
             tokens += n
             pairs += n * (context + n / 2)
+            longest = max(longest, n)
         if tokens <= 0 or seconds <= 0:
             return
-        # the estimate this step would have had, against what it took: an operator sees
+        # a prefill step's estimate just before, against what it took: an operator sees
         # whether the fit is right, and above all whether its extrapolations are (a fresh
-        # engine's first long prefill is estimated from its short steps only)
-        expected, extrapolated = self._predict(tokens, pairs, 1)
+        # engine's first long prefill is estimated from its short steps only). Decode steps
+        # (one token a request) are not checked: they are most steps, and the fit's solve
+        # this needs (~0.1 ms) would be on every one of them
+        expected, extrapolated = self._predict(tokens, pairs, 1) if longest > 1 else (None, False)
         with self._lock:
             if expected is not None and expected > 0:
                 self._checked.add((expected,), seconds)
@@ -401,7 +405,8 @@ class PrefillRate:
 
     def figures(self) -> dict[str, float]:
         """The fitted costs now, and the rate of a 1,024-token prefill (empty while unknown);
-        ``actual_vs_expected``: steps' seconds over the estimate they had just before (lately),
+        ``actual_vs_expected``: prefill steps' seconds over the estimate they had just before
+        (lately),
         and ``extrapolated_actual_vs_expected`` over the steps that reached past every step timed
         before them (``steps_extrapolated`` of them): how right the first long prefills'
         estimates were, which a fresh engine's decisions rest on."""
