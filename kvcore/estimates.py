@@ -406,10 +406,9 @@ class PrefillRate:
     def figures(self) -> dict[str, float]:
         """The fitted costs now, and the rate of a 1,024-token prefill (empty while unknown);
         ``actual_vs_expected``: prefill steps' seconds over the estimate they had just before
-        (lately),
-        and ``extrapolated_actual_vs_expected`` over the steps that reached past every step timed
-        before them (``steps_extrapolated`` of them): how right the first long prefills'
-        estimates were, which a fresh engine's decisions rest on."""
+        (lately), and ``extrapolated_actual_vs_expected`` over the steps that reached past
+        every step timed before them (``steps_extrapolated`` of them): how right the first long
+        prefills' estimates were, which a fresh engine's decisions rest on."""
         with self._lock:
             coef = self._fit.coefficients() if self._fit.weight >= KNOWN_WEIGHT else None
             checked = self._checked.coefficients()

@@ -85,10 +85,11 @@ def _probe_reads(
     enough: Callable[[], bool] | None,
 ) -> ProbeRead:
     """Reads of 1, 2, 4, ... blocks into ``base`` until the next would end past ``budget_s``
-    (as long as the last read measured took, per block), or ``enough()``. Sizes the store was measured at lately are skipped: where one block was
-    read before, the first read is of two (one more size is what tells latency from
-    bandwidth); where reads of two sizes left its bandwidth unseen, one at least twice the
-    largest (:meth:`kvcore.estimates.ReadRate.tells_apart`)."""
+    (as long as the last read measured took, per block), or ``enough()``. Sizes the store was
+    measured at lately are skipped: where one block was read before, the first read is of two
+    (one more size is what tells latency from bandwidth); where reads of two sizes left its
+    bandwidth unseen, one at least twice the largest
+    (:meth:`kvcore.estimates.ReadRate.tells_apart`)."""
     per_block = sum(sizes)
     step = 1
     rate = backend.read_rate
