@@ -15,17 +15,26 @@ engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and rate, ``au
 better of the other two per repetition (goal <= 1.10 at every rate), whether ``auto`` loaded
 (``num_cached_tokens``) and the tokens of every arm against the recomputing engine's.
 
-- **together** (at ``--together-rate``): four stored prompts arriving in one batch; mean TTFT
+- **together** (at the crossover rate): four stored prompts arriving in one batch; mean TTFT
   of ``auto`` over the better of ``always`` and recompute (goal <= 1.10).
-- **slowdown** (at ``--slowdown-rate``, where ``auto`` loads): the link drops tenfold
-  ``--slowdown-after-s`` after the warm-up ends (the stored prompt's load under way); TTFT of
-  ``auto`` (which cuts a load behind its estimate) and ``always`` over recompute (goal for
-  ``auto`` <= 1.25).
+- **slowdown** (at a rate where loading wins): the link drops tenfold ``--slowdown-after-s``
+  after the warm-up ends (the stored prompt's load under way); TTFT of ``auto`` (which cuts a
+  load behind its estimate) and ``always`` over recompute (goal for ``auto`` <= 1.25).
+
+Both rates are measured in the same run, not fixed: where the machine prefills faster, the
+crossover moves to faster links (about 490 Mbit/s where recomputing the 4,000-token prompt took
+1.6 s, about 1.3 Gbit/s where it took 0.66 s), and a fixed slowdown rate can fall where loading
+loses, so that a right decision starts no load to slow down. ``--together-rate crossover`` (the
+default) is where ``always`` and recompute cross over ``--rates`` (interpolated in log-rate
+between the two rates around it); ``--slowdown-rate fastest`` (the default) the fastest rate
+of ``--rates``. A number sets either; without the rates part, the defaults are 490 and 2000.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import random
 import statistics
 import threading
@@ -59,9 +68,17 @@ def tc(rate_mbit: float | None) -> None:
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rates", default="120,240,490,1000,2000", help="shaped: link rates, Mbit/s")
     ap.add_argument("--shaped-tokens", type=int, default=4000, help="shaped: the stored prompt")
-    ap.add_argument("--together-rate", type=float, default=490)
+    ap.add_argument(
+        "--together-rate",
+        default="crossover",
+        help="together: Mbit/s, or 'crossover' (where always and recompute cross, measured)",
+    )
     ap.add_argument("--together-tokens", type=int, default=2000)
-    ap.add_argument("--slowdown-rate", type=float, default=1000)
+    ap.add_argument(
+        "--slowdown-rate",
+        default="fastest",
+        help="slowdown: Mbit/s, or 'fastest' (the fastest of --rates: where loading wins)",
+    )
     ap.add_argument("--slowdown-after-s", type=float, default=0.3)
     ap.add_argument(
         "--shaped-never",
@@ -124,29 +141,74 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
         reference: dict[str, list[list[int]]] = {}
         parts = {p.strip() for p in args.shaped_parts.split(",")}
         long_steps = [warm, _gen("long", [prompt])]
+        measured: dict[float, dict[str, Any]] = {}
         for rate in rates if "rates" in parts else []:
             tc(rate)
             res = _compare(
                 args, base, arms, long_steps, workdir, f"r{int(rate)}", reference, "long"
             )
             _report_rate(report, f"{int(rate)}mbit", res)
+            measured[rate] = res
         if "together" in parts:
-            tc(args.together_rate)
+            together_rate, why = _together_rate(args.together_rate, measured)
+            report.notes["shaped_together_rate"] = why
+            tc(together_rate)
             steps = [warm, _gen("four", together)]
             res = _compare(args, base, arms, steps, workdir, "together", reference, "four")
-            _report_rate(report, f"together_{int(args.together_rate)}mbit", res, mean=True)
+            _report_rate(report, f"together_{int(together_rate)}mbit", res, mean=True)
         if "slowdown" in parts:
-            tc(args.slowdown_rate)
-            slow = (args.slowdown_rate, args.slowdown_after_s)
+            slowdown_rate = _slowdown_rate(args.slowdown_rate, rates)
+            tc(slowdown_rate)
+            slow = (slowdown_rate, args.slowdown_after_s)
             res = _compare(
                 args, base, arms, long_steps, workdir, "slowdown", reference, "long", slowdown=slow
             )
-            _report_slowdown(report, int(args.slowdown_rate), res)
+            _report_slowdown(report, int(slowdown_rate), res)
         tc(None)
     return "; ".join(notes) or (
         f"measured: one master and a 2 GiB storage node on 127.0.0.1 in a private loopback-only "
         f"namespace, lo shaped by tbf (burst {BURST}); fresh engine per run"
     )
+
+
+def crossover_rate(always_vs_recompute: dict[float, float]) -> float | None:
+    """The link rate where loading and recomputing take as long, from ``always`` TTFT over
+    recompute TTFT at each rate measured: interpolated in log-rate and log-ratio between the
+    two neighbouring rates around 1 (the slower where several pairs cross); the measured rate
+    nearest to 1 where none do; None without any."""
+    points = sorted(
+        (math.log(rate), math.log(ratio))
+        for rate, ratio in always_vs_recompute.items()
+        if rate > 0 and ratio > 0
+    )
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if y0 >= 0 >= y1 and y0 != y1:
+            return math.exp(x0 + (x1 - x0) * y0 / (y0 - y1))
+    if not points:
+        return None
+    return math.exp(min(points, key=lambda p: abs(p[1]))[0])
+
+
+def _together_rate(setting: str, measured: dict[float, dict[str, Any]]) -> tuple[float, str]:
+    """The together arm's rate: a number as given, else the crossover measured in this run
+    (490 Mbit/s without the rates part)."""
+    if setting != "crossover":
+        return float(setting), "set (--together-rate)"
+    ratios = {
+        rate: statistics.median(res["always"]["ttft"]) / statistics.median(res["recompute"]["ttft"])
+        for rate, res in measured.items()
+    }
+    found = crossover_rate(ratios)
+    if found is None:
+        return 490.0, "490 Mbit/s: the rates part did not run, so no crossover was measured"
+    return round(found), f"the crossover measured over the rates part: {found:.0f} Mbit/s"
+
+
+def _slowdown_rate(setting: str, rates: list[float]) -> float:
+    """The slowdown arm's rate: a number as given, else the fastest of ``rates`` (2000)."""
+    if setting != "fastest":
+        return float(setting)
+    return max(rates, default=2000.0)
 
 
 def _gen(name: str, prompts: list[list[int]]) -> dict[str, Any]:

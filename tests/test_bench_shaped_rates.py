@@ -1,0 +1,54 @@
+"""bench_vllm's shaped part picks its together and slowdown rates from what the same run
+measured (issue 60): the crossover where loading and recomputing take as long moves with the
+machine's prefill speed, so a fixed rate can land where the arm no longer tests what it says."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from vllm_shaped import _slowdown_rate, _together_rate, crossover_rate
+
+#: always / recompute TTFT medians measured in session 70 (the 4,000-token prompt, 0.66 s to
+#: recompute): the crossover lies between 1 and 2 Gbit/s
+SESSION_70 = {120: 9.95, 240: 5.03, 490: 2.45, 1000: 1.257, 2000: 0.694}
+
+
+def test_the_crossover_is_interpolated_in_log_rate_between_the_rates_around_it() -> None:
+    found = crossover_rate(SESSION_70)
+    assert found is not None
+    x = math.log(1.257) / (math.log(1.257) - math.log(0.694))
+    assert found == pytest.approx(1000 * 2**x)
+    assert 1000 < found < 2000
+
+
+def test_a_ratio_of_one_at_a_measured_rate_is_that_rate() -> None:
+    assert crossover_rate({490: 1.6, 1000: 1.0, 2000: 0.5}) == pytest.approx(1000)
+
+
+def test_without_a_crossing_the_nearest_rate_stands_in_and_nothing_gives_none() -> None:
+    assert crossover_rate({120: 4.0, 490: 1.5, 1000: 1.2}) == pytest.approx(1000)
+    assert crossover_rate({1000: 0.8, 2000: 0.4}) == pytest.approx(1000)
+    assert crossover_rate({}) is None
+
+
+def test_the_together_rate_is_the_measured_crossover_unless_set() -> None:
+    measured = {
+        rate: {"always": {"ttft": [ratio]}, "recompute": {"ttft": [1.0]}}
+        for rate, ratio in SESSION_70.items()
+    }
+    rate, why = _together_rate("crossover", measured)
+    assert rate == round(crossover_rate(SESSION_70) or 0)
+    assert "crossover" in why
+    assert _together_rate("crossover", {})[0] == 490.0
+    assert _together_rate("750", measured) == (750.0, "set (--together-rate)")
+
+
+def test_the_slowdown_rate_is_the_fastest_measured_unless_set() -> None:
+    assert _slowdown_rate("fastest", [120, 2000, 490]) == 2000
+    assert _slowdown_rate("fastest", []) == 2000.0
+    assert _slowdown_rate("1000", [120, 2000]) == 1000.0
