@@ -55,7 +55,7 @@ from kvcore.load_choice import (
 from kvcore.load_pace import CUT_GRACE_S, CUT_SLACK, SPAN_S, LoadPace
 from kvcore.metrics import Counters
 from kvcore.requests import BlockRequest
-from kvcore.store_probe import PROBE_BUDGET_S, PROBE_BYTES, ProbeRead, probe_read
+from kvcore.store_probe import PROBE_BUDGET_S, PROBE_BYTES, ProbeRead, probe_read, probe_repeats
 
 __all__ = [
     "CUT_GRACE_S",
@@ -283,7 +283,9 @@ class LoadDecider:
         read rate; where that rate is unknown for a read this size and ``probe`` (a request
         for those blocks, built without buffers) is given, the store is measured first
         (:func:`probe_read`: as few reads as it takes for the decision to be informed; counted
-        as ``probes`` and ``probe_blocks``). Every adapter's decision goes through here. The
+        as ``probes`` and ``probe_blocks``), unless the one read it could afford would repeat a
+        size measured lately (:func:`probe_repeats`, counted as ``probes_skipped``: the
+        decision stands on what was measured). Every adapter's decision goes through here. The
         seconds it takes, its probe's included, are counted (``deciding_seconds``): they are on
         the request's way to its first token."""
         t0 = time.perf_counter()
@@ -321,13 +323,18 @@ class LoadDecider:
             "prompt_tokens": prompt_tokens,
         }
         if probe is not None and self.needs_probe(runs, block_bytes, policy, **ask):
-            read, short = probe_read(
-                backend,
-                probe if probe.num_blocks <= found else probe.slice(0, found),
-                enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask),
-            )
-            self.counters.add("probes")
-            self.counters.add("probe_blocks", read)
+            asked = probe if probe.num_blocks <= found else probe.slice(0, found)
+            read, short, repeats = 0, False, probe_repeats(backend, asked)
+            if repeats:  # its one affordable read would repeat what the decision stands on
+                self.counters.add("probes_skipped")
+            else:
+                read, short = probe_read(
+                    backend,
+                    asked,
+                    enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask),
+                )
+                self.counters.add("probes")
+                self.counters.add("probe_blocks", read)
             if short:
                 # the run the lookup saw ends where a read came back short (a block removed
                 # since, corrupt, or the store failing): only what was read is worth deciding
@@ -337,16 +344,16 @@ class LoadDecider:
                 runs = [StoredRun(found, backend.read_rate)]
             recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
             if (
-                read
+                (read or repeats)
                 and backend.read_rate.known
                 and recompute is not None
                 and self.needs_probe(runs, block_bytes, policy, **ask)
             ):
-                # the probe spent its budget on one size (a slow store) and its bound does not
-                # make loading faster: recompute, unproven (not a load paced to measure: what
-                # one read of a slow store took already says loading would likely lose). A
-                # probe that measured nothing (one block, the client's first read) leaves the
-                # rate unknown: the load is the measurement (decide: measuring)
+                # the probe spent its budget on one size (a slow store), or could afford only
+                # a size measured already, and its bound does not make loading faster:
+                # recompute, unproven (not a load paced to measure: what one read of a slow
+                # store took already says loading would likely lose). A probe that measured
+                # nothing (the client's first read) leaves the rate unknown: decide measures
                 now = self._clock()
                 with self._lock:
                     engine_free = max(now, self._engine_free_at)

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvcore.backend import Backend
+from kvcore.estimates import ReadRate
 from kvcore.host_memory import HostBuffer
 from kvcore.requests import BlockRequest, HostBuffers
 
-__all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "ProbeRead", "probe_read"]
+__all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "ProbeRead", "probe_read", "probe_repeats"]
 
 #: a probe (:func:`probe_read`) starts no read it expects to end past this long (its first
 #: measured read excepted: one size is the least a decision needs)...
@@ -75,6 +76,43 @@ def probe_read(
     return read
 
 
+def probe_repeats(
+    backend: Backend,
+    request: BlockRequest,
+    *,
+    budget_s: float = PROBE_BUDGET_S,
+    max_bytes: int = PROBE_BYTES,
+) -> bool:
+    """Whether the one read a probe of ``request`` could start within ``budget_s`` is of a
+    size the store was measured at lately, so that it would tell nothing new
+    (:meth:`kvcore.estimates.ReadRate.tells_apart`): a slow store whose one-block reads were
+    measured (a worker's load of a block took 50 ms at 120 Mbit/s) is not read again to learn
+    the same figure, 7 % of recomputing the request each time. :meth:`LoadDecider.decide_over`
+    then probes nothing and stands on what was measured (``unproven`` where loading does not
+    win at that figure's bound)."""
+    sizes = backend.part_sizes(request)
+    rate = backend.read_rate
+    if not sizes or request.num_blocks <= 0 or not rate.known:
+        return False
+    per_block = sum(sizes)
+    most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
+    step = _first_step(rate, per_block, most, budget_s)
+    return not rate.tells_apart(step * per_block)
+
+
+def _first_step(rate: ReadRate, per_block: int, most: int, budget_s: float) -> int:
+    """Blocks of a probe's first read: the least that tells more than the reads measured
+    lately, but none the rate known says ends past the budget (one block at the least)."""
+    step = 1
+    while rate.known and not rate.tells_apart(step * per_block) and step * 2 <= most:
+        step *= 2
+    # ...but no read the rate known already says ends past the budget: a slow store is read
+    # one block at a time (at 120 Mbit/s a 2-block read took 0.1 s, 15 % of recomputing)
+    while step > 1 and (rate.estimate_s(step * per_block) or 0.0) > budget_s:
+        step //= 2
+    return step
+
+
 def _probe_reads(
     backend: Backend,
     request: BlockRequest,
@@ -91,14 +129,8 @@ def _probe_reads(
     bandwidth unseen, one at least twice the largest
     (:meth:`kvcore.estimates.ReadRate.tells_apart`)."""
     per_block = sum(sizes)
-    step = 1
     rate = backend.read_rate
-    while rate.known and not rate.tells_apart(step * per_block) and step * 2 <= most:
-        step *= 2
-    # ...but no read the rate known already says ends past the budget: a slow store is read
-    # one block at a time (at 120 Mbit/s a 2-block read took 0.1 s, 15 % of recomputing)
-    while step > 1 and (rate.estimate_s(step * per_block) or 0.0) > budget_s:
-        step //= 2
+    step = _first_step(rate, per_block, most, budget_s)
     read, t0 = 0, time.monotonic()
     last: tuple[int, float] | None = None  # (blocks, seconds) of the last read measured
     while read < most:

@@ -31,6 +31,7 @@ from kvcore.load_costs import (
     check_load_policy,
     probe_read,
 )
+from kvcore.store_probe import probe_repeats
 from kvcore.transfer import TransferManager
 
 
@@ -380,19 +381,55 @@ def test_a_probe_starts_no_read_it_expects_to_end_past_its_budget() -> None:
 
 
 def test_a_probe_of_a_store_known_slow_reads_the_least_it_can() -> None:
-    """The store's rate is known (another process's load of one block took 0.1 s: a probe's
-    budget three times over). A probe would read two blocks next, to tell latency from
-    bandwidth; known to end past the budget, that read is not made: one block is (it used to
-    read two, 0.2 s, on the request's way to its first token)."""
+    """The store's rate is known (another process's load of four blocks took 0.4 s: a probe's
+    budget three times over per block). A probe would read eight blocks next, to tell latency
+    from bandwidth; known to end past the budget, that read is not made: one block is, the
+    least that still tells more than the four-block read (it used to read two, 0.2 s, on the
+    request's way to its first token)."""
     from test_runner import SIZE, _Buffers, _keys
 
     with kvcore.open_backend(_ReadsByTheBlock, context={"namespace": "known-slow"}) as backend:
         host = _Buffers(8, fill=3).host()
         written = backend.request("w", _keys(8), host=host, parts=("obj",), part_bytes=(SIZE,))
         assert backend.write(written) == 8
-        backend.read_rate.observe(SIZE, 0.1)
+        backend.read_rate.observe(4 * SIZE, 0.4)
         bare = backend.request("p", _keys(8), parts=("obj",), part_bytes=(SIZE,))
+        assert not probe_repeats(backend, bare, budget_s=0.03)
         assert probe_read(backend, bare, budget_s=0.03) == (1, False)
+
+
+def test_a_probe_that_could_only_repeat_a_size_measured_reads_nothing_and_recomputes() -> None:
+    """A worker's load of one block took 0.1 s (120 Mbit/s: 50 ms a block, measured in the
+    bench). The only read a probe could afford within its budget is one block again, which
+    tells nothing new: it used to be read anyway, 7 % of recomputing the request on its way to
+    the first token. Now the probe is skipped and the decision stands on the one-block
+    figure: loading 64 blocks at its bound (6.4 s) loses to recomputing, so ``unproven``."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    clock = Clock()
+    decider = LoadDecider(prefill_of(2000.0, clock), clock=clock)  # 2,049 tokens: about 1 s
+    with kvcore.open_backend(_ReadsByTheBlock, context={"namespace": "repeats"}) as backend:
+        host = _Buffers(64, fill=3).host()
+        written = backend.request("w", _keys(64), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 64
+        backend.read_rate.observe(SIZE, 0.1)
+        bare = backend.request("p", _keys(64), parts=("obj",), part_bytes=(SIZE,))
+        assert probe_repeats(backend, bare)
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0}
+        choice = decider.decide_over(backend, 64, probe=bare, prompt_tokens=64 * 32 + 1, **ask)
+        assert (choice.why, choice.blocks, choice.found) == ("unproven", 0, 64)
+        counts = decider.counters.snapshot()
+        assert counts["probes_skipped"] == 1
+        assert "probes" not in counts and "probe_blocks" not in counts
+        # a store whose rate is unknown is still probed: nothing measured is nothing repeated
+        with kvcore.open_backend(_ReadsByTheBlock, context={"namespace": "fresh"}) as fresh:
+            assert fresh.write(
+                fresh.request("w", _keys(4), host=_Buffers(4, fill=3).host(), parts=("obj",),
+                              part_bytes=(SIZE,))
+            ) == 4  # fmt: skip
+            assert not probe_repeats(
+                fresh, fresh.request("p", _keys(4), parts=("obj",), part_bytes=(SIZE,))
+            )
 
 
 def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_proven() -> None:
