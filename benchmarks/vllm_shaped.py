@@ -10,10 +10,7 @@ tokens; the prompt (``--shaped-tokens``) is stored once by an engine on the unsh
 Per rate, per repetition (the order of the three rotating): a fresh engine with no connector
 (``recompute``), one with ``load_policy="always"`` (kvcore before 0.3) and one with ``auto``
 (the default), each serving a 64-token warm-up prompt and then the stored prompt; vLLM's TTFT
-of the stored prompt (with ``--shaped-history N``, each engine first recomputes N prompts of
-the same length that no engine stored, under its own ``cache_salt``: an engine with history,
-whose prefill rate was timed on long prompts). The rate each link delivered is measured, not
-assumed: the ``always`` engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and
+of the stored prompt. The rate each link delivered is measured, not assumed: the ``always`` engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and
 rate, ``auto`` over the better of the other two per repetition (goal <= 1.10 at every rate),
 whether ``auto`` loaded (``num_cached_tokens``) and the tokens of every arm against the
 recomputing engine's.
@@ -90,13 +87,6 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "a decision: what auto's overhead over recompute splits into)",
     )
     ap.add_argument(
-        "--shaped-history",
-        type=int,
-        default=0,
-        help="shaped: prompts of --shaped-tokens, not stored, that each engine recomputes after "
-        "its warm-up and before the stored one (an engine with history; 0: a fresh engine)",
-    )
-    ap.add_argument(
         "--shaped-parts",
         default="rates,together,slowdown",
         help="shaped: which of its parts to run (comma-separated)",
@@ -150,12 +140,7 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
         _engine(base, arms["always"], fill_steps, workdir, "shaped-fill")
         reference: dict[str, list[list[int]]] = {}
         parts = {p.strip() for p in args.shaped_parts.split(",")}
-        # an engine with history first recomputes prompts found stored nowhere (own salts)
-        history = [
-            _gen(f"history{i}", [[rng.randrange(1, vocab) for _ in range(args.shaped_tokens)]])
-            for i in range(args.shaped_history)
-        ]
-        long_steps = [warm, *history, _gen("long", [prompt])]
+        long_steps = [warm, _gen("long", [prompt])]
         measured: dict[float, dict[str, Any]] = {}
         for rate in rates if "rates" in parts else []:
             tc(rate)
@@ -290,13 +275,12 @@ def _compare(
         for name in order:
             if slowdown is not None:
                 tc(slowdown[0])
-            run_label = f"shaped-{label}-{name}-{rep}"
             runs = _engine(
                 base,
                 arms[name],
-                [_own_history(s, run_label) for s in steps],
+                steps,
                 workdir,
-                run_label,
+                f"shaped-{label}-{name}-{rep}",
                 slowdown if name != "recompute" else None,
             )
             result = runs.step(step)
@@ -309,14 +293,6 @@ def _compare(
             if step in reference:
                 out[name]["same"] &= result["tokens"] == reference[step]
     return out
-
-
-def _own_history(step: dict[str, Any], salt: str) -> dict[str, Any]:
-    """A history step's prompts under this engine's own ``cache_salt``: found stored by no
-    engine (an earlier engine stored its own), so every engine recomputes them."""
-    if not step["name"].startswith("history"):
-        return step
-    return {**step, "prompts": [{"tokens": p, "cache_salt": salt} for p in step["prompts"]]}
 
 
 def _best_static(res: dict[str, Any]) -> list[float]:
