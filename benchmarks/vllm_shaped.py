@@ -10,10 +10,10 @@ tokens; the prompt (``--shaped-tokens``) is stored once by an engine on the unsh
 Per rate, per repetition (the order of the three rotating): a fresh engine with no connector
 (``recompute``), one with ``load_policy="always"`` (kvcore before 0.3) and one with ``auto``
 (the default), each serving a 64-token warm-up prompt and then the stored prompt; vLLM's TTFT
-of the stored prompt. The rate each link delivered is measured, not assumed: the ``always`` engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and
-rate, ``auto`` over the better of the other two per repetition (goal <= 1.10 at every rate),
-whether ``auto`` loaded (``num_cached_tokens``) and the tokens of every arm against the
-recomputing engine's.
+of the stored prompt. The rate each link delivered is measured, not assumed: the ``always``
+engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and rate, ``auto`` over the
+better of the other two per repetition (goal <= 1.10 at every rate), whether ``auto`` loaded
+(``num_cached_tokens``) and the tokens of every arm against the recomputing engine's.
 
 - **together** (at the crossover rate): four stored prompts arriving in one batch; mean TTFT
   of ``auto`` over the better of ``always`` and recompute (goal <= 1.10).

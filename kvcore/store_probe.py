@@ -55,16 +55,11 @@ def probe_read(
     and cannot read then (:attr:`kvcore.Capabilities.lookup_reads` False: its rate comes from
     the process that reads, :meth:`ReadRate.observe`) is not probed (0).
     """
-    sizes = backend.part_sizes(request)
-    if (
-        not sizes
-        or request.num_blocks <= 0
-        or backend.capabilities.io != "host"
-        or (backend.context.role == "lookup" and not backend.capabilities.lookup_reads)
-    ):
+    plan = _probeable(backend, request, max_bytes)
+    if plan is None:
         return ProbeRead(0)
+    sizes, most = plan
     per_block = sum(sizes)
-    most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
     with HostBuffer(most * per_block, pinned=False) as scratch:
         base = scratch.ptr
         # a zero-copy client (Mooncake) reads only into memory registered with it
@@ -90,14 +85,30 @@ def probe_repeats(
     the same figure, 7 % of recomputing the request each time. :meth:`LoadDecider.decide_over`
     then probes nothing and stands on what was measured (``unproven`` where loading does not
     win at that figure's bound)."""
-    sizes = backend.part_sizes(request)
+    plan = _probeable(backend, request, max_bytes)
     rate = backend.read_rate
-    if not sizes or request.num_blocks <= 0 or not rate.known:
-        return False
+    if plan is None or not rate.known:
+        return False  # nothing a probe could read, or nothing measured to repeat
+    sizes, most = plan
     per_block = sum(sizes)
-    most = max(1, min(request.num_blocks, max_bytes // max(1, per_block)))
     step = _first_step(rate, per_block, most, budget_s)
     return not rate.tells_apart(step * per_block)
+
+
+def _probeable(
+    backend: Backend, request: BlockRequest, max_bytes: int
+) -> tuple[list[int], int] | None:
+    """The part sizes of a block and the most blocks a probe of ``request`` reads, or None
+    where it reads nothing (see :func:`probe_read`)."""
+    sizes = backend.part_sizes(request)
+    if (
+        not sizes
+        or request.num_blocks <= 0
+        or backend.capabilities.io != "host"
+        or (backend.context.role == "lookup" and not backend.capabilities.lookup_reads)
+    ):
+        return None
+    return sizes, max(1, min(request.num_blocks, max_bytes // max(1, sum(sizes))))
 
 
 def _first_step(rate: ReadRate, per_block: int, most: int, budget_s: float) -> int:

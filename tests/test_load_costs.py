@@ -331,11 +331,14 @@ def test_a_probe_stops_once_what_it_read_decides_and_reads_through_a_lookup_clie
             looker.write(
                 looker.request("w", _keys(16), host=host, parts=("obj",), part_bytes=(SIZE,))
             )
-        # without the capability, nothing is read and nothing is raised
+        # without the capability, nothing is read and nothing is raised; nor does a probe
+        # that cannot read count as one that would repeat (the rate its workers measured
+        # decides, as before: probes_skipped is for probes that could read)
         plain = kvcore.open_backend(MemoryBackend, context={**ctx, "role": "lookup"})
-        assert probe_read(
-            plain, plain.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
-        ) == (0, False)
+        unread = plain.request("p", _keys(16), parts=("obj",), part_bytes=(SIZE,))
+        assert probe_read(plain, unread) == (0, False)
+        plain.read_rate.observe(SIZE, 0.1)
+        assert plain.read_rate.known and not probe_repeats(plain, unread)
         plain.close()
     finally:
         looker.close()
