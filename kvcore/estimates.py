@@ -75,13 +75,15 @@ class DecayingFit:
         self._weight += 1.0
         self._coef = None
 
-    def slope(self, feature: int) -> float | None:
+    def slope(self, feature: int, *, free: float = 0.0) -> float | None:
         """Seconds per unit of ``feature`` fitted on it alone (every other feature's cost
-        counted as this one's); None before a sample with some of it."""
+        counted as this one's); None before a sample with some of it. ``free``: as it would be
+        after one more sample of that many units that took no time (the lowest one more
+        sample of that size can bring it)."""
         self._decay()
         if self._weight <= 0 or self._xx[feature, feature] <= 0:
             return None
-        return float(self._xy[feature] / self._xx[feature, feature])
+        return float(self._xy[feature] / (self._xx[feature, feature] + free * free))
 
     @property
     def weight(self) -> float:
@@ -229,7 +231,7 @@ class ReadRate:
             return False
         return bool(coef[1] <= 2 * coef[0] * largest)
 
-    def bound_s(self, nbytes: int) -> float | None:
+    def bound_s(self, nbytes: int, *, after_free_read: int = 0) -> float | None:
         """At most how long a read of ``nbytes`` takes at the store's rate now, for a read at
         least as large as every read measured lately (None otherwise, or while unknown).
 
@@ -237,14 +239,16 @@ class ReadRate:
         makes a larger read relatively faster, so the bound holds however latency and
         bandwidth share the time, even from reads of one size (which cannot tell them apart,
         :meth:`trusted_for`). A decision that wins even at this bound needs no more reads to
-        take.
+        take. ``after_free_read``: the bound as it would be after one more read of that many
+        bytes that took no time, the lowest that read could bring it (a read that could not
+        make a decision win even so is not worth making).
         """
         with self._lock:
             largest, when = self._largest
             recent = self._clock() - when <= 2 * self._half_life_s
             if not recent or nbytes < largest or self._fit.weight < KNOWN_WEIGHT:
                 return None
-            per_byte = self._fit.slope(0)
+            per_byte = self._fit.slope(0, free=after_free_read)
         return None if per_byte is None else per_byte * nbytes
 
     def tells_apart(self, nbytes: int) -> bool:

@@ -36,7 +36,6 @@ estimate, not the slow read.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,10 +51,17 @@ from kvcore.load_choice import (
     StoredRun,
     check_load_policy,
 )
+from kvcore.load_figures import LoadFigures
 from kvcore.load_pace import CUT_GRACE_S, CUT_SLACK, SPAN_S, LoadPace
-from kvcore.metrics import Counters
 from kvcore.requests import BlockRequest
-from kvcore.store_probe import PROBE_BUDGET_S, PROBE_BYTES, ProbeRead, probe_read, probe_repeats
+from kvcore.store_probe import (
+    PROBE_BUDGET_S,
+    PROBE_BYTES,
+    ProbeRead,
+    probe_first_bytes,
+    probe_read,
+    probe_repeats,
+)
 
 __all__ = [
     "CUT_GRACE_S",
@@ -138,15 +144,15 @@ class LoadDecider:
         self.policy = check_load_policy(policy)
         self.margin = margin
         self.serial = serial
-        self.counters = Counters()
+        self.figures = LoadFigures()
+        #: the decisions' counts (:class:`kvcore.load_figures.LoadFigures`)
+        self.counters = self.figures.counters
         self._clock = clock
         self._lock = threading.Lock()
         self._loading = False  # the last informed decision (the hysteresis' side)
         self._link_free_at = 0.0
         self._engine_free_at = 0.0
         self._due: list[float] = []  # when the first tokens of the requests decided are due
-        self._ratio_sum = 0.0  # actual / expected load seconds, over settled loads
-        self._ratio_n = 0
 
     # -- the decision ----------------------------------------------------------------------
 
@@ -201,7 +207,7 @@ class LoadDecider:
         if found <= 0:
             return LoadChoice(0, 0, chosen)
         if chosen == "never":
-            return self._count(LoadChoice(0, found, "never"))
+            return self.figures.chosen(LoadChoice(0, found, "never"))
         now = self._clock()
         at = self._timeline(now)
         link_free, engine_free = at.link_free, at.engine_free
@@ -214,7 +220,7 @@ class LoadDecider:
             if bounded is not None:
                 with self._lock:
                     self._loading = True
-                return self._commit(self._count(bounded), link_free, engine_free, now)
+                return self._commit(self.figures.chosen(bounded), link_free, engine_free, now)
         if chosen == "auto" and not informed and recompute is not None and options == []:
             # the store's rate is unknown (nothing read lately): load, paced to break even,
             # so the load itself is the measurement: one slower than recomputing what it
@@ -225,7 +231,7 @@ class LoadDecider:
                 choice = LoadChoice(
                     0, found, "unmeasured", 0.0, None, engine_free - now + recompute
                 )
-                return self._commit(self._count(choice), link_free, engine_free, now)
+                return self._commit(self.figures.chosen(choice), link_free, engine_free, now)
             rest = self.prefill.estimate_s(
                 max(1, prompt_tokens - start_tokens - found * block_tokens),
                 start_tokens + found * block_tokens,
@@ -233,7 +239,7 @@ class LoadDecider:
             if rest is not None and recompute - rest > 0:
                 pace = (recompute - rest) / (1 + CUT_SLACK)
                 choice = LoadChoice(found, found, "measuring", pace, None, recompute)
-                return self._commit(self._count(choice), link_free, engine_free, now)
+                return self._commit(self.figures.chosen(choice), link_free, engine_free, now)
         if chosen == "always" or not informed or recompute is None:
             why = "always" if chosen == "always" else "uninformed"
             expected = options[-1][2] + link_free - now if complete and options else 0.0
@@ -241,7 +247,7 @@ class LoadDecider:
             choice = LoadChoice(
                 found, found, why, expected, options[-1][1] if options else None, ttft0
             )
-            return self._commit(self._count(choice), link_free, engine_free, now)
+            return self._commit(self.figures.chosen(choice), link_free, engine_free, now)
         t0 = engine_free - now + recompute
         best_k, best_t, best_read, best_cost = 0, t0, 0.0, t0
         for cand_k, cand_t, cand_read in options:
@@ -265,7 +271,7 @@ class LoadDecider:
             best_t if best_k else (options[-1][1] if options else None),
             t0,
         )
-        return self._commit(self._count(choice), link_free, engine_free, now)
+        return self._commit(self.figures.chosen(choice), link_free, engine_free, now)
 
     def decide_over(
         self,
@@ -324,17 +330,29 @@ class LoadDecider:
         }
         if probe is not None and self.needs_probe(runs, block_bytes, policy, **ask):
             asked = probe if probe.num_blocks <= found else probe.slice(0, found)
+            recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
             read, short, repeats = 0, False, probe_repeats(backend, asked)
             if repeats:  # its one affordable read would repeat what the decision stands on
                 self.counters.add("probes_skipped")
             else:
-                read, short = probe_read(
-                    backend,
-                    asked,
-                    enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask),
+                read, short = self._probe(backend, asked, runs, block_bytes, policy, ask)
+
+            def unproven() -> bool:
+                return bool(
+                    (read or repeats)
+                    and backend.read_rate.known
+                    and recompute is not None
+                    and self.needs_probe(runs, block_bytes, policy, **ask)
                 )
-                self.counters.add("probes")
-                self.counters.add("probe_blocks", read)
+
+            if (
+                not short
+                and recompute is not None
+                and unproven()
+                and self._second_look_pays(backend, asked, runs, block_bytes, ask, recompute)
+            ):
+                self.counters.add("probes_second_look")
+                read, short = self._probe(backend, asked, runs, block_bytes, policy, ask)
             if short:
                 # the run the lookup saw ends where a read came back short (a block removed
                 # since, corrupt, or the store failing): only what was read is worth deciding
@@ -342,13 +360,7 @@ class LoadDecider:
                 self.counters.add("probe_short")
                 found = read
                 runs = [StoredRun(found, backend.read_rate)]
-            recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
-            if (
-                (read or repeats)
-                and backend.read_rate.known
-                and recompute is not None
-                and self.needs_probe(runs, block_bytes, policy, **ask)
-            ):
+            if recompute is not None and unproven():
                 # the probe spent its budget on one size (a slow store), or could afford only
                 # a size measured already, and its bound does not make loading faster:
                 # recompute, unproven (not a load paced to measure: what one read of a slow
@@ -359,19 +371,70 @@ class LoadDecider:
                     engine_free = max(now, self._engine_free_at)
                     link_free = max(now, self._link_free_at)
                 choice = LoadChoice(0, stored, "unproven", 0.0, None, engine_free - now + recompute)
-                return self._commit(self._count(choice), link_free, engine_free, now)
+                return self._commit(self.figures.chosen(choice), link_free, engine_free, now)
         choice = self.decide(runs, block_bytes=block_bytes, policy=policy, **ask)
         return choice if found == stored else replace(choice, found=stored)
 
+    def _probe(
+        self,
+        backend: Backend,
+        asked: BlockRequest,
+        runs: Sequence[StoredRun],
+        block_bytes: int,
+        policy: LoadPolicy | None,
+        ask: dict[str, int],
+    ) -> ProbeRead:
+        """One :func:`probe_read` of ``asked``, stopped once the decision is informed."""
+        read = probe_read(
+            backend, asked, enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask)
+        )
+        self.counters.add("probes")
+        self.counters.add("probe_blocks", read.blocks)
+        return read
+
+    def _second_look_pays(
+        self,
+        backend: Backend,
+        asked: BlockRequest,
+        runs: Sequence[StoredRun],
+        block_bytes: int,
+        ask: dict[str, int],
+        recompute: float,
+    ) -> bool:
+        """Whether to read the store once more before recomputing ``unproven``: one read is
+        one sample, and a fast store whose one probe read stalled (20 ms for a read of 0.1 ms:
+        a page fault, a scheduler's delay, another client's burst) would have a long restore
+        recomputed, 3 s on this machine. Worth it only where that read could make loading win
+        (even taking no time at all, :meth:`ReadRate.bound_s` ``after_free_read``) and costs
+        at most ``margin`` of the recompute at stake (as long as the reads measured say): a
+        slow store, whose next read would take as long as its last, is not read again."""
+        first = probe_first_bytes(backend, asked)
+        cost = backend.read_rate.estimate_s(first) if first else None
+        if cost is None or cost > self.margin * recompute:
+            return False
+        at = self._timeline(self._clock())
+        sized = _Ask(block_bytes, ask["block_tokens"], ask["start_tokens"], ask["prompt_tokens"])
+        return (
+            self._bounded(
+                runs, sized, at, recompute, lambda rate, n: rate.bound_s(n, after_free_read=first)
+            )
+            is not None
+        )
+
     def _bounded(
-        self, runs: Sequence[StoredRun], ask: _Ask, at: _Timeline, recompute: float
+        self,
+        runs: Sequence[StoredRun],
+        ask: _Ask,
+        at: _Timeline,
+        recompute: float,
+        read_of: Callable[[ReadRate, int], float | None] = _bounded,
     ) -> LoadChoice | None:
         """A load that wins even at the stores' bounds (:meth:`ReadRate.bound_s`), or None.
 
         Reads smaller than this one leave a store's latency and bandwidth confounded, but
         bound its time: a load that wins at that bound by the margin is taken (its
         ``expected_s`` the bound, so it is paced against it) with no more reads to measure."""
-        options, whole = self._options(runs, ask, at, _bounded)
+        options, whole = self._options(runs, ask, at, read_of)
         t0 = at.engine_free - at.now + recompute
         best = min(
             (o for o in options if o[1] is not None),
@@ -448,53 +511,18 @@ class LoadDecider:
                 self._due.append(now + ttft)
         return choice
 
-    def _count(self, choice: LoadChoice) -> LoadChoice:
-        c = self.counters
-        c.add("decisions")
-        c.add(f"decisions_{choice.why}")
-        if choice.blocks:
-            c.add("loads_taken")
-            c.add("blocks_loaded", choice.blocks)
-            c.add("expected_load_s", choice.expected_s)
-            c.add("expected_saved_s", choice.saved_s)
-        else:
-            c.add("loads_declined")
-        if choice.declined:
-            c.add("blocks_declined", choice.declined)
-        return choice
-
     # -- what happened ---------------------------------------------------------------------
 
     def settle(self, choice: LoadChoice, actual_s: float, blocks_done: int) -> None:
         """A load chosen by :meth:`decide` ended after ``actual_s`` with ``blocks_done``
         blocks read (fewer than chosen: cut or failed): the estimate against the actual."""
-        if choice.blocks <= 0:
-            return
-        c = self.counters
-        c.add("loads_settled")
-        c.add("settled_expected_s", choice.expected_s)
-        c.add("settled_actual_s", actual_s)
-        if blocks_done < choice.blocks:
-            c.add("loads_short")
-            c.add("blocks_short", choice.blocks - blocks_done)
-        if choice.expected_s > 0:
-            with self._lock:
-                self._ratio_sum += actual_s / choice.expected_s
-                self._ratio_n += 1
+        self.figures.settle(choice, actual_s, blocks_done)
 
     def cut(self, blocks: int) -> None:
         """A load fell behind its estimate and was cut with ``blocks`` unread (recomputed)."""
-        self.counters.add("loads_cut")
-        self.counters.add("blocks_cut", blocks)
+        self.figures.cut(blocks)
 
     def stats(self, rate: ReadRate | None = None) -> dict[str, float]:
         """The decision's counters, the estimates it works from now (``read_*`` of ``rate``,
         ``prefill_*``) and ``load_actual_vs_expected`` (mean over settled loads)."""
-        out = self.counters.snapshot()
-        with self._lock:
-            if self._ratio_n:
-                out["load_actual_vs_expected"] = self._ratio_sum / self._ratio_n
-        if rate is not None:
-            out.update({f"read_{k}": v for k, v in rate.figures().items()})
-        out.update({f"prefill_{k}": v for k, v in self.prefill.figures().items()})
-        return {k: v for k, v in out.items() if math.isfinite(v)}
+        return self.figures.snapshot(self.prefill, rate)

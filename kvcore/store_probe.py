@@ -17,7 +17,14 @@ from kvcore.estimates import ReadRate
 from kvcore.host_memory import HostBuffer
 from kvcore.requests import BlockRequest, HostBuffers
 
-__all__ = ["PROBE_BUDGET_S", "PROBE_BYTES", "ProbeRead", "probe_read", "probe_repeats"]
+__all__ = [
+    "PROBE_BUDGET_S",
+    "PROBE_BYTES",
+    "ProbeRead",
+    "probe_first_bytes",
+    "probe_read",
+    "probe_repeats",
+]
 
 #: a probe (:func:`probe_read`) starts no read it expects to end past this long (its first
 #: measured read excepted: one size is the least a decision needs)...
@@ -85,14 +92,28 @@ def probe_repeats(
     the same figure, 7 % of recomputing the request each time. :meth:`LoadDecider.decide_over`
     then probes nothing and stands on what was measured (``unproven`` where loading does not
     win at that figure's bound)."""
-    plan = _probeable(backend, request, max_bytes)
+    first = probe_first_bytes(backend, request, budget_s=budget_s, max_bytes=max_bytes)
     rate = backend.read_rate
-    if plan is None or not rate.known:
+    if not first or not rate.known:
         return False  # nothing a probe could read, or nothing measured to repeat
+    return not rate.tells_apart(first)
+
+
+def probe_first_bytes(
+    backend: Backend,
+    request: BlockRequest,
+    *,
+    budget_s: float = PROBE_BUDGET_S,
+    max_bytes: int = PROBE_BYTES,
+) -> int:
+    """The bytes of the first read a probe of ``request`` (:func:`probe_read`) would start
+    now (0: it reads nothing)."""
+    plan = _probeable(backend, request, max_bytes)
+    if plan is None:
+        return 0
     sizes, most = plan
     per_block = sum(sizes)
-    step = _first_step(rate, per_block, most, budget_s)
-    return not rate.tells_apart(step * per_block)
+    return _first_step(backend.read_rate, per_block, most, budget_s) * per_block
 
 
 def _probeable(

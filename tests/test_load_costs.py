@@ -435,6 +435,61 @@ def test_a_probe_that_could_only_repeat_a_size_measured_reads_nothing_and_recomp
             )
 
 
+class _StallsOnce(MemoryBackend):
+    """A fast store whose read number ``stall_on`` (counted from ``calls = 0``) stalls for
+    ``stall_s``: a page fault or a scheduler's delay on one read. ``stall_on = 0``: every
+    read stalls (a store that slow)."""
+
+    calls = 0
+    stall_on = 1
+    stall_s = 0.0
+
+    @hookimpl
+    def kvcore_read(self, request):
+        type(self).calls += 1
+        if self.stall_on in (0, self.calls):
+            time.sleep(self.stall_s)
+        return MemoryBackend.kvcore_read(self, request)
+
+
+@pytest.mark.parametrize(("stall_on", "looks", "why"), [(1, 1, "bounded"), (0, 0, "unproven")])
+def test_one_stalled_probe_read_is_looked_at_again_before_a_restore_is_recomputed(
+    stall_on: int, looks: int, why: str
+) -> None:
+    """A 6,000-token prompt recomputes in about 12 s; its 188 blocks are stored on a fast
+    store. The probe's one read stalled 90 ms: at that figure's bound, loading takes 17 s and
+    loses, and the restore used to be recomputed (3 s on this machine where the read took a
+    tenth of a millisecond: one run in 75 of the session-70 restore A/B). One read is one
+    sample: read once more (90 ms at most, under 1 % of the recompute at stake), since a read as
+    fast as it can be would make loading win; it is fast, and the blocks load. A store whose
+    every read takes 0.25 s is not read again: even a second read taking no time leaves
+    loading losing."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    class Store(_StallsOnce):
+        pass
+
+    Store.stall_on, Store.stall_s = stall_on, 0.09 if stall_on else 0.25
+    clock = Clock()
+    decider = LoadDecider(prefill_of(500.0, clock), clock=clock)
+    with kvcore.open_backend(Store, context={"namespace": f"stall-{stall_on}"}) as backend:
+        host = _Buffers(188, fill=3).host()
+        written = backend.request("w", _keys(188), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 188
+        # the client's first read (its setup, never a sample), as a warm-up's load makes it
+        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
+                              part_bytes=(SIZE,))  # fmt: skip
+        assert backend.read(one) == 1
+        Store.calls = 0
+        bare = backend.request("p", _keys(188), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0}
+        choice = decider.decide_over(backend, 188, probe=bare, prompt_tokens=6000, **ask)
+        counts = decider.counters.snapshot()
+        assert (choice.why, choice.blocks, choice.found) == (why, 188 if looks else 0, 188)
+        assert counts.get("probes_second_look", 0) == looks
+        assert counts["probes"] == 1 + looks
+
+
 def test_a_slow_store_is_probed_one_size_per_decision_and_recomputed_until_proven() -> None:
     from test_runner import SIZE, _Buffers, _keys
 
