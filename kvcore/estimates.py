@@ -25,6 +25,11 @@ __all__ = ["DecayingFit", "PrefillRate", "ReadRate", "pair_cost_of"]
 #: how far beyond the largest read measured a read rate is trusted (a factor)
 EXTRAPOLATION = 8
 
+#: the least share of the largest step timed that a prefill fit must put on its work (tokens,
+#: attention) to extrapolate with it (:func:`_work_scale`): less is within the noise of timing
+#: one step (a loaded machine stretches a step by a tenth and more), not a cost measured
+WORK_SHOWN = 0.1
+
 #: below this much sample weight (about one fresh sample) an estimate is "unknown"
 KNOWN_WEIGHT = 0.5
 
@@ -337,6 +342,7 @@ class PrefillRate:
         #: per (token + pair_cost * pairs) and per step: the model's shapes fix attention's share
         self._shaped = DecayingFit(2, half_life_s, clock)
         self._most_pairs = 0.0
+        self._largest = (0.0, 0.0)  # (tokens, pairs) of that step
         #: each step's seconds over what the fit expected of it just before (lately), and
         #: over those of the steps it had to extrapolate to (a fresh engine's long prefills)
         self._checked = DecayingFit(1, half_life_s, clock)
@@ -371,7 +377,8 @@ class PrefillRate:
             self._fit.add((tokens, 1.0, pairs), seconds)
             if self.pair_cost is not None:
                 self._shaped.add((tokens + self.pair_cost * pairs, 1.0), seconds)
-            self._most_pairs = max(self._most_pairs, pairs)
+            if pairs >= self._most_pairs:
+                self._most_pairs, self._largest = pairs, (tokens, pairs)
             self.samples += 1
 
     @property
@@ -399,13 +406,28 @@ class PrefillRate:
                 if measured and not spans and self.pair_cost is not None
                 else None
             )
+            largest_tokens, largest_pairs = self._largest
         if shaped is not None:  # steps too short to show attention: the model's shapes do
             assert self.pair_cost is not None
-            return float(shaped[0] * (tokens + self.pair_cost * pairs) + shaped[1] * steps), True
+            pc = self.pair_cost
+            scale, per_step = _work_scale(
+                float(shaped[0]), float(shaped[1]), largest_tokens + pc * largest_pairs
+            )
+            return scale * (tokens + pc * pairs) + per_step * steps, True
         if coef is None:
             assumed = self.assumed_tokens_per_s
             return (None if assumed is None else tokens / assumed), False
-        return float(coef[0] * tokens + coef[1] * steps + coef[2] * pairs), not spans
+        estimate = float(coef[0] * tokens + coef[1] * steps + coef[2] * pairs)
+        if not spans and largest_tokens > 0:
+            # (as _work_scale, with no shapes: tokens stand for the work)
+            scale, per_step = _work_scale(
+                float(coef[0]) + float(coef[2]) * largest_pairs / largest_tokens,
+                float(coef[1]),
+                largest_tokens,
+            )
+            if per_step == 0.0:
+                estimate = max(estimate, scale * tokens)
+        return estimate, not spans
 
     def figures(self) -> dict[str, float]:
         """The fitted costs now, and the rate of a 1,024-token prefill (empty while unknown);
@@ -433,6 +455,23 @@ class PrefillRate:
             out["extrapolated_actual_vs_expected"] = float(checked_far[0])
             out["steps_extrapolated"] = float(far)
         return out
+
+
+def _work_scale(scale: float, per_step: float, work: float) -> tuple[float, float]:
+    """A prefill fit's cost per unit of work and per step, to extrapolate with, given the work
+    of the largest step timed: as fitted, or, where that step's work is under
+    :data:`WORK_SHOWN` of the time the fit expects of it, every second of it counted as work
+    (per step 0). A fresh engine's first steps (32 tokens and a decode step, about one step's
+    overhead each: 14 ms on this machine) may show no cost per token at all; a 6,000-token
+    prefill was then taken for one step's overhead (35 ms; it took 3.3 s) and a restore
+    recomputed. As :meth:`ReadRate.bound_s` counts every second of the reads measured as
+    bandwidth, this bounds the longer prefill instead of guessing it free."""
+    if work <= 0:
+        return scale, per_step
+    step_s = scale * work + per_step
+    if scale * work >= WORK_SHOWN * step_s:
+        return scale, per_step
+    return step_s / work, 0.0
 
 
 def pair_cost_of(
