@@ -12,13 +12,12 @@ measured for a while, which is when :class:`kvcore.load_costs.LoadDecider` measu
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
-import numpy as np
+from kvcore.decaying_fit import DecayingFit
 
 __all__ = ["DecayingFit", "PrefillRate", "ReadRate", "pair_cost_of"]
 
@@ -26,112 +25,13 @@ __all__ = ["DecayingFit", "PrefillRate", "ReadRate", "pair_cost_of"]
 EXTRAPOLATION = 8
 
 #: the least share of the largest step timed that a prefill fit must put on its work (tokens,
-#: attention) to extrapolate with it (:func:`_work_scale`): less is within the noise of timing
-#: one step (a loaded machine stretches a step by a tenth and more), not a cost measured
+#: attention) to extrapolate with it alone (:func:`_work_shown`, :func:`_bracketed`): less is
+#: within the noise of timing one step (a loaded machine stretches a step by a tenth and more),
+#: not a cost measured
 WORK_SHOWN = 0.1
 
 #: below this much sample weight (about one fresh sample) an estimate is "unknown"
 KNOWN_WEIGHT = 0.5
-
-
-class DecayingFit:
-    """``seconds ≈ Σ coef[i] * x[i]`` with non-negative coefficients, fitted by least squares
-    over every sample seen, each weighing ``0.5 ** (age / half_life_s)``.
-
-    Non-negative because every feature is an amount of work (calls, bytes, tokens): a negative
-    cost would make more work look cheaper. The fit is the best one over the subsets of
-    features (a handful: 2**d - 1 tiny solves), which is exact non-negative least squares for
-    these sizes. Not thread-safe: its owner locks.
-    """
-
-    def __init__(self, features: int, half_life_s: float, clock: Callable[[], float]) -> None:
-        if half_life_s <= 0:
-            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
-        self.half_life_s = half_life_s
-        self._clock = clock
-        self._xx = np.zeros((features, features))
-        self._xy = np.zeros(features)
-        self._yy = 0.0
-        self._weight = 0.0
-        self._at = clock()
-        self._coef: np.ndarray | None = None
-        self._subsets = [
-            list(s)
-            for r in range(1, features + 1)
-            for s in itertools.combinations(range(features), r)
-        ]
-
-    def _decay(self) -> None:
-        now = self._clock()
-        factor = 0.5 ** ((now - self._at) / self.half_life_s)
-        self._at = now
-        if factor < 1.0:
-            self._xx *= factor
-            self._xy *= factor
-            self._yy *= factor
-            self._weight *= factor
-
-    def add(self, x: Sequence[float], y: float) -> None:
-        self._decay()
-        v = np.asarray(x, dtype=np.float64)
-        self._xx += np.outer(v, v)
-        self._xy += v * y
-        self._yy += y * y
-        self._weight += 1.0
-        self._coef = None
-
-    def slope(self, feature: int, *, free: float = 0.0) -> float | None:
-        """Seconds per unit of ``feature`` fitted on it alone (every other feature's cost
-        counted as this one's); None before a sample with some of it. ``free``: as it would be
-        after one more sample of that many units that took no time (the lowest one more
-        sample of that size can bring it)."""
-        self._decay()
-        if self._weight <= 0 or self._xx[feature, feature] <= 0:
-            return None
-        return float(self._xy[feature] / (self._xx[feature, feature] + free * free))
-
-    @property
-    def weight(self) -> float:
-        """The samples' total weight now (a fresh sample weighs 1)."""
-        self._decay()
-        return self._weight
-
-    def coefficients(self) -> np.ndarray | None:
-        """The fitted coefficients (None before the first sample)."""
-        if self._weight <= 0:
-            return None
-        if self._coef is None:
-            self._coef = self._solve()
-        return self._coef
-
-    def _solve(self) -> np.ndarray:
-        d = len(self._xy)
-        best, best_err = np.zeros(d), math.inf
-        # Features come in the order they are trusted alone (bytes before calls, tokens before
-        # steps): one sample is explained by the first. They differ by many orders of magnitude (calls against bytes): solve on columns
-        # scaled to unit size. A tiny ridge keeps a subset the samples cannot tell apart
-        # solvable. Subsets go from the fewest features up (in feature order), and a larger one
-        # is taken only when it fits clearly better: from two short steps, a per-step and a
-        # per-token cost explain everything, and extrapolating them is safer than a made-up
-        # quadratic term.
-        scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-300))
-        xx = self._xx / np.outer(scale, scale)
-        xy = self._xy / scale
-        tolerance = 1e-9 * max(self._yy, 1e-30)
-        for subset in self._subsets:
-            a = xx[np.ix_(subset, subset)] + 1e-10 * np.eye(len(subset))
-            try:
-                sol = np.linalg.solve(a, xy[subset])
-            except np.linalg.LinAlgError:
-                continue
-            if (sol < 0).any():
-                continue
-            scaled = np.zeros(d)
-            scaled[subset] = sol
-            err = self._yy - 2 * scaled @ xy + scaled @ xx @ scaled
-            if err < best_err - tolerance:
-                best, best_err = scaled / scale, err
-        return best
 
 
 class ReadRate:
@@ -410,23 +310,27 @@ class PrefillRate:
         if shaped is not None:  # steps too short to show attention: the model's shapes do
             assert self.pair_cost is not None
             pc = self.pair_cost
-            scale, per_step = _work_scale(
+            work = tokens + pc * pairs
+            fitted = float(shaped[0] * work + shaped[1] * steps)
+            step_s, step_work = _work_shown(
                 float(shaped[0]), float(shaped[1]), largest_tokens + pc * largest_pairs
             )
-            return scale * (tokens + pc * pairs) + per_step * steps, True
+            if step_s is not None:
+                fitted = _bracketed(fitted, step_s * work / step_work)
+            return fitted, True
         if coef is None:
             assumed = self.assumed_tokens_per_s
             return (None if assumed is None else tokens / assumed), False
         estimate = float(coef[0] * tokens + coef[1] * steps + coef[2] * pairs)
         if not spans and largest_tokens > 0:
-            # (as _work_scale, with no shapes: tokens stand for the work)
-            scale, per_step = _work_scale(
+            # (no shapes: tokens stand for the work)
+            step_s, _ = _work_shown(
                 float(coef[0]) + float(coef[2]) * largest_pairs / largest_tokens,
                 float(coef[1]),
                 largest_tokens,
             )
-            if per_step == 0.0:
-                estimate = max(estimate, scale * tokens)
+            if step_s is not None:
+                estimate = _bracketed(estimate, step_s * tokens / largest_tokens)
         return estimate, not spans
 
     def figures(self) -> dict[str, float]:
@@ -457,21 +361,29 @@ class PrefillRate:
         return out
 
 
-def _work_scale(scale: float, per_step: float, work: float) -> tuple[float, float]:
-    """A prefill fit's cost per unit of work and per step, to extrapolate with, given the work
-    of the largest step timed: as fitted, or, where that step's work is under
-    :data:`WORK_SHOWN` of the time the fit expects of it, every second of it counted as work
-    (per step 0). A fresh engine's first steps (32 tokens and a decode step, about one step's
-    overhead each: 14 ms on this machine) may show no cost per token at all; a 6,000-token
-    prefill was then taken for one step's overhead (35 ms; it took 3.3 s) and a restore
-    recomputed. As :meth:`ReadRate.bound_s` counts every second of the reads measured as
-    bandwidth, this bounds the longer prefill instead of guessing it free."""
-    if work <= 0:
-        return scale, per_step
+def _work_shown(scale: float, per_step: float, work: float) -> tuple[float | None, float]:
+    """Where a prefill fit puts under :data:`WORK_SHOWN` of the largest step timed on its
+    ``work`` (cost ``scale`` a unit, plus ``per_step``), that step's expected seconds and work:
+    the steps timed then show no cost of the work (a fresh engine's 32-token step and decode
+    step, about one step's overhead each on a CPU); else (None, work)."""
     step_s = scale * work + per_step
-    if scale * work >= WORK_SHOWN * step_s:
-        return scale, per_step
-    return step_s / work, 0.0
+    if work <= 0 or step_s <= 0 or scale * work >= WORK_SHOWN * step_s:
+        return None, work
+    return step_s, work
+
+
+def _bracketed(low: float, high: float) -> float:
+    """The estimate of a long prefill that steps showing no work leave between ``low`` (the
+    fit's own: the work free, the steps' overhead only) and ``high`` (every second of the
+    largest step counted as work): their geometric mean. A decision that compares it with a
+    load's time ``L`` then loads iff ``L * L < low * high``, the choice whose worst ratio to
+    the better one over the bracket is least (the ratio is what a wrong choice costs a
+    request). Measured: a 6,000-token prefill bracketed 42 ms to 4 s took 3.3 s (the fit's
+    own 42 ms had a 55 ms restore recomputed); a 4,000-token one bracketed about 16 ms to
+    6 s took 0.67 s (the bound alone had a 6.6 s load from a 120 Mbit/s link taken)."""
+    if low <= 0:
+        return high
+    return math.sqrt(low * high) if high > low else low
 
 
 def pair_cost_of(
