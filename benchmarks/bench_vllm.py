@@ -141,6 +141,11 @@ def main() -> None:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    # the engines' prefill profiles (kvcore.prefill_profile) start empty in each run, and are
+    # shared by its engines as a machine's would be; not the user's cache
+    from kvcore.prefill_profile import PROFILE_ENV
+
+    os.environ[PROFILE_ENV] = str(workdir / "prefill-profiles")
     model = (
         ""
         if shaped_only

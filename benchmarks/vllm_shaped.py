@@ -10,7 +10,10 @@ tokens; the prompt (``--shaped-tokens``) is stored once by an engine on the unsh
 Per rate, per repetition (the order of the three rotating): a fresh engine with no connector
 (``recompute``), one with ``load_policy="always"`` (kvcore before 0.3) and one with ``auto``
 (the default), each serving a 64-token warm-up prompt and then the stored prompt; vLLM's TTFT
-of the stored prompt. The rate each link delivered is measured, not assumed: the ``always``
+of the stored prompt. The run's engines share one prefill profile directory, empty at the start
+(kvcore.prefill_profile: an engine that times its prefills leaves them for the next, as on a
+machine that serves the model); ``--shaped-no-history`` adds an ``auto`` arm that keeps none,
+each of its engines deciding its first long prompt from its warm-up's steps alone. The rate each link delivered is measured, not assumed: the ``always``
 engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and rate, ``auto`` over the
 better of the other two per repetition (goal <= 1.10 at every rate), whether ``auto`` loaded
 (``num_cached_tokens``) and the tokens of every arm against the recomputing engine's.
@@ -87,6 +90,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "a decision: what auto's overhead over recompute splits into)",
     )
     ap.add_argument(
+        "--shaped-no-history",
+        action="store_true",
+        help="shaped: also an auto arm whose engines keep no prefill profile (prefill_profile "
+        "off): each one's first long prompt estimated from its warm-up's steps alone",
+    )
+    ap.add_argument(
         "--shaped-parts",
         default="rates,together,slowdown",
         help="shaped: which of its parts to run (comma-separated)",
@@ -136,6 +145,8 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
         }
         if args.shaped_never:
             arms["never"] = {**store, "load_policy": "never"}
+        if args.shaped_no_history:
+            arms["auto_no_history"] = {**store, "load_policy": "auto", "prefill_profile": "off"}
         fill_steps = [warm, _gen("long", [prompt]), _gen("four", together)]
         _engine(base, arms["always"], fill_steps, workdir, "shaped-fill")
         reference: dict[str, list[list[int]]] = {}
@@ -160,8 +171,17 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
             slowdown_rate = _slowdown_rate(args.slowdown_rate, rates)
             tc(slowdown_rate)
             slow = (slowdown_rate, args.slowdown_after_s)
+            static = {n: arms[n] for n in ("recompute", "always", "auto")}
             res = _compare(
-                args, base, arms, long_steps, workdir, "slowdown", reference, "long", slowdown=slow
+                args,
+                base,
+                static,
+                long_steps,
+                workdir,
+                "slowdown",
+                reference,
+                "long",
+                slowdown=slow,
             )
             _report_slowdown(report, int(slowdown_rate), res)
         tc(None)
@@ -301,12 +321,18 @@ def _best_static(res: dict[str, Any]) -> list[float]:
 
 def _report_rate(report: Report, tag: str, res: dict[str, Any], mean: bool = False) -> None:
     what = "mean_ttft" if mean else "ttft"
-    for name in ("recompute", "always", "auto", "never"):
+    for name in ("recompute", "always", "auto", "never", "auto_no_history"):
         if name in res:
             report.figure(f"shaped_{tag}_{what}_{name}_s", res[name]["ttft"], "s")
     report.ratio(
         f"shaped_{tag}_auto_vs_best_static", res["auto"]["ttft"], _best_static(res), goal="<= 1.10"
     )
+    if "auto_no_history" in res:  # the same rule with no profile: reported, not the goal's
+        report.ratio(
+            f"shaped_{tag}_auto_no_history_vs_best_static",
+            res["auto_no_history"]["ttft"],
+            _best_static(res),
+        )
     rates = [
         m.get("load_bytes", 0) / m["load_seconds"] / 1e6
         for m in res["always"]["metrics"]
@@ -323,6 +349,11 @@ def _report_rate(report: Report, tag: str, res: dict[str, Any], mean: bool = Fal
             for m in res["auto"]["metrics"]
         ],
     }
+    if "auto_no_history" in res:
+        report.notes[f"shaped_{tag}"]["auto_no_history_decisions"] = [
+            {k: v for k, v in m.items() if k.startswith(("decide_", "load_"))}
+            for m in res["auto_no_history"]["metrics"]
+        ]
 
 
 def _report_slowdown(report: Report, rate: int, res: dict[str, Any]) -> None:

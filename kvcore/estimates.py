@@ -16,10 +16,11 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from kvcore.decaying_fit import DecayingFit
 
-__all__ = ["DecayingFit", "PrefillRate", "ReadRate", "pair_cost_of"]
+__all__ = ["DecayingFit", "PrefillRate", "PrefillStep", "ReadRate", "pair_cost_of"]
 
 #: how far beyond the largest read measured a read rate is trusted (a factor)
 EXTRAPOLATION = 8
@@ -32,6 +33,24 @@ WORK_SHOWN = 0.1
 
 #: below this much sample weight (about one fresh sample) an estimate is "unknown"
 KNOWN_WEIGHT = 0.5
+
+
+class PrefillStep(NamedTuple):
+    """One timed step that computed a prompt's tokens: what :meth:`PrefillRate.kept_steps`
+    keeps and :meth:`PrefillRate.seed` takes (:mod:`kvcore.prefill_profile` keeps them on
+    disk for the next engine). ``at``: when, in seconds since the epoch."""
+
+    tokens: float
+    pairs: float
+    seconds: float
+    at: float
+
+    @property
+    def size_class(self) -> tuple[int, int]:
+        """Steps of about the same work (within a factor of √2 in tokens and in pairs): one
+        of each is kept, the newest, so a long prefill seen once is not pushed out by the
+        thousands of short steps after it."""
+        return (round(2 * math.log2(max(self.tokens, 1.0))), round(2 * math.log2(self.pairs + 1)))
 
 
 class ReadRate:
@@ -178,14 +197,30 @@ class ReadRate:
             return self._fit.weight >= KNOWN_WEIGHT and self._fit.coefficients() is not None
 
     def estimate_s(self, nbytes: int, calls: int = 1) -> float | None:
-        """Seconds a read of ``nbytes`` (in ``calls`` calls) is expected to take; None unknown."""
+        """Seconds a read of ``nbytes`` (in ``calls`` calls) is expected to take; None unknown.
+
+        A read more than :data:`EXTRAPOLATION` times the largest measured lately (trusted
+        that far only because reads of sizes twice apart told latency from bandwidth,
+        :meth:`trusted_for`) lies between the fit's extrapolation and :meth:`bound_s` (every
+        second measured counted as bandwidth): the estimate is their geometric mean, the
+        choice whose worst ratio over the two is least. A bandwidth fitted on reads of one
+        and two blocks swings with a few milliseconds of noise: such probes in a fresh vLLM
+        engine fitted 162 MB/s on a link delivering 121 MB/s (a 124-block load estimated at
+        0.60 s took 0.79 s, against 0.67 s of recomputing), where the bound said 0.79 s; a
+        store whose small reads are mostly latency keeps most of the fit's advantage (a
+        tenfold gap between the two leaves the estimate a third of the bound)."""
         with self._lock:
             if self._fit.weight < KNOWN_WEIGHT:
                 return None
             coef = self._fit.coefficients()
+            largest = self._largest[0]
         if coef is None:
             return None
-        return float(coef[0] * nbytes + coef[1] * calls)
+        fitted = float(coef[0] * nbytes + coef[1] * calls)
+        if nbytes <= EXTRAPOLATION * largest:
+            return fitted
+        bound = self.bound_s(nbytes)
+        return fitted if bound is None else _bracketed(fitted, bound)
 
     def figures(self) -> dict[str, float]:
         """``bytes_per_s`` and ``per_call_s`` now (empty while unknown)."""
@@ -250,6 +285,10 @@ class PrefillRate:
         self.steps_extrapolated = 0
         self._lock = threading.Lock()
         self.samples = 0
+        #: the newest prefill step of each size class (:meth:`kept_steps`)
+        self._kept: dict[tuple[int, int], PrefillStep] = {}
+        #: steps that came from :meth:`seed` (an earlier engine's), not timed here
+        self.seeded = 0
 
     def observe_step(self, seconds: float, batch: Iterable[tuple[int, int]]) -> None:
         """One engine step took ``seconds`` computing ``batch``: ``(tokens, context)`` per
@@ -274,12 +313,43 @@ class PrefillRate:
                 if extrapolated:
                     self._checked_far.add((expected,), seconds)
                     self.steps_extrapolated += 1
-            self._fit.add((tokens, 1.0, pairs), seconds)
-            if self.pair_cost is not None:
-                self._shaped.add((tokens + self.pair_cost * pairs, 1.0), seconds)
-            if pairs >= self._most_pairs:
-                self._most_pairs, self._largest = pairs, (tokens, pairs)
-            self.samples += 1
+            self._add(tokens, pairs, seconds)
+            if longest > 1:
+                step = PrefillStep(tokens, pairs, seconds, time.time())
+                self._kept[step.size_class] = step
+
+    def _add(self, tokens: float, pairs: float, seconds: float) -> None:
+        self._fit.add((tokens, 1.0, pairs), seconds)
+        if self.pair_cost is not None:
+            self._shaped.add((tokens + self.pair_cost * pairs, 1.0), seconds)
+        if pairs >= self._most_pairs:
+            self._most_pairs, self._largest = pairs, (tokens, pairs)
+        self.samples += 1
+
+    def seed(self, steps: Iterable[PrefillStep]) -> int:
+        """Start from steps another engine of the same model and settings timed on this
+        machine (:class:`kvcore.prefill_profile.PrefillProfile`): a fresh engine has timed
+        only short steps, whose extrapolation to a long prefill was measured 2 to 3.5 times
+        too high on the CPU engine here. Seeded steps weigh as a step timed now, so this
+        engine's own steps join them and, newer, soon outweigh them; they are kept (for the
+        next engine) until a step of their size class is timed here. Returns how many."""
+        count = 0
+        with self._lock:
+            for step in steps:
+                if step.tokens <= 0 or step.seconds <= 0 or step.pairs < 0:
+                    continue
+                self._add(step.tokens, step.pairs, step.seconds)
+                kept = self._kept.get(step.size_class)
+                if kept is None or kept.at < step.at:
+                    self._kept[step.size_class] = step
+                count += 1
+            self.seeded += count
+        return count
+
+    def kept_steps(self) -> list[PrefillStep]:
+        """The newest prefill step of each size class, seeded ones included, oldest first."""
+        with self._lock:
+            return sorted(self._kept.values(), key=lambda step: step.at)
 
     @property
     def known(self) -> bool:
@@ -338,7 +408,8 @@ class PrefillRate:
         ``actual_vs_expected``: prefill steps' seconds over the estimate they had just before
         (lately), and ``extrapolated_actual_vs_expected`` over the steps that reached past
         every step timed before them (``steps_extrapolated`` of them): how right the first long
-        prefills' estimates were, which a fresh engine's decisions rest on."""
+        prefills' estimates were, which a fresh engine's decisions rest on; ``seeded_steps``:
+        the steps an earlier engine's profile seeded (:meth:`seed`)."""
         with self._lock:
             coef = self._fit.coefficients() if self._fit.weight >= KNOWN_WEIGHT else None
             checked = self._checked.coefficients()
@@ -358,6 +429,8 @@ class PrefillRate:
         if checked_far is not None and far:
             out["extrapolated_actual_vs_expected"] = float(checked_far[0])
             out["steps_extrapolated"] = float(far)
+        if self.seeded:
+            out["seeded_steps"] = float(self.seeded)
         return out
 
 

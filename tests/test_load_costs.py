@@ -241,7 +241,13 @@ def test_reads_of_two_sizes_tell_latency_from_bandwidth_and_are_trusted_for_any_
     assert not rate.trusted_for(96 * MB)
     rate.observe(2 * MB, 0.005 + 2 * MB / 50e6)
     assert rate.trusted_for(96 * MB)
-    assert rate.estimate_s(96 * MB) == pytest.approx(0.005 + 96 * MB / 50e6, rel=1e-3)
+    # within EXTRAPOLATION times the largest read, the fit; past it, between the fit and
+    # the bound (every second measured counted as bandwidth)
+    assert rate.estimate_s(8 * MB) == pytest.approx(0.005 + 8 * MB / 50e6, rel=1e-3)
+    fitted = 0.005 + 96 * MB / 50e6
+    bound = rate.bound_s(96 * MB)
+    assert bound is not None and bound > fitted
+    assert rate.estimate_s(96 * MB) == pytest.approx((fitted * bound) ** 0.5, rel=1e-3)
     decider = LoadDecider(prefill_of(2500, clock), clock=clock)
     assert not decider.needs_probe([StoredRun(125, rate)], BLOCK_BYTES)
     assert decider.needs_probe([StoredRun(125, ReadRate(clock=clock))], BLOCK_BYTES)
@@ -924,3 +930,36 @@ def test_a_runner_plans_a_load_over_its_own_stores_measured_rate() -> None:
         runner.close()
     closed = kvcore.HostRunner(lambda: None)
     assert closed.plan_load(decider, 8, block_bytes=SIZE, block_tokens=16).why == "unavailable"
+
+
+def test_a_rate_fitted_on_one_and_two_block_reads_is_not_extrapolated_alone_to_a_long_load() -> (
+    None
+):
+    """A fresh vLLM engine's reads before its long restore over a 121 MB/s link: its warm-up's
+    one-block load (the worker's, copies included) and a probe of one and two blocks. Their fit
+    said 162 MB/s and 2.1 ms a call, so the 124-block load was estimated at 0.60 s and taken
+    against 0.67 s of recomputing; it took 0.79 s. Past EXTRAPOLATION times the largest read,
+    the estimate lies between the fit and the bound, and the load is declined. A store whose
+    small reads are mostly latency (2 ms a call, 1 GB/s: the fit says 0.10 s, the bound
+    0.25 s) still loads."""
+    clock = Clock()
+    noisy = ReadRate(clock=clock)
+    for blocks, seconds in ((1, 0.0080), (1, 0.0058), (2, 0.0119)):
+        noisy.observe(blocks * BLOCK_BYTES, seconds)
+    fitted = noisy.figures()
+    assert fitted["bytes_per_s"] > 150e6  # the fit's bandwidth, a third above the link's
+    estimate = noisy.estimate_s(124 * BLOCK_BYTES)
+    assert estimate is not None and estimate > 0.66
+    ask = {"block_bytes": BLOCK_BYTES, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 4000}
+    prefill = PrefillRate(tokens_per_step=8192, clock=clock)
+    for n in (64, 2000, 4000):
+        prefill.observe_step(0.008 + n * 1.5e-4 + 1e-8 * n * n / 2, [(n, 0)])
+    recompute = prefill.estimate_s(4000)
+    assert recompute == pytest.approx(0.69, rel=0.05)
+    choice = LoadDecider(prefill, clock=clock).decide([StoredRun(124, noisy)], **ask)
+    assert (choice.why, choice.blocks) == ("auto", 0)
+    latency = ReadRate(clock=clock)
+    for blocks in (1, 2, 1, 2):
+        latency.observe(blocks * BLOCK_BYTES, 0.002 + blocks * BLOCK_BYTES / 1e9)
+    choice = LoadDecider(prefill, clock=clock).decide([StoredRun(124, latency)], **ask)
+    assert (choice.why, choice.blocks) == ("auto", 124)  # about 0.16 s against 0.69 s

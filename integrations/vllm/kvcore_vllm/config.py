@@ -101,6 +101,14 @@ class ConnectorSettings(_StoreSettings):
         default_factory=dict,
         description="overrides of kvcore's TransferConfig (write_workers, staging_buffers, ...)",
     )
+    prefill_profile: str = Field(
+        default="auto",
+        min_length=1,
+        description="load_policy auto: where this engine's timed prefill steps are kept for the "
+        "next engine of the same model and settings on this machine, whose first decisions "
+        "then start from them (kvcore.prefill_profile): auto ($KVCORE_PREFILL_PROFILE, else "
+        "$XDG_CACHE_HOME/kvcore-prefill), a directory, or off",
+    )
     events_interval_s: float = Field(
         default=0.5,
         gt=0,

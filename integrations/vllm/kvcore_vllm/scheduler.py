@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.estimates import PrefillRate, pair_cost_of
 from kvcore.load_costs import (
     LoadChoice,
     LoadDecider,
@@ -49,6 +48,7 @@ from kvcore_vllm.events import SchedulerEvents, StoreFollower, events_enabled
 from kvcore_vllm.keys import RequestKeys, hashes_shared, key_scope
 from kvcore_vllm.layout import CacheGroup, cache_groups, cache_layout
 from kvcore_vllm.metadata import BlockRun, StepMetadata
+from kvcore_vllm.prefill import engine_prefill
 from kvcore_vllm.publisher import EventPublisherRef
 from kvcore_vllm.stats import CounterSet
 
@@ -157,12 +157,9 @@ class SchedulerSide:
         self._lookups_paused_until = 0.0
         #: load or recompute (kvcore.load_costs): fed with this engine's step timings (the
         #: workers time each forward pass; the scheduler knows what it computed)
+        prefill, self.prefill_profile = engine_prefill(vllm_config, settings)
         self.decider = LoadDecider(
-            PrefillRate(
-                tokens_per_step=_tokens_per_step(vllm_config),
-                tokens_per_s=settings.prefill_tokens_per_s,  # until a step was measured
-                pair_cost=_pair_cost(vllm_config),  # attention's share, from the shapes
-            ),
+            prefill,
             policy=settings.load_policy,
             margin=settings.load_margin,
             serial=not self.load_async,  # sync loads run inside the step, before its compute
@@ -652,6 +649,8 @@ class SchedulerSide:
         steps = float(data.get("forward_steps", 0.0))
         if steps and batch:
             self.decider.prefill.observe_step(float(data["forward_seconds"]) / steps, batch)
+            if self.prefill_profile is not None:
+                self.prefill_profile.step_observed()
         if self.lookup_role == "lookup" and data.get("load_bytes"):
             backend = self.stores[0].handle.get()
             if backend is not None:
@@ -695,37 +694,12 @@ class SchedulerSide:
 
     def close(self) -> None:
         log.info("KVCoreConnector load decisions: %s", self.decision_figures())
+        if self.prefill_profile is not None:
+            self.prefill_profile.save()
         if self.follower is not None:
             self.follower.close()
         for handle in self.handles:
             handle.close()
-
-
-def _tokens_per_step(vllm_config: Any) -> int | None:
-    """vLLM's token budget of one step (a long prefill takes several)."""
-    value = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
-    return int(value) if value else None
-
-
-def _pair_cost(vllm_config: Any) -> float | None:
-    """Attention's cost per token pair relative to a token's, from the model's shapes (None
-    where they are not those of a plain decoder: the prefill rate then learns it from steps)."""
-    model = getattr(vllm_config, "model_config", None)
-    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
-    try:
-        hidden = int(hf.hidden_size)
-        heads = int(hf.num_attention_heads)
-        head_dim = int(getattr(hf, "head_dim", None) or hidden // heads)
-        return pair_cost_of(
-            layers=int(hf.num_hidden_layers),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
-            head_dim=head_dim,
-            intermediate=int(hf.intermediate_size),
-        )
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return None
 
 
 def _hash_block_size(vllm_config: Any, kv_cache_config: Any) -> int:

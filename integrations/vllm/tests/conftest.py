@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 from kvcore_vllm.session import LOAD_POLICY_ENV, EngineRun, run_in_subprocess, write_model
 
+from kvcore.prefill_profile import PROFILE_ENV
+
 HERE = Path(__file__).resolve().parent
 PACKAGE_ROOT = HERE.parent
 CACHE = PACKAGE_ROOT / ".cache"
@@ -34,6 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # these engines check what a restore delivers: they load whatever is found (the
     # load-or-recompute decision has its own tests, which name their policy)
     os.environ.setdefault(LOAD_POLICY_ENV, "always")
+    # and no engine starts from another's prefill profile (a test's decisions would depend on
+    # which engines ran before it): the profile's tests name their directory
+    os.environ[PROFILE_ENV] = "off"
     if os.environ.get("KV_MOONCAKE_NETNS", "auto") != "0":
         from kv_mooncake.testing import isolate_loopback
 

@@ -1082,3 +1082,58 @@ def test_an_engine_that_fails_to_start_reports_its_root_cause() -> None:
     assert "EngineCore failed to start" in report  # the error lines
     assert "See root cause above" in report
     assert "line 20\n" not in report  # the noise between them left out
+
+
+def test_a_fresh_engine_starts_from_the_prefill_profile_the_engine_before_it_left(
+    vllm_config: Any, tmp_path: Any
+) -> None:
+    """The prefill steps an engine times are kept for the next engine of the same model and
+    settings on this machine (``prefill_profile``): its first decision estimates a long
+    prompt from them, not from its warm-up's short steps alone. An engine unlike it (another
+    step budget) and one with ``prefill_profile`` off start from nothing."""
+    import copy
+    from types import SimpleNamespace
+
+    from kvcore_vllm.scheduler import SchedulerSide
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.distributed_executor_backend = "uni"  # memory: one process
+    dense = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 32, "dtype": torch.bfloat16}
+    kv_config = _groups_config(FullAttentionSpec(**dense))
+    where = str(tmp_path / "profiles")
+
+    def engine(vllm: Any, profile: str = where) -> Any:
+        settings = ConnectorSettings(backend="memory", namespace="pp", prefill_profile=profile)
+        return SchedulerSide(vllm, kv_config, settings)
+
+    def step(side: Any, seconds: float, batch: list[tuple[int, int]]) -> None:
+        side._step_batch = batch  # what build_connector_meta records of the step it sends
+        stats = SimpleNamespace(data={"forward_seconds": seconds, "forward_steps": 1.0})
+        side.update_connector_output(
+            SimpleNamespace(kv_connector_stats=stats, kv_cache_events=None)
+        )
+
+    first = engine(config)
+    try:
+        assert first.decider.prefill.seeded == 0
+        step(first, 0.02, [(64, 0)])
+        step(first, 0.6, [(2000, 0)])  # written at once: longer than anything kept
+        step(first, 0.9, [(2000, 2000)])
+    finally:
+        first.close()
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 1
+    second = engine(config)
+    try:
+        assert second.decider.prefill.seeded == 3
+        assert second.decider.prefill.estimate_s(4000) == pytest.approx(1.5, rel=0.1)
+    finally:
+        second.close()
+    other = copy.deepcopy(config)
+    other.scheduler_config.max_num_batched_tokens *= 2
+    for side in (engine(other), engine(config, "off")):
+        try:
+            assert side.decider.prefill.seeded == 0
+        finally:
+            side.close()
