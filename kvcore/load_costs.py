@@ -126,7 +126,11 @@ class LoadDecider:
     ``prefill``: the engine's :class:`PrefillRate`, which the adapter feeds. ``margin``: how much
     faster the other choice must be expected to be before the decision changes. ``serial``:
     whether loads block the engine's compute (vLLM's synchronous loads run inside the step):
-    then the store and the engine are one queue, else two.
+    then the store and the engine are one queue, else two. ``waiting``: where loads are
+    serial, how many other requests wait for the engine now (vLLM's waiting queue, less the
+    one deciding): a load holds up each of them by its read time, which is added to its cost.
+    Four prompts arriving together are decided one by one, and the first, knowing only of
+    itself, took a load 10 % faster than its recompute that held the other three up by 0.33 s.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class LoadDecider:
         policy: LoadPolicy = "auto",
         margin: float = 0.05,
         serial: bool = False,
+        waiting: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 <= margin < 1:
@@ -144,6 +149,7 @@ class LoadDecider:
         self.policy = check_load_policy(policy)
         self.margin = margin
         self.serial = serial
+        self._waiting = waiting
         self.figures = LoadFigures()
         #: the decisions' counts (:class:`kvcore.load_figures.LoadFigures`)
         self.counters = self.figures.counters
@@ -480,6 +486,7 @@ class LoadDecider:
         return options, True
 
     def _timeline(self, now: float) -> _Timeline:
+        waiting = self._others_waiting() if self.serial else 0
         with self._lock:
             self._due = [due for due in self._due if due > now]
             return _Timeline(
@@ -487,8 +494,17 @@ class LoadDecider:
                 max(now, self._link_free_at),
                 max(now, self._engine_free_at),
                 self.serial,
-                len(self._due) if self.serial else 0,
+                len(self._due) + waiting if self.serial else 0,
             )
+
+    def _others_waiting(self) -> int:
+        """The engine's other waiting requests (0 where the adapter cannot tell)."""
+        if self._waiting is None:
+            return 0
+        try:
+            return max(0, int(self._waiting()))
+        except Exception:  # an engine's internals changed: the decision goes on without them
+            return 0
 
     def _commit(
         self, choice: LoadChoice, link_free: float, engine_free: float, now: float

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["CUT_GRACE_S", "CUT_SLACK", "SPAN_S", "LoadPace"]
+__all__ = ["CUT_GRACE_S", "CUT_SLACK", "SPAN_S", "SPAN_SHARE", "LoadPace"]
 
 #: a load is cut once it is this much (a fraction) behind its expected time...
 CUT_SLACK = 0.5
@@ -25,6 +25,11 @@ CUT_GRACE_S = 0.02
 #: less often, but a span started at the old rate runs ten times its length after a tenfold
 #: slowdown: 20 ms keeps that near 0.2 s)
 SPAN_S = 0.02
+#: ...and at most this share of the load's expected time: what the cut cannot see is the span
+#: in flight, which a tenfold slowdown stretches to ten times its length, so a short load's
+#: spans are shorter (a 0.43 s load's 20 ms span cost 0.2 s of a 0.69 s recompute when the
+#: link slowed down under it: a quarter of the load's time is what a span may cost it)
+SPAN_SHARE = 1 / 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +41,21 @@ class LoadPace:
     blocks: int
     started: float
 
+    @property
+    def span_s(self) -> float:
+        """A span's length: :data:`SPAN_S`, or :data:`SPAN_SHARE` of a short load's time."""
+        return min(SPAN_S, self.expected_s * SPAN_SHARE)
+
     def span_blocks(self) -> int:
-        """Blocks per span at the expected rate: about :data:`SPAN_S` of the read, at least
-        one (the first span is one block: a store slower than expected shows at once)."""
+        """Blocks per span at the expected rate: about :attr:`span_s` of the read, at least
+        one (the first span is one block: a store slower than expected shows at once). A load
+        expected within :data:`SPAN_S` reads whole."""
         if self.blocks <= 0 or self.expected_s <= SPAN_S:
             return max(1, self.blocks)
-        return max(1, math.ceil(self.blocks * SPAN_S / self.expected_s))
+        return max(1, math.ceil(self.blocks * self.span_s / self.expected_s))
 
     def next_span(self, done: int, now: float | None = None) -> int:
-        """Blocks of the span after ``done`` blocks were read: about :data:`SPAN_S` at the
+        """Blocks of the span after ``done`` blocks were read: about :attr:`span_s` at the
         rate this load has delivered so far (the expected rate before any), at least one. A
         fast store gets few, large calls; a slow one short spans, so a slowdown shows within
         one."""
@@ -52,7 +63,7 @@ class LoadPace:
         elapsed = (time.monotonic() if now is None else now) - self.started
         if done <= 0 or elapsed <= 0:
             return min(left, 1)
-        return max(1, min(left, math.ceil(done / elapsed * SPAN_S)))
+        return max(1, min(left, math.ceil(done / elapsed * self.span_s)))
 
     def behind(
         self, done: int, now: float | None = None, last: tuple[int, float] | None = None

@@ -31,6 +31,7 @@ from kvcore.load_costs import (
     check_load_policy,
     probe_read,
 )
+from kvcore.load_pace import SPAN_S, SPAN_SHARE
 from kvcore.store_probe import probe_repeats
 from kvcore.transfer import TransferManager
 
@@ -781,6 +782,34 @@ def test_where_loads_run_inside_the_step_a_load_holds_up_every_first_token_still
     assert decide(serial, rate).blocks > 0
 
 
+def test_a_serial_load_counts_the_requests_waiting_behind_it_not_yet_decided() -> None:
+    """Four prompts arriving together are decided one by one: the first knows of no other
+    decision, and alone its load wins (shaped bench, together arm: 0.38 s against 0.42 s),
+    but it held the three behind it up by its 0.33 s read. The engine's waiting queue says
+    they are there: counted, the first recomputes too. Nothing waiting: it loads; where
+    loads do not block the engine, the queue does not matter; an adapter whose count fails
+    decides as if it had none."""
+    clock = Clock()
+    rate = rate_of(80e6, clock)  # 1.2 s to read one request, 1.6 s to compute it
+    waiting = [3]
+    ask = {"block_bytes": BLOCK_BYTES, "block_tokens": 32, "start_tokens": 0}
+
+    def first(**kwargs: object) -> int:
+        decider = LoadDecider(prefill_of(2500, clock), margin=0.0, clock=clock, **kwargs)  # type: ignore[arg-type]
+        return decider.decide([StoredRun(125, rate)], prompt_tokens=4000, **ask).blocks
+
+    assert first(serial=True) == 125  # alone
+    assert first(serial=True, waiting=lambda: waiting[0]) == 0
+    assert first(serial=False, waiting=lambda: waiting[0]) == 125
+    waiting[0] = 0
+    assert first(serial=True, waiting=lambda: waiting[0]) == 125
+
+    def broken() -> int:
+        raise AttributeError("waiting")
+
+    assert first(serial=True, waiting=broken) == 125
+
+
 def test_one_measurement_at_a_time_others_recompute_while_it_runs() -> None:
     """Requests arriving together with the store's rate unknown: the first one's load is the
     measurement; loads started beside it would share the store and each look slow, so the
@@ -850,6 +879,12 @@ def test_a_pace_splits_a_load_into_short_spans_and_says_when_it_is_behind() -> N
     assert pace.next_span(50, now=0.1) == 10
     assert pace.next_span(99, now=0.1) == 1  # never past the end
     assert pace.next_span(1, now=10.0) == 1  # a crawl: one block at a time
+    # a short load's spans are a share of its time (a tenfold slowdown stretches the span in
+    # flight tenfold before the cut can see it): 0.4 s of 124 blocks, 10 ms spans
+    short = LoadPace(expected_s=0.4, blocks=124, started=0.0)
+    assert short.span_s == pytest.approx(0.4 * SPAN_SHARE) and short.span_s < SPAN_S
+    assert short.span_blocks() == 4
+    assert short.next_span(62, now=0.2) == 4
 
 
 class _SlowsDown(MemoryBackend):

@@ -30,6 +30,7 @@ SDK_MODULES = (
     "kvcore.keys",
     "kvcore.load_costs",
     "kvcore.ops",
+    "kvcore.prefill_profile",
     "kvcore.registry",
     "kvcore.replay",
     "kvcore.requests",

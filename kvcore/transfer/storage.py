@@ -385,7 +385,7 @@ class DirectIO(StorageIO):
             if count:
                 self._call("read", job, 0, count, fut, prog, timings)
             return
-        # paced: spans of ~SPAN_S each at the rate seen so far, each its own call, so a load
+        # paced: spans of ~pace.span_s each at the rate seen so far, each its own call, so a load
         # behind its estimate stops between two of them (a call under way on the engine's
         # blocks is never abandoned)
         lo = 0

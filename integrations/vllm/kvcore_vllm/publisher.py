@@ -1,11 +1,14 @@
-"""vLLM's own KV event publisher, for events the connector sends between steps.
+"""vLLM's scheduler as the connector sees it: its own KV event publisher, for events the
+connector sends between steps, and its waiting queue, for the load-or-recompute decision.
 
-vLLM hands a connector no reference to its scheduler's publisher: it publishes what
-``take_events`` returns, once per step. The store's events must also leave while the engine
-is idle (another process stored or evicted blocks), so the connector finds the scheduler that
-is building it (vLLM's ``Scheduler.__init__`` creates the connector, then its publisher) and
-publishes through that publisher, whose ``publish`` is thread-safe (a queue its own thread
-drains): the same socket, sequence numbers and replay buffer as the engine's own events.
+vLLM hands a connector no reference to its scheduler: it publishes what ``take_events``
+returns, once per step. The store's events must also leave while the engine is idle (another
+process stored or evicted blocks), so the connector finds the scheduler that is building it
+(vLLM's ``Scheduler.__init__`` creates the connector, then its publisher) and publishes
+through that publisher, whose ``publish`` is thread-safe (a queue its own thread drains): the
+same socket, sequence numbers and replay buffer as the engine's own events. A synchronous
+load holds up every request the engine has waiting, which the decision must count, and vLLM
+asks it about one request at a time: the same scheduler's waiting queue says how many.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ _MAX_FRAMES = 24
 
 
 class EventPublisherRef:
-    """A weak reference to the vLLM scheduler building this connector, and its publisher."""
+    """A weak reference to the vLLM scheduler building this connector: its publisher
+    (:meth:`get`) and its waiting queue (:meth:`others_waiting`)."""
 
     def __init__(self, scheduler: Any | None) -> None:
         self._scheduler = weakref.ref(scheduler) if scheduler is not None else None
@@ -44,9 +48,19 @@ class EventPublisherRef:
             frame = frame.f_back
         log.info(
             "KVCoreConnector: vLLM's scheduler not found among the callers; the store's "
-            "events are published when the engine steps"
+            "events are published when the engine steps, and a load's decision does not see "
+            "the requests waiting behind it"
         )
         return cls(None)
+
+    def others_waiting(self) -> int:
+        """Requests in the scheduler's waiting queues besides the one it is scheduling (vLLM
+        asks the connector while the request is still at its queue's head; requests holding
+        blocks wait in a queue of their own); 0 without a scheduler."""
+        scheduler = self._scheduler() if self._scheduler is not None else None
+        queues = [getattr(scheduler, name, None) for name in ("waiting", "kv_holding_waiting")]
+        waiting = sum(len(queue) for queue in queues if queue is not None)
+        return max(0, waiting - 1)
 
     def get(self) -> Any | None:
         """vLLM's publisher, once the scheduler has made it and while it runs; else None."""

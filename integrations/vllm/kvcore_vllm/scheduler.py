@@ -158,11 +158,14 @@ class SchedulerSide:
         #: load or recompute (kvcore.load_costs): fed with this engine's step timings (the
         #: workers time each forward pass; the scheduler knows what it computed)
         prefill, self.prefill_profile = engine_prefill(vllm_config, settings)
+        #: vLLM's scheduler building this connector (its publisher, its waiting queue)
+        self.vllm_scheduler = EventPublisherRef.of_calling_scheduler()
         self.decider = LoadDecider(
             prefill,
             policy=settings.load_policy,
             margin=settings.load_margin,
             serial=not self.load_async,  # sync loads run inside the step, before its compute
+            waiting=self.vllm_scheduler.others_waiting,  # what a sync load holds up
         )
         self._choices: dict[str, LoadChoice] = {}  # req -> its decision, until allocated
         self._step_batch: list[tuple[int, int]] = []  # (tokens, context) of the step in flight
@@ -178,13 +181,12 @@ class SchedulerSide:
         if events_enabled(vllm_config):
             self.events = SchedulerEvents(self.world_size, self.describer)
             if backend is not None:
-                publisher = EventPublisherRef.of_calling_scheduler()
                 self.follower = StoreFollower(
                     self.events,
                     backend,
                     [(piece.rank, piece.world) for piece in primary.slices],
                     primary.layout.parts,
-                    publisher.get,
+                    self.vllm_scheduler.get,
                     interval_s=settings.events_interval_s,
                 )
 

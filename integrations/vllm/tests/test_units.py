@@ -1137,3 +1137,21 @@ def test_a_fresh_engine_starts_from_the_prefill_profile_the_engine_before_it_lef
             assert side.decider.prefill.seeded == 0
         finally:
             side.close()
+
+
+def test_a_sync_load_decision_counts_the_requests_vllm_has_waiting() -> None:
+    """vLLM asks the connector about one request at a time, while it is still at its queue's
+    head; a synchronous load holds up every request waiting behind it (both of vLLM's
+    waiting queues), which the decision counts (``LoadDecider(waiting=...)``)."""
+    from kvcore_vllm.publisher import EventPublisherRef
+
+    class Scheduler:  # what the connector reads of vLLM's scheduler
+        waiting: list[str] = ["asking", "b", "c", "d"]
+        kv_holding_waiting: list[str] = ["e"]
+
+    scheduler = Scheduler()
+    ref = EventPublisherRef(scheduler)
+    assert ref.others_waiting() == 4
+    scheduler.waiting, scheduler.kv_holding_waiting = ["asking"], []
+    assert ref.others_waiting() == 0
+    assert EventPublisherRef(None).others_waiting() == 0
