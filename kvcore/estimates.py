@@ -289,6 +289,8 @@ class PrefillRate:
         self._kept: dict[tuple[int, int], PrefillStep] = {}
         #: steps that came from :meth:`seed` (an earlier engine's), not timed here
         self.seeded = 0
+        #: how many times :meth:`kept_steps` changed (a decode step changes nothing)
+        self.kept_changes = 0
 
     def observe_step(self, seconds: float, batch: Iterable[tuple[int, int]]) -> None:
         """One engine step took ``seconds`` computing ``batch``: ``(tokens, context)`` per
@@ -317,6 +319,7 @@ class PrefillRate:
             if longest > 1:
                 step = PrefillStep(tokens, pairs, seconds, time.time())
                 self._kept[step.size_class] = step
+                self.kept_changes += 1
 
     def _add(self, tokens: float, pairs: float, seconds: float) -> None:
         self._fit.add((tokens, 1.0, pairs), seconds)
@@ -342,6 +345,7 @@ class PrefillRate:
                 kept = self._kept.get(step.size_class)
                 if kept is None or kept.at < step.at:
                     self._kept[step.size_class] = step
+                    self.kept_changes += 1
                 count += 1
             self.seeded += count
         return count

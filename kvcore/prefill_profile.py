@@ -128,6 +128,8 @@ class PrefillProfile:
         self._saved: dict[tuple[int, int], float] = {}  # size class -> its step's `at`, on file
         self._saved_at = -float("inf")
         self._most_pairs_saved = -1.0
+        self._kept_seen = -1  # rate.kept_changes when last looked at
+        self._pending = False  # the rate kept steps the file lacks (written when due)
         self._warned = False
 
     def load(self) -> int:
@@ -138,10 +140,19 @@ class PrefillProfile:
         return self.rate.seed(steps)
 
     def step_observed(self) -> None:
-        """The adapter fed the rate a step: write the file if it now lacks what the rate has."""
+        """The adapter fed the rate a step: write the file if it now lacks what the rate has
+        (nothing to do, at the cost of one comparison, after a step that kept nothing: most
+        steps are decode steps)."""
+        changes = self.rate.kept_changes
+        if changes == self._kept_seen and not (
+            self._pending and self._clock() - self._saved_at >= self.save_interval_s
+        ):
+            return
+        self._kept_seen = changes
         kept = self.rate.kept_steps()
         with self._lock:
             new = [s for s in kept if self._saved.get(s.size_class, -1.0) < s.at]
+            self._pending = bool(new)
             if not new:
                 return
             # a step longer than any on file is what the next engine lacks most: at once
@@ -180,6 +191,7 @@ class PrefillProfile:
                 self._warn(f"cannot write the prefill profile {self.path}: {exc}")
                 return False
             self._remember(steps)
+            self._pending = False
             return True
 
     def _remember(self, steps: list[PrefillStep]) -> None:

@@ -148,6 +148,21 @@ def test_a_longer_step_is_written_at_once_others_at_most_every_interval(tmp_path
     step(16)  # the interval passed
     step(8)  # not again
     assert saved == [1, 3, 4]
+    # a step kept within the interval, then only decode steps (which keep nothing): written
+    # once the interval has passed, not left for the shutdown
+    clock.now += 61
+    step(12)  # the interval passed at the last write: at once
+    step(24)
+    rate.observe_step(warm_engine_s(1, 100), [(1, 100)])
+    profile.step_observed()
+    assert saved == [1, 3, 4, 6]
+    clock.now += 61
+    rate.observe_step(warm_engine_s(1, 101), [(1, 101)])
+    profile.step_observed()
+    assert saved == [1, 3, 4, 6, 7]
+    rate.observe_step(warm_engine_s(1, 102), [(1, 102)])
+    profile.step_observed()  # nothing new: no write
+    assert saved == [1, 3, 4, 6, 7]
 
 
 def test_a_profile_of_another_engine_or_machine_a_corrupt_or_stale_one_is_no_profile(
