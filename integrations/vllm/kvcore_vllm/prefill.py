@@ -72,7 +72,7 @@ def engine_identity(vllm_config: Any) -> dict[str, Any]:
         "vllm": vllm_version,
         "model": str(getattr(model, "model", None)),
         "shapes": shapes,
-        "dtype": str(model.dtype),
+        "dtype": str(getattr(model, "dtype", None)),
         "quantization": str(getattr(model, "quantization", None)),
         "kv_cache_dtype": str(getattr(cache, "cache_dtype", None)),
         "block_size": getattr(cache, "block_size", None),
