@@ -76,6 +76,16 @@ class LoadChoice:
         return slowed >= self.ttft_recompute_s
 
     @property
+    def break_even_s(self) -> float | None:
+        """The read time at which this load ties with recomputing (None: unknown, or nothing
+        loads): its expected time plus what it is expected to save, never below the expected
+        time (a load kept by hysteresis is not cut for running as expected). A ``measuring``
+        load has none: its :attr:`expected_s` is its break-even pace already."""
+        if self.blocks <= 0 or self.ttft_load_s is None or self.ttft_recompute_s is None:
+            return None
+        return self.expected_s + max(0.0, self.ttft_recompute_s - self.ttft_load_s)
+
+    @property
     def declined(self) -> int:
         return self.found - self.blocks
 

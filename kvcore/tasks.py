@@ -132,10 +132,17 @@ class ReadTask(_BlockTask):
     (outcome ``cut``) and the engine recomputes them, so a store that slows down mid-load
     costs about the estimate, not the slow read. None: read until done or the deadline.
 
-    .. versionchanged:: 0.3 ``expected_s``.
+    ``break_even_s``: the read time at which loading ties with recomputing
+    (:attr:`kvcore.load_costs.LoadChoice.break_even_s`). Given with ``expected_s``, a load
+    whose own rate, once it has read a few spans, says it would end past it is cut the same
+    way (:meth:`kvcore.load_pace.LoadPace.losing`): an estimate from a few short reads can be
+    optimistic, and the blocks read by then are kept.
+
+    .. versionchanged:: 0.3 ``expected_s``, ``break_even_s``.
     """
 
     expected_s: float | None = Field(default=None, gt=0)
+    break_even_s: float | None = Field(default=None, gt=0)
 
 
 class WriteTask(_BlockTask):

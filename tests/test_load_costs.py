@@ -31,7 +31,7 @@ from kvcore.load_costs import (
     check_load_policy,
     probe_read,
 )
-from kvcore.load_pace import SPAN_S, SPAN_SHARE
+from kvcore.load_pace import JUDGE_SPANS, LOSING_MARGIN, SPAN_S, SPAN_SHARE
 from kvcore.store_probe import probe_repeats
 from kvcore.transfer import TransferManager
 
@@ -887,6 +887,26 @@ def test_a_pace_splits_a_load_into_short_spans_and_says_when_it_is_behind() -> N
     assert short.next_span(62, now=0.2) == 4
 
 
+def test_a_pace_says_a_load_is_losing_once_its_own_rate_ends_it_past_break_even() -> None:
+    """A probe's few reads can be optimistic (201 MB/s fitted on a 121 MB/s link): the load's
+    own rate, a few spans in, is the better figure, and the blocks read by then are kept."""
+    pace = LoadPace(expected_s=1.0, blocks=100, started=0.0, break_even_s=1.2)
+    judged = JUDGE_SPANS * pace.span_s
+    # 43 % slower than expected: not behind (the slack is for slowdowns), but losing
+    assert not pace.behind(7, now=0.1) and pace.losing(7, now=max(0.1, judged))
+    # too early to judge: the first spans pay a call's latency
+    assert not pace.losing(1, now=judged * 0.9)
+    # slower than expected, yet within the margin of break-even: kept
+    assert not pace.losing(10, now=0.1 * 1.2 * (1 + LOSING_MARGIN) * 0.99)
+    # no break-even known (a measuring load: its expected time is its break-even pace)
+    assert not LoadPace(expected_s=1.0, blocks=100, started=0.0).losing(7, now=0.5)
+    # a load kept by hysteresis is not cut for running as expected
+    kept = LoadChoice(10, 10, "auto", 0.5, ttft_load_s=0.6, ttft_recompute_s=0.58)
+    assert kept.break_even_s == 0.5
+    assert LoadChoice(10, 10, "auto", 0.5, 0.6, 0.8).break_even_s == pytest.approx(0.7)
+    assert LoadChoice(10, 10, "measuring", 0.5).break_even_s is None
+
+
 class _SlowsDown(MemoryBackend):
     """Reads take ``fast_s`` each for the first ``fast_calls`` calls, then ``slow_s``."""
 
@@ -942,6 +962,63 @@ def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recom
         tm.close()
         backend.close()
         _SlowsDown.slow_s = _SlowsDown.fast_s = 0.0
+
+
+class _Steady(MemoryBackend):
+    """Every read takes ``per_block_s`` per block: a store steadily slower than estimated."""
+
+    per_block_s = 0.0
+
+    @hookimpl
+    def kvcore_read(self, request):
+        time.sleep(self.per_block_s * request.num_blocks)
+        return MemoryBackend.kvcore_read(self, request)
+
+
+@pytest.mark.parametrize("storage_io", ["host_resident", "staged"])
+def test_a_load_slower_than_its_break_even_is_cut_where_it_is_not_behind(
+    storage_io: str,
+) -> None:
+    """A load far from behind its expected time (the cut's slack is for a store slowing down)
+    whose own rate says its blocks take longer to read than to recompute: it is cut a few
+    spans in, and what it read is kept, byte for byte. The same load with room to spare reads
+    to the end. (Bounded by work: the store takes at least ``per_block_s`` a block, a loaded
+    machine only longer, which only makes the load lose sooner.)"""
+    layout = lay(num_blocks=40)
+    src, dst = cache_of(layout, np.uint16, seed=5), cache_of(layout, np.uint16, fill=False)
+    backend = kvcore.open_backend(_Steady, context={"layout": layout})
+    cfg = {"layout": layout, "max_model_len": 32 * 40}
+    if storage_io == "staged":
+        cfg.update(storage_io="staged", pipeline_blocks=2)
+    tm = TransferManager(cfg, src, backend)
+    try:
+        ks, ids = keys(32, seed=5), list(range(32))
+        assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": ids}).result().ok
+        tm.restore_caches(dst)
+        _Steady.per_block_s = 0.005
+        at_least = 32 * _Steady.per_block_s  # what the whole load takes at the least
+        r = tm.read(
+            {
+                "task_id": "r",
+                "keys": ks,
+                "device_block_ids": ids,
+                "expected_s": 100 * at_least,  # never behind
+                "break_even_s": at_least / 2,  # but recomputing is twice as fast
+            }
+        ).result()
+        assert r.outcome == "cut" and 0 < r.num_blocks < 32, r.error
+        assert "break-even" in str(r.error)
+        assert r.block_ids == ids[: r.num_blocks]
+        for i in r.block_ids:
+            assert part_bytes(src, i) == part_bytes(dst, i)
+        tm.restore_caches(cache_of(layout, np.uint16, fill=False))
+        roomy = {"expected_s": 100 * at_least, "break_even_s": 200 * at_least}
+        whole = tm.read({"task_id": "r2", "keys": ks, "device_block_ids": ids, **roomy}).result()
+        assert (whole.outcome, whole.num_blocks) == ("complete", 32)
+    finally:
+        tm.close()
+        backend.close()
+        _Steady.per_block_s = 0.0
 
 
 def test_a_runner_plans_a_load_over_its_own_stores_measured_rate() -> None:

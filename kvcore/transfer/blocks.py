@@ -137,8 +137,10 @@ class BlockTasks:
         self._policy.used(task.keys)
         request = self._request(task, timeout_s)
         ids = np.asarray(task.device_block_ids, dtype=np.int64)
-        expected = getattr(task, "expected_s", None)  # a read's (ReadTask.expected_s)
-        return BlockJob(request, list(task.device_block_ids), ids, cache, expected)
+        # a read's (ReadTask.expected_s, ReadTask.break_even_s)
+        expected = getattr(task, "expected_s", None)
+        break_even = getattr(task, "break_even_s", None)
+        return BlockJob(request, list(task.device_block_ids), ids, cache, expected, break_even)
 
     def _request(
         self,

@@ -57,12 +57,14 @@ class BlockJob:
     cache: DeviceCache
     #: a read's expected time (:attr:`kvcore.ReadTask.expected_s`): read in spans, cut when behind
     expected_s: float | None = None
+    #: ...and its break-even time (:attr:`kvcore.ReadTask.break_even_s`): cut when losing
+    break_even_s: float | None = None
 
     def pace(self, blocks: int) -> LoadPace | None:
         """The pace of reading ``blocks`` blocks from now (None: not paced)."""
         if self.expected_s is None or blocks <= 0:
             return None
-        return LoadPace(self.expected_s, blocks, time.monotonic())
+        return LoadPace(self.expected_s, blocks, time.monotonic(), self.break_even_s)
 
     def done(self, prog: Progress, lo: int, n: int) -> None:
         """Blocks ``lo .. lo + n - 1`` of the job are complete."""
@@ -78,14 +80,16 @@ def cut_if_behind(
     last: tuple[int, float] | None = None,
 ) -> bool:
     """Stop a paced read that fell behind its expected time, in all or in its ``last`` span
-    (blocks, seconds) (True: stopped)."""
-    if pace is None or done >= total or not pace.behind(done, last=last):
+    (blocks, seconds), or whose rate says it loses to recomputing (True: stopped)."""
+    if pace is None or done >= total:
         return False
-    prog.stop(
-        "cut",
-        f"behind its expected {pace.expected_s:.3f} s with {done} of {total} blocks read; "
-        "the rest is recomputed",
-    )
+    if pace.behind(done, last=last):
+        why = f"behind its expected {pace.expected_s:.3f} s"
+    elif pace.losing(done):
+        why = f"at its rate slower than its break-even {pace.break_even_s:.3f} s"
+    else:
+        return False
+    prog.stop("cut", f"{why} with {done} of {total} blocks read; the rest is recomputed")
     return True
 
 

@@ -31,6 +31,9 @@ class BlockRun:
     #: loads: how long the load-or-recompute decision expected it to take (None: not paced);
     #: a load behind it is cut and the rest recomputed (:class:`kvcore.ReadTask`)
     expected_s: float | None = None
+    #: ...and the read time at which it ties with recomputing: a load whose rate says it
+    #: would end past it is cut the same way (:attr:`kvcore.ReadTask.break_even_s`)
+    break_even_s: float | None = None
     #: whose request it is (``settings.tenants``; None: no tenants set), its tasks' tenant
     tenant: str | None = None
 

@@ -466,6 +466,7 @@ class SchedulerSide:
             token_ids=self._tokens(request, start + n),
             group=self.groups[0].index,
             expected_s=choice.expected_s if paced and choice is not None else None,
+            break_even_s=choice.break_even_s if paced and choice is not None else None,
             tenant=self._tenant_of(request),
         )
         self._loads.append(run)

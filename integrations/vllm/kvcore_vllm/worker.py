@@ -531,5 +531,7 @@ class WorkerSide:
             "tenant": run.tenant,  # a name settings.tenants validated
         }
         if what == "load":
-            return ReadTask.model_construct(**fields, expected_s=run.expected_s)
+            return ReadTask.model_construct(
+                **fields, expected_s=run.expected_s, break_even_s=run.break_even_s
+            )
         return WriteTask.model_construct(**fields, block_meta=run.block_meta)

@@ -377,6 +377,11 @@ def test_the_workers_loads_and_saves_skip_pydantic_and_ask_no_query(
         assert torch.equal(tensor[10:13], tensor[2:5])
     stats = worker.take_stats()
     assert (stats["save_written_blocks"], stats["load_done_blocks"]) == (3, 3)
+    # a load the decision chose for its speed carries its pace to the manager: the expected
+    # time and the break-even time (kvcore.ReadTask), so a load that loses is cut
+    paced = BlockRun("p", 0, keys, [13, 14, 15], expected_s=0.5, break_even_s=0.6)
+    task = worker._task(paced, "load", 5.0, worker.slices[0])
+    assert (task.expected_s, task.break_even_s) == (0.5, 0.6)
     worker.close()
 
 
