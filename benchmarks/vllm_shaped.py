@@ -165,7 +165,13 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
             report.notes["shaped_together_rate"] = why
             tc(together_rate)
             steps = [warm, _gen("four", together)]
-            res = _compare(args, base, arms, steps, workdir, "together", reference, "four")
+            # the engine core in this process: the four requests reach vLLM's scheduler before
+            # its first step, as arriving together means. With the core in its own process
+            # the first step saw one of them or two, a race that moved the recomputing
+            # engine's mean TTFT between 0.56 and 0.62 s (0.21/0.61/0.61/0.81 s against
+            # 0.42/0.42/0.81/0.81 s), as much as the goal's margin
+            together_base = {**base, "in_process": True}
+            res = _compare(args, together_base, arms, steps, workdir, "together", reference, "four")
             _report_rate(report, f"together_{int(together_rate)}mbit", res, mean=True)
         if "slowdown" in parts:
             slowdown_rate = _slowdown_rate(args.slowdown_rate, rates)
