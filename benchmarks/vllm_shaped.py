@@ -18,8 +18,9 @@ engine's own ``load_bytes / load_seconds``. Figures: TTFT per arm and rate, ``au
 better of the other two per repetition (goal <= 1.10 at every rate), whether ``auto`` loaded
 (``num_cached_tokens``) and the tokens of every arm against the recomputing engine's.
 
-- **together** (at the crossover rate): four stored prompts arriving in one batch; mean TTFT
-  of ``auto`` over the better of ``always`` and recompute (goal <= 1.10).
+- **together** (at the crossover rate): four stored prompts arriving in one batch (the engine
+  core in the bench's child process, so all four reach the scheduler before its first step);
+  mean TTFT of ``auto`` over the better of ``always`` and recompute (goal <= 1.10).
 - **slowdown** (at a rate where loading wins): the link drops tenfold ``--slowdown-after-s``
   after the warm-up ends (the stored prompt's load under way); TTFT of ``auto`` (which cuts a
   load behind its estimate) and ``always`` over recompute (goal for ``auto`` <= 1.25).
