@@ -108,8 +108,8 @@ class LoadPace:
         the break-even time wherever it lies (a later block's attention makes it dearer to
         recompute: the rule errs toward cutting by that). Judged once the load has read for
         :data:`JUDGE_SPANS` spans: a probe's few reads fitted 201 MB/s on a link that
-        delivered 121 MB/s, and a 124-block load estimated at 0.64 s against 0.65 s of
-        recomputing then took 0.80 s; its first spans' rate showed it."""
+        delivered 121 MB/s, and 124-block loads estimated at 0.53 to 0.65 s took 0.80 s,
+        against 0.65 to 0.69 s of recomputing; their first spans' rate showed it."""
         if self.break_even_s is None or done <= 0 or done >= self.blocks:
             return False
         elapsed = (time.monotonic() if now is None else now) - self.started

@@ -192,20 +192,25 @@ class MooncakeMaster:
                 opener.open(self.health_url, timeout=0.5) as response,
             ):
                 if json.loads(response.read()).get("service_ready"):
-                    if self._owns_ports():
+                    owns = self._owns_ports()
+                    if owns:
                         return True
-                    # another process took a port between free_port() and the master's bind
-                    # (a master of a test running beside this one): the health that answered
-                    # is that master's, and this one is not reachable where it is looked for
-                    self.kill()
-                    return False
+                    if owns is False:
+                        # another process took a port between free_port() and the master's
+                        # bind (a master of a test running beside this one): the health that
+                        # answered is that master's, and this one is not reachable there
+                        self.kill()
+                        return False
+                    # (None: a port has no listener yet. The master reports ready before its
+                    # RPC server listens, and on a loaded machine that took long enough for
+                    # three masters in a row to be killed as if their ports were taken)
             time.sleep(0.05)
         self.kill()
         return False
 
-    def _owns_ports(self) -> bool:
+    def _owns_ports(self) -> bool | None:
         """Whether this master's process is what listens on its RPC and metrics ports (True
-        where /proc cannot tell)."""
+        where /proc cannot tell); None while a port has no listener at all (not yet bound)."""
         assert self.process is not None
         try:
             mine = _socket_inodes(self.process.pid)
@@ -214,7 +219,11 @@ class MooncakeMaster:
             }
         except OSError:
             return True
-        return all(inodes & mine for inodes in listening.values())
+        if any(inodes and not inodes & mine for inodes in listening.values()):
+            return False  # another process listens there
+        if not all(listening.values()):
+            return None
+        return True
 
     def capacity_bytes(self) -> int:
         """The memory every client has mounted into the store, as the master counts it
