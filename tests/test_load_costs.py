@@ -925,22 +925,29 @@ class _SlowsDown(MemoryBackend):
         return MemoryBackend.kvcore_read(self, request)
 
 
-@pytest.mark.parametrize("storage_io", ["host_resident", "staged"])
-def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recompute(
-    storage_io: str,
-) -> None:
+def _stored_32_blocks(backend_cls: type, storage_io: str, seed: int) -> tuple:
+    """A TransferManager over ``backend_cls`` (``storage_io``: its host-resident or staged
+    path) holding 32 blocks written from ``src``, its cache then swapped to an empty ``dst``
+    to read them into: ``(tm, backend, src, dst, keys, ids)``."""
     layout = lay(num_blocks=40)
-    src, dst = cache_of(layout, np.uint16, seed=3), cache_of(layout, np.uint16, fill=False)
-    backend = kvcore.open_backend(_SlowsDown, context={"layout": layout})
+    src, dst = cache_of(layout, np.uint16, seed=seed), cache_of(layout, np.uint16, fill=False)
+    backend = kvcore.open_backend(backend_cls, context={"layout": layout})
     cfg = {"layout": layout, "max_model_len": 32 * 40}
     if storage_io == "staged":
         cfg.update(storage_io="staged", pipeline_blocks=2)
     tm = TransferManager(cfg, src, backend)
+    ks, ids = keys(32, seed=seed), list(range(32))
+    assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": ids}).result().ok
+    tm.restore_caches(dst)
+    return tm, backend, src, dst, ks, ids
+
+
+@pytest.mark.parametrize("storage_io", ["host_resident", "staged"])
+def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recompute(
+    storage_io: str,
+) -> None:
+    tm, backend, src, dst, ks, ids = _stored_32_blocks(_SlowsDown, storage_io, seed=3)
     try:
-        ks = keys(32, seed=3)
-        ids = list(range(32))
-        assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": ids}).result().ok
-        tm.restore_caches(dst)
         # timed by work: the first call is fast, every later one takes twice the whole
         # load's expected time, so the load is behind as soon as a slow span ends
         _SlowsDown.calls, _SlowsDown.fast_calls = 0, 1
@@ -954,7 +961,7 @@ def test_a_load_that_falls_behind_its_estimate_is_cut_and_the_rest_left_to_recom
             assert part_bytes(src, i) == part_bytes(dst, i)
         assert _SlowsDown.calls < 32  # it stopped, not read to the end
         # without an expected time the same slow store is read to the end
-        tm.restore_caches(cache_of(layout, np.uint16, fill=False))
+        tm.restore_caches(cache_of(dst.layout, np.uint16, fill=False))
         _SlowsDown.calls, _SlowsDown.slow_s = 0, 0.0
         whole = tm.read({"task_id": "r2", "keys": ks, "device_block_ids": ids}).result()
         assert (whole.outcome, whole.num_blocks) == ("complete", 32)
@@ -984,17 +991,8 @@ def test_a_load_slower_than_its_break_even_is_cut_where_it_is_not_behind(
     spans in, and what it read is kept, byte for byte. The same load with room to spare reads
     to the end. (Bounded by work: the store takes at least ``per_block_s`` a block, a loaded
     machine only longer, which only makes the load lose sooner.)"""
-    layout = lay(num_blocks=40)
-    src, dst = cache_of(layout, np.uint16, seed=5), cache_of(layout, np.uint16, fill=False)
-    backend = kvcore.open_backend(_Steady, context={"layout": layout})
-    cfg = {"layout": layout, "max_model_len": 32 * 40}
-    if storage_io == "staged":
-        cfg.update(storage_io="staged", pipeline_blocks=2)
-    tm = TransferManager(cfg, src, backend)
+    tm, backend, src, dst, ks, ids = _stored_32_blocks(_Steady, storage_io, seed=5)
     try:
-        ks, ids = keys(32, seed=5), list(range(32))
-        assert tm.write_back({"task_id": "w", "keys": ks, "device_block_ids": ids}).result().ok
-        tm.restore_caches(dst)
         _Steady.per_block_s = 0.005
         at_least = 32 * _Steady.per_block_s  # what the whole load takes at the least
         r = tm.read(
@@ -1011,7 +1009,7 @@ def test_a_load_slower_than_its_break_even_is_cut_where_it_is_not_behind(
         assert r.block_ids == ids[: r.num_blocks]
         for i in r.block_ids:
             assert part_bytes(src, i) == part_bytes(dst, i)
-        tm.restore_caches(cache_of(layout, np.uint16, fill=False))
+        tm.restore_caches(cache_of(dst.layout, np.uint16, fill=False))
         roomy = {"expected_s": 100 * at_least, "break_even_s": 200 * at_least}
         whole = tm.read({"task_id": "r2", "keys": ks, "device_block_ids": ids, **roomy}).result()
         assert (whole.outcome, whole.num_blocks) == ("complete", 32)
