@@ -13,7 +13,10 @@
   (Mooncake answers one of two concurrent puts of a key with -601) waits for it within the
   deadline and counts once the master holds the name whole (``puts_racing_another_writer``):
   two engines, or a stack's background copy and its eviction hand-down, writing one block both
-  get it acknowledged.
+  get it acknowledged. Within one client, a name is put by one thread at a time: two
+  overlapping puts of one name by the same client publish unwritten buffers
+  (:mod:`kv_mooncake.inflight`), so a thread leaves a name another is putting to it and
+  waits for it the same way.
 - Read: ``batch_get_into``; its per-object answers (bytes read, or -704) give the leading run.
 - Segmented host buffers (an object in pieces, one per layer, in the engine's own cache
   blocks): ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, one piece
@@ -76,7 +79,7 @@ from kv_mooncake.codes import (
 from kv_mooncake.companions import COMPANIONS_PER_CALL, CompanionReader
 from kv_mooncake.config import MooncakeConfig
 from kv_mooncake.connect import open_store, prepare_environment
-from kv_mooncake.inflight import PieceBudget, queued_transfers_limit
+from kv_mooncake.inflight import NamesBeingWritten, PieceBudget, queued_transfers_limit
 from kv_mooncake.listing import StoreListing
 from kv_mooncake.observed import ObservedDrops
 from kv_mooncake.regions import RegionTable
@@ -133,6 +136,8 @@ class MooncakeBackend:
         self._inline_after_s = rpc_timeout_s * _INLINE_FACTOR + 0.1
         # calls of concurrent tasks share the transport's queue: never overfill it
         self._pieces = PieceBudget(queued_transfers_limit())
+        #: names this client is putting (one client must never put a name twice at once)
+        self._writing = NamesBeingWritten()
         self._max_call_pieces = min(MAX_BATCH_PIECES, self._pieces.limit)
         self._store: Any = open_store(
             config, context.device_id, lookups_only=context.role == "lookup"
@@ -450,13 +455,25 @@ class MooncakeBackend:
         ]
         for lo in range(0, len(chosen), COMPANIONS_PER_CALL):
             chunk = chosen[lo : lo + COMPANIONS_PER_CALL]
-            code = self._store.upsert_batch(
-                [block_meta.meta_key(keys[i]) for i in chunk],
-                [block_meta.encode(names[i], request.block_meta[i // parts]) for i in chunk],
-                self._replicate,
-            )
+            meta_keys = [block_meta.meta_key(keys[i]) for i in chunk]
+            # a companion another thread of this client is putting is that thread's to store
+            # (the same block, the same metadata): two upserts of one name must not overlap
+            mine = self._writing.claim(meta_keys)
+            if not mine:
+                continue
+            try:
+                code = self._store.upsert_batch(
+                    [meta_keys[j] for j in mine],
+                    [
+                        block_meta.encode(names[chunk[j]], request.block_meta[chunk[j] // parts])
+                        for j in mine
+                    ],
+                    self._replicate,
+                )
+            finally:
+                self._writing.release([meta_keys[j] for j in mine])
             if code != 0:
-                self._counters.add("block_meta_not_stored", len(chunk))
+                self._counters.add("block_meta_not_stored", len(mine))
                 self._warnings.warning(
                     ("block_meta", code),
                     "mooncake: storing block metadata failed with code %d (%s); those blocks "
@@ -572,22 +589,42 @@ class MooncakeBackend:
     def _put(self, keys: list[str], objects: _Objects) -> tuple[list[int], int]:
         """Store ``keys`` (the existence check found none of them stored whole): per key 1
         when stored, else the code; and the bytes moved. See the module docstring for why an
-        upsert."""
-        if objects.pieces is None:
-            results = self._store.batch_upsert_from(
-                keys, objects.ptrs, objects.sizes, config=self._replicate
-            )
-        else:
-            results = self._store.batch_put_from_multi_buffers(
-                keys, objects.ptrs, objects.pieces, config=self._replicate
-            )
-            results = self._confirm_puts(keys, results)
+        upsert. A name another thread of this client is putting is not put again (two puts
+        of one name by one client publish unwritten buffers, see :mod:`kv_mooncake.inflight`):
+        it answers REPLICA_NOT_READY, so the write waits for that put like any other
+        writer's."""
+        mine = self._writing.claim(keys)
+        try:
+            if len(mine) == len(keys):
+                results = self._put_claimed(keys, objects)
+            else:
+                self._counters.add("puts_left_to_another_thread", len(keys) - len(mine))
+                results = [REPLICA_NOT_READY] * len(keys)
+                if mine:
+                    put = self._put_claimed([keys[i] for i in mine], objects.pick(mine))
+                    for i, r in zip(mine, put, strict=True):
+                        results[i] = r
+        finally:
+            self._writing.release([keys[i] for i in mine])
         # -705: another writer stored the same name (hence the same bytes) first; -706: it
         # did, and a reader holds it
         done = [1 if r in (0, ALREADY_EXISTS, HAS_LEASE) else r for r in results]
         return self._racing_puts(keys, done), sum(
             s for r, s in zip(results, objects.sizes, strict=True) if r == 0
         )
+
+    def _put_claimed(self, keys: list[str], objects: _Objects) -> list[int]:
+        """The client's put of names this thread holds: per key its answer."""
+        if objects.pieces is None:
+            return list(
+                self._store.batch_upsert_from(
+                    keys, objects.ptrs, objects.sizes, config=self._replicate
+                )
+            )
+        results = self._store.batch_put_from_multi_buffers(
+            keys, objects.ptrs, objects.pieces, config=self._replicate
+        )
+        return self._confirm_puts(keys, results)
 
     def _racing_puts(self, keys: list[str], done: list[int]) -> list[int]:
         """Keys another writer was putting at the same moment (-601): stored once the master
