@@ -175,6 +175,15 @@ class ReadRate:
             per_byte = self._fit.slope(0, free=after_free_read)
         return None if per_byte is None else per_byte * nbytes
 
+    def extrapolates(self, nbytes: int) -> bool:
+        """Whether an estimate of a read of ``nbytes`` reaches past :data:`EXTRAPOLATION` times
+        the largest read measured lately (then :meth:`estimate_s` lies between the fit and
+        :meth:`bound_s`, a range as wide as the reads left latency and bandwidth unsure)."""
+        with self._lock:
+            largest, when = self._largest
+            recent = self._clock() - when <= 2 * self._half_life_s
+        return not recent or nbytes > EXTRAPOLATION * largest
+
     def tells_apart(self, nbytes: int) -> bool:
         """Whether a read of ``nbytes`` would tell more of latency from bandwidth than the
         reads measured lately: one at least twice the smallest or at most half the largest;

@@ -354,7 +354,7 @@ class LoadDecider:
             if (
                 not short
                 and recompute is not None
-                and unproven()
+                and (unproven() or self._straddles(runs, block_bytes, ask, recompute))
                 and self._second_look_pays(backend, asked, runs, block_bytes, ask, recompute)
             ):
                 self.counters.add("probes_second_look")
@@ -398,6 +398,29 @@ class LoadDecider:
         self.counters.add("probe_blocks", read.blocks)
         return read
 
+    def _straddles(
+        self, runs: Sequence[StoredRun], block_bytes: int, ask: dict[str, int], recompute: float
+    ) -> bool:
+        """Whether the probe's reads left the decision inside their own uncertainty: the load
+        is far larger than any read measured (the estimate extrapolates), loading wins at the
+        estimate but not at the bound (every second measured counted as bandwidth). Reads of
+        one and two blocks on a 121 MB/s link fitted 162 to 201 MB/s (a few milliseconds of
+        timing noise move the slope of two points that much) and had 124-block loads taken at
+        0.53 to 0.60 s that took 0.80 s, against 0.67 s of recomputing; where a third read of
+        four blocks was made, the fit said so and the request recomputed."""
+        run = runs[0]
+        if not run.rate.extrapolates(run.blocks * block_bytes):
+            return False
+        at = self._timeline(self._clock())
+        sized = _Ask(block_bytes, ask["block_tokens"], ask["start_tokens"], ask["prompt_tokens"])
+        options, complete = self._options(runs, sized, at, _estimated)
+        t0 = at.engine_free - at.now + recompute
+        wins = complete and any(
+            ttft is not None and at.cost(ttft, read_s) < t0 * (1 - self.margin)
+            for _, ttft, read_s in options
+        )
+        return wins and self._bounded(runs, sized, at, recompute) is None
+
     def _second_look_pays(
         self,
         backend: Backend,
@@ -407,10 +430,12 @@ class LoadDecider:
         ask: dict[str, int],
         recompute: float,
     ) -> bool:
-        """Whether to read the store once more before recomputing ``unproven``: one read is
-        one sample, and a fast store whose one probe read stalled (20 ms for a read of 0.1 ms:
-        a page fault, a scheduler's delay, another client's burst) would have a long restore
-        recomputed, 3 s on this machine. Worth it only where that read could make loading win
+        """Whether to read the store once more before recomputing ``unproven`` (or before
+        deciding where the reads leave the decision inside their uncertainty,
+        :meth:`_straddles`): one read is one sample, and a fast store whose one probe read
+        stalled (20 ms for a read of 0.1 ms: a page fault, a scheduler's delay, another
+        client's burst) would have a long restore recomputed, 3 s on this machine. Worth it
+        only where that read could make loading win
         (even taking no time at all, :meth:`ReadRate.bound_s` ``after_free_read``) and costs
         at most ``margin`` of the recompute at stake (as long as the reads measured say): a
         slow store, whose next read would take as long as its last, is not read again."""
