@@ -226,6 +226,8 @@ def start_engine(spec: dict[str, Any]) -> Any:
         kwargs["hf_overrides"] = spec["hf_overrides"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("attention_backend"):  # e.g. the reference CPU_MLA where AMX_MLA would win
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("kv_events_endpoint"):
         from vllm.config import KVEventsConfig
 

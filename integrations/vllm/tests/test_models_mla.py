@@ -1,7 +1,9 @@
 """MLA (DeepSeek-V3's latent cache) through the connector on real CPU engines.
 
-A tiny random DeepSeek-V3 (two dense MLA layers, written by the test) runs on vLLM's CPU MLA
-backend, which forces 16-token blocks and turns vLLM's own prefix cache off, so every hit
+A tiny random DeepSeek-V3 (two dense MLA layers, written by the test) runs on vLLM's reference
+CPU MLA backend, asked for by name: on a processor with AMX tiles vLLM would pick AMX_MLA,
+which wants blocks of a multiple of 32 and failed the 16-token engines here. CPU_MLA forces
+16-token blocks and turns vLLM's own prefix cache off, so every hit
 below is the connector's. The latent is the same on every TP rank: one TP rank of each
 pipeline stage stores it, every rank reads it, and the objects are named for no TP degree
 (``r0of1``), so a block written at TP=2 restores at TP=1 and the reverse.
@@ -53,7 +55,7 @@ def test_mla_blocks_are_stored_once_and_restored_across_tp_sizes(
     mla_model: Path, prompts: Prompts, prompt_c: list[int], tmp_path: Path
 ) -> None:
     a, c = prompts.a, prompt_c
-    model = {"model": str(mla_model), "block_size": MLA_BLOCK}
+    model = {"model": str(mla_model), "block_size": MLA_BLOCK, "attention_backend": "CPU_MLA"}
     tp1, tp2 = tmp_path / "tp1", tmp_path / "tp2"
 
     baseline = run_engine(
