@@ -53,6 +53,12 @@ PROFILE_ENV = "KVCORE_PREFILL_PROFILE"
 #: at most this many steps are kept (the newest, by size class)
 MAX_STEPS = 64
 
+#: a step whose time differs from its size class's step on file by more than this share is
+#: written at once: the next engine would estimate that size that far off (a fresh machine's
+#: first long prefill took 0.53 s, later ones 0.30 s; engines that lived less than the save
+#: interval left the 0.53 s on file, and the engines after them loaded where recomputing won)
+DRIFT = 0.25
+
 
 class _Step(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -103,7 +109,8 @@ class PrefillProfile:
 
     :meth:`load` seeds ``rate`` from the file (once, at the engine's start);
     :meth:`step_observed` (after each step the adapter fed ``rate``) writes the file at once
-    when ``rate`` kept a step longer than any the file holds, else at most every
+    when ``rate`` kept a step longer than any the file holds or one whose time moved more than
+    :data:`DRIFT` from its size class's on file, else at most every
     ``save_interval_s`` while it has newer steps; :meth:`save` writes it now (at shutdown).
     Thread-safe; a write happens on the caller's thread (a file of a few KiB).
     """
@@ -125,7 +132,8 @@ class PrefillProfile:
         self.max_age_s = max_age_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._saved: dict[tuple[int, int], float] = {}  # size class -> its step's `at`, on file
+        #: size class -> its step on file (``at``, ``seconds``)
+        self._saved: dict[tuple[int, int], tuple[float, float]] = {}
         self._saved_at = -float("inf")
         self._most_pairs_saved = -1.0
         self._kept_seen = -1  # rate.kept_changes when last looked at
@@ -151,13 +159,15 @@ class PrefillProfile:
         self._kept_seen = changes
         kept = self.rate.kept_steps()
         with self._lock:
-            new = [s for s in kept if self._saved.get(s.size_class, -1.0) < s.at]
+            new = [s for s in kept if self._saved.get(s.size_class, (-1.0, 0.0))[0] < s.at]
             self._pending = bool(new)
             if not new:
                 return
-            # a step longer than any on file is what the next engine lacks most: at once
+            # a step longer than any on file is what the next engine lacks most, and one whose
+            # time moved far from its size's on file corrects what it would estimate: at once
             longer = max(s.pairs for s in new) > self._most_pairs_saved
-            if not longer and self._clock() - self._saved_at < self.save_interval_s:
+            moved = any(self._moved(s) for s in new)
+            if not (longer or moved) and self._clock() - self._saved_at < self.save_interval_s:
                 return
         self.save()
 
@@ -194,9 +204,15 @@ class PrefillProfile:
             self._pending = False
             return True
 
+    def _moved(self, step: PrefillStep) -> bool:
+        """Whether ``step`` took more than :data:`DRIFT` more or less than its size class's
+        step on file (lock held)."""
+        on_file = self._saved.get(step.size_class)
+        return on_file is not None and abs(step.seconds - on_file[1]) > DRIFT * on_file[1]
+
     def _remember(self, steps: list[PrefillStep]) -> None:
         """``steps`` are what the file holds now."""
-        self._saved = {s.size_class: s.at for s in steps}
+        self._saved = {s.size_class: (s.at, s.seconds) for s in steps}
         self._most_pairs_saved = max((s.pairs for s in steps), default=-1.0)
 
     def _read(self) -> list[PrefillStep]:

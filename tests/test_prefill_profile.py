@@ -19,6 +19,7 @@ from kvcore.prefill_profile import (
     MAX_STEPS,
     PROFILE_ENV,
     PrefillProfile,
+    ProfileFile,
     default_profile_dir,
     profile_dir,
 )
@@ -163,6 +164,34 @@ def test_a_longer_step_is_written_at_once_others_at_most_every_interval(tmp_path
     rate.observe_step(warm_engine_s(1, 102), [(1, 102)])
     profile.step_observed()  # nothing new: no write
     assert saved == [1, 3, 4, 6, 7]
+
+
+def test_a_step_far_from_its_size_on_file_is_written_at_once(tmp_path: Path) -> None:
+    """The first engine on a machine prefilled the 4,000-token prompt in 1.8 times what it
+    takes warm (a fresh machine's first long prefill: 0.53 s, later ones 0.30 s, measured in
+    the shaped bench) and wrote it. The engines after it computed that prompt at the warm time,
+    but a step no longer than the file's longest waited for the save interval, and they lived
+    less than that: the file kept 0.53 s, and a later engine estimated a recompute at nearly
+    twice its time and loaded where recomputing won. A step whose time moved more than
+    :data:`DRIFT` from its size's on file is now written at once."""
+    clock = Clock()
+    first = PrefillRate(tokens_per_step=8192, pair_cost=PAIR_COST, clock=clock)
+    first_profile = PrefillProfile(first, tmp_path, IDENTITY, clock=lambda: clock.now)
+    first.observe_step(1.8 * warm_engine_s(4000), [(4000, 0)])
+    first_profile.step_observed()  # longer than anything on file: written
+    clock.now += 5
+
+    second = fresh_rate(clock)
+    second_profile = PrefillProfile(second, tmp_path, IDENTITY, clock=lambda: clock.now)
+    assert second_profile.load() == 1
+    second_profile.step_observed()  # its warm-up's steps: new sizes, written
+    second.observe_step(warm_engine_s(4000), [(4000, 0)])
+    second_profile.step_observed()  # no shutdown save follows: the engine is killed
+    clock.now += 5
+
+    on_file = ProfileFile.model_validate_json(second_profile.path.read_text())
+    long_steps = [step.seconds for step in on_file.steps if step.tokens == 4000]
+    assert long_steps == [pytest.approx(warm_engine_s(4000))], long_steps
 
 
 def test_a_profile_of_another_engine_or_machine_a_corrupt_or_stale_one_is_no_profile(
