@@ -458,10 +458,9 @@ class MooncakeBackend:
             meta_keys = [block_meta.meta_key(keys[i]) for i in chunk]
             # a companion another thread of this client is putting is that thread's to store
             # (the same block, the same metadata): two upserts of one name must not overlap
-            mine = self._writing.claim(meta_keys)
-            if not mine:
-                continue
-            try:
+            with self._writing.held(meta_keys) as mine:
+                if not mine:
+                    continue
                 code = self._store.upsert_batch(
                     [meta_keys[j] for j in mine],
                     [
@@ -470,8 +469,6 @@ class MooncakeBackend:
                     ],
                     self._replicate,
                 )
-            finally:
-                self._writing.release([meta_keys[j] for j in mine])
             if code != 0:
                 self._counters.add("block_meta_not_stored", len(mine))
                 self._warnings.warning(
@@ -593,8 +590,7 @@ class MooncakeBackend:
         of one name by one client publish unwritten buffers, see :mod:`kv_mooncake.inflight`):
         it answers REPLICA_NOT_READY, so the write waits for that put like any other
         writer's."""
-        mine = self._writing.claim(keys)
-        try:
+        with self._writing.held(keys) as mine:
             if len(mine) == len(keys):
                 results = self._put_claimed(keys, objects)
             else:
@@ -604,8 +600,6 @@ class MooncakeBackend:
                     put = self._put_claimed([keys[i] for i in mine], objects.pick(mine))
                     for i, r in zip(mine, put, strict=True):
                         results[i] = r
-        finally:
-            self._writing.release([keys[i] for i in mine])
         # -705: another writer stored the same name (hence the same bytes) first; -706: it
         # did, and a reader holds it
         done = [1 if r in (0, ALREADY_EXISTS, HAS_LEASE) else r for r in results]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = [
     "DEFAULT_QUEUED_TRANSFERS",
@@ -95,6 +97,16 @@ class NamesBeingWritten:
                     self._names.add(key)
                     mine.append(i)
         return mine
+
+    @contextmanager
+    def held(self, keys: list[str]) -> Iterator[list[int]]:
+        """:meth:`claim` for the block's duration: the indices of ``keys`` this thread holds,
+        released when it ends."""
+        mine = self.claim(keys)
+        try:
+            yield mine
+        finally:
+            self.release([keys[i] for i in mine])
 
     def release(self, keys: list[str]) -> None:
         with self._lock:
