@@ -25,6 +25,11 @@ better of the other two per repetition (goal <= 1.10 at every rate), whether ``a
   after the warm-up ends (the stored prompt's load under way); TTFT of ``auto`` (which cuts a
   load behind its estimate) and ``always`` over recompute (goal for ``auto`` <= 1.25).
 
+- **storing** (at the slowest rate, where a save takes longest): three new prompts one after
+  the other, each computed while the blocks of the ones before are still being stored; mean
+  TTFT of the second and third, ``auto`` over recompute (goal <= 1.10: storing costs the
+  engine's compute nothing). Every engine gets prompts of its own, so each stores them anew.
+
 Both rates are measured in the same run, not fixed: where the machine prefills faster, the
 crossover moves to faster links (about 490 Mbit/s where recomputing the 4,000-token prompt took
 1.6 s, about 1.3 Gbit/s where it took 0.66 s), and a fixed slowdown rate can fall where loading
@@ -85,6 +90,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--slowdown-after-s", type=float, default=0.3)
     ap.add_argument(
+        "--storing-rate",
+        default="slowest",
+        help="storing: Mbit/s, or 'slowest' (the slowest of --rates: the longest saves)",
+    )
+    ap.add_argument(
         "--shaped-never",
         action="store_true",
         help="shaped: also an arm with the connector that never loads (its own cost, without "
@@ -98,7 +108,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--shaped-parts",
-        default="rates,together,slowdown",
+        default="rates,together,slowdown,storing",
         help="shaped: which of its parts to run (comma-separated)",
     )
 
@@ -191,6 +201,10 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
                 slowdown=slow,
             )
             _report_slowdown(report, int(slowdown_rate), res)
+        if "storing" in parts:
+            storing_rate = _storing_rate(args.storing_rate, rates)
+            tc(storing_rate)
+            _storing(args, base, arms, warm, workdir, report, int(storing_rate))
         tc(None)
     return "; ".join(notes) or (
         f"measured: one master and a 2 GiB storage node on 127.0.0.1 in a private loopback-only "
@@ -236,6 +250,56 @@ def _slowdown_rate(setting: str, rates: list[float]) -> float:
     if setting != "fastest":
         return float(setting)
     return max(rates, default=2000.0)
+
+
+def _storing_rate(setting: str, rates: list[float]) -> float:
+    """The storing part's rate: a number as given, else the slowest of ``rates`` (490)."""
+    if setting != "slowest":
+        return float(setting)
+    return min(rates, default=490.0)
+
+
+#: new prompts per engine in the storing part: the second and later are computed while the
+#: blocks of those before them are being stored
+STORING_PROMPTS = 3
+
+
+def _storing(
+    args: argparse.Namespace,
+    base: dict[str, Any],
+    arms: dict[str, dict[str, Any] | None],
+    warm: dict[str, Any],
+    workdir: Path,
+    report: Report,
+    rate: int,
+) -> None:
+    """The storing part (see the module docstring): per engine, the mean TTFT of the prompts
+    computed while earlier prompts' blocks were being stored."""
+    vocab = SHAPED_MODEL["vocab_size"]
+    ttft: dict[str, list[float]] = {"recompute": [], "auto": []}
+    saved: list[float] = []
+    for rep in range(args.reps):
+        for name in ("recompute", "auto") if rep % 2 == 0 else ("auto", "recompute"):
+            rng = random.Random(f"storing-{rep}-{name}")  # new to the store: each is saved
+            prompts = [
+                [rng.randrange(1, vocab) for _ in range(args.shaped_tokens)]
+                for _ in range(STORING_PROMPTS)
+            ]
+            steps = [warm, *(_gen(f"new{i}", [p]) for i, p in enumerate(prompts))]
+            runs = _engine(base, arms[name], steps, workdir, f"shaped-storing-{name}-{rep}")
+            later = [runs.step(f"new{i}")["ttft_s"][0] for i in range(1, STORING_PROMPTS)]
+            ttft[name].append(statistics.fmean(later))
+            if name == "auto":
+                stats = runs.step("stats").get("metrics", {})
+                saved.append(stats.get("save_written_blocks", 0.0))
+    tag = f"storing_{rate}mbit"
+    for name, values in ttft.items():
+        report.figure(f"shaped_{tag}_ttft_{name}_s", values, "s")
+    report.ratio(f"shaped_{tag}_auto_vs_recompute", ttft["auto"], ttft["recompute"], goal="<= 1.10")
+    report.notes[f"shaped_{tag}"] = {
+        "prompts_per_engine": STORING_PROMPTS,
+        "auto_blocks_written_by_the_stats_step": saved,
+    }
 
 
 def _gen(name: str, prompts: list[list[int]]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from vllm_shaped import _slowdown_rate, _together_rate, crossover_rate
+from vllm_shaped import _slowdown_rate, _storing_rate, _together_rate, crossover_rate
 
 #: always / recompute TTFT medians measured in session 70 (the 4,000-token prompt, 0.66 s to
 #: recompute): the crossover lies between 1 and 2 Gbit/s
@@ -52,3 +52,10 @@ def test_the_slowdown_rate_is_the_fastest_measured_unless_set() -> None:
     assert _slowdown_rate("fastest", [120, 2000, 490]) == 2000
     assert _slowdown_rate("fastest", []) == 2000.0
     assert _slowdown_rate("1000", [120, 2000]) == 1000.0
+
+
+def test_the_storing_rate_is_the_slowest_measured_unless_set() -> None:
+    """Where a save takes longest, the most compute runs beside it."""
+    assert _storing_rate("slowest", [2000, 240, 490]) == 240
+    assert _storing_rate("slowest", []) == 490.0
+    assert _storing_rate("1000", [120, 2000]) == 1000.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -128,6 +129,40 @@ def test_a_backends_own_pools_leave_the_pinning_too(tmp_path):
         finally:
             tm.close()
             backend.close()
+
+
+needs_thread_nice = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's"
+)
+
+
+def _priority_in(pool) -> tuple[int, int]:
+    """(the nice value of a thread of ``pool``, that thread's id)."""
+    return pool.submit(
+        lambda: (
+            os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+            threading.get_native_id(),
+        )
+    ).result()
+
+
+@needs_thread_nice
+def test_a_background_pool_runs_at_the_lowest_priority_and_leaves_its_caller_alone():
+    """For threads that only wait on work done elsewhere (a client that polls a transfer):
+    they get a core when no thread at the default priority wants it. The caller's priority,
+    and an ordinary pool's, stay what they were."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    background = threads.thread_pool(1, "test-background", background=True)
+    ordinary = threads.thread_pool(1, "test-ordinary")
+    try:
+        nice, tid = _priority_in(background)
+        assert nice == threads.BACKGROUND_NICE
+        assert tid != threading.get_native_id()
+        assert _priority_in(ordinary)[0] == mine
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    finally:
+        background.shutdown()
+        ordinary.shutdown()
 
 
 @needs_two_cores

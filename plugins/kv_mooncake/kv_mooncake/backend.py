@@ -82,6 +82,7 @@ from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.inflight import NamesBeingWritten, PieceBudget, queued_transfers_limit
 from kv_mooncake.listing import StoreListing
 from kv_mooncake.observed import ObservedDrops
+from kv_mooncake.puts import BackgroundPuts
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
 from kv_mooncake.watch import StoreWatch
@@ -150,6 +151,8 @@ class MooncakeBackend:
         self._counters = kvcore.Counters()
         self._warnings = kvcore.OnceLogger(log)
         self._probes = thread_pool(PROBE_WORKERS, "kv-mooncake-probe")
+        #: every put is made from here: the client polls a transfer until it ends
+        self._puts = BackgroundPuts()
         #: what this client stored, to report an eviction when it finds one gone
         self._drops = ObservedDrops(frozenset((0, NOT_FOUND)))  # batch_is_exist: 0 absent
         listing_url = config.master_url("/get_all_keys")
@@ -418,7 +421,7 @@ class MooncakeBackend:
         # segments, buffers and threads) is freed once its close returns, not whenever the
         # cyclic garbage collector next runs (16 opens and closes kept 250 MB before)
         self._regions = RegionTable(_closed_register, _closed_unregister)
-        _close_store(store, self._probes, self.config.close_timeout_s)
+        _close_store(store, self._probes, self._puts, self.config.close_timeout_s)
 
     # -- Mooncake calls ----------------------------------------------------------------------
 
@@ -461,7 +464,8 @@ class MooncakeBackend:
             with self._writing.held(meta_keys) as mine:
                 if not mine:
                     continue
-                code = self._store.upsert_batch(
+                code = self._puts.call(
+                    self._store.upsert_batch,
                     [meta_keys[j] for j in mine],
                     [
                         block_meta.encode(names[chunk[j]], request.block_meta[chunk[j] // parts])
@@ -611,12 +615,20 @@ class MooncakeBackend:
         """The client's put of names this thread holds: per key its answer."""
         if objects.pieces is None:
             return list(
-                self._store.batch_upsert_from(
-                    keys, objects.ptrs, objects.sizes, config=self._replicate
+                self._puts.call(
+                    self._store.batch_upsert_from,
+                    keys,
+                    objects.ptrs,
+                    objects.sizes,
+                    config=self._replicate,
                 )
             )
-        results = self._store.batch_put_from_multi_buffers(
-            keys, objects.ptrs, objects.pieces, config=self._replicate
+        results = self._puts.call(
+            self._store.batch_put_from_multi_buffers,
+            keys,
+            objects.ptrs,
+            objects.pieces,
+            config=self._replicate,
         )
         return self._confirm_puts(keys, results)
 
@@ -837,20 +849,23 @@ _closing: list[threading.Thread] = []
 _CLOSE_AT_EXIT_S = 30.0
 
 
-def _close_store(store: Any, probes: ThreadPoolExecutor, wait_s: float) -> None:
+def _close_store(
+    store: Any, probes: ThreadPoolExecutor, puts: BackgroundPuts, wait_s: float
+) -> None:
     """Close a client, waiting at most ``wait_s`` (it takes 1-3 s, ~20 s after the master
     died); the rest happens on a thread that interpreter exit waits for."""
-    thread = start_thread(_quiet_close, "kv-mooncake-close", args=(store, probes))
+    thread = start_thread(_quiet_close, "kv-mooncake-close", args=(store, probes, puts))
     thread.join(wait_s)
     if thread.is_alive():
         _closing[:] = [t for t in _closing if t.is_alive()]
         _closing.append(thread)
 
 
-def _quiet_close(store: Any, probes: ThreadPoolExecutor) -> None:
+def _quiet_close(store: Any, probes: ThreadPoolExecutor, puts: BackgroundPuts) -> None:
     # abandoned existence checks may still be inside the client: let them end (each within
-    # MC_RPC_TIMEOUT_MS) before the client goes away under them
+    # MC_RPC_TIMEOUT_MS) before the client goes away under them; puts under way too
     probes.shutdown(wait=True, cancel_futures=True)
+    puts.close()
     try:
         store.close()
     except Exception:  # closing must never raise into the engine
