@@ -57,7 +57,9 @@ from kvcore.requests import BlockRequest
 from kvcore.store_probe import (
     PROBE_BUDGET_S,
     PROBE_BYTES,
+    PROBE_SHARE,
     ProbeRead,
+    probe_budget_s,
     probe_first_bytes,
     probe_read,
     probe_repeats,
@@ -70,6 +72,7 @@ __all__ = [
     "PACE_SLOWDOWN",
     "PROBE_BUDGET_S",
     "PROBE_BYTES",
+    "PROBE_SHARE",
     "SPAN_S",
     "LoadChoice",
     "LoadDecider",
@@ -78,6 +81,7 @@ __all__ = [
     "ProbeRead",
     "StoredRun",
     "check_load_policy",
+    "probe_budget_s",
     "probe_read",
 ]
 
@@ -337,11 +341,14 @@ class LoadDecider:
         if probe is not None and self.needs_probe(runs, block_bytes, policy, **ask):
             asked = probe if probe.num_blocks <= found else probe.slice(0, found)
             recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
+            probing_since = time.monotonic()  # as the probe times its reads
             read, short, repeats = 0, False, probe_repeats(backend, asked)
             if repeats:  # its one affordable read would repeat what the decision stands on
                 self.counters.add("probes_skipped")
             else:
-                read, short = self._probe(backend, asked, runs, block_bytes, policy, ask)
+                read, short = self._probe(
+                    backend, asked, runs, block_bytes, policy, ask, PROBE_BUDGET_S
+                )
 
             def unproven() -> bool:
                 return bool(
@@ -351,14 +358,16 @@ class LoadDecider:
                     and self.needs_probe(runs, block_bytes, policy, **ask)
                 )
 
+            # what the whole probe may still spend (its first reads took part of it)
+            left = probe_budget_s(recompute) - (time.monotonic() - probing_since)
             if (
                 not short
                 and recompute is not None
                 and (unproven() or self._straddles(runs, block_bytes, ask, recompute))
-                and self._second_look_pays(backend, asked, runs, block_bytes, ask, recompute)
+                and self._second_look_pays(backend, asked, runs, block_bytes, ask, recompute, left)
             ):
                 self.counters.add("probes_second_look")
-                read, short = self._probe(backend, asked, runs, block_bytes, policy, ask)
+                read, short = self._probe(backend, asked, runs, block_bytes, policy, ask, left)
             if short:
                 # the run the lookup saw ends where a read came back short (a block removed
                 # since, corrupt, or the store failing): only what was read is worth deciding
@@ -389,10 +398,15 @@ class LoadDecider:
         block_bytes: int,
         policy: LoadPolicy | None,
         ask: dict[str, int],
+        budget_s: float,
     ) -> ProbeRead:
-        """One :func:`probe_read` of ``asked``, stopped once the decision is informed."""
+        """One :func:`probe_read` of ``asked`` within ``budget_s``, stopped once the decision
+        is informed."""
         read = probe_read(
-            backend, asked, enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask)
+            backend,
+            asked,
+            budget_s=budget_s,
+            enough=lambda: not self.needs_probe(runs, block_bytes, policy, **ask),
         )
         self.counters.add("probes")
         self.counters.add("probe_blocks", read.blocks)
@@ -429,6 +443,7 @@ class LoadDecider:
         block_bytes: int,
         ask: dict[str, int],
         recompute: float,
+        budget_s: float,
     ) -> bool:
         """Whether to read the store once more before recomputing ``unproven`` (or before
         deciding where the reads leave the decision inside their uncertainty,
@@ -436,12 +451,12 @@ class LoadDecider:
         stalled (20 ms for a read of 0.1 ms: a page fault, a scheduler's delay, another
         client's burst) would have a long restore recomputed, 3 s on this machine. Worth it
         only where that read could make loading win
-        (even taking no time at all, :meth:`ReadRate.bound_s` ``after_free_read``) and costs
-        at most ``margin`` of the recompute at stake (as long as the reads measured say): a
+        (even taking no time at all, :meth:`ReadRate.bound_s` ``after_free_read``) and fits in
+        what is left of the probe's budget, ``budget_s`` (as long as the reads measured say): a
         slow store, whose next read would take as long as its last, is not read again."""
-        first = probe_first_bytes(backend, asked)
+        first = probe_first_bytes(backend, asked, budget_s=max(0.0, budget_s))
         cost = backend.read_rate.estimate_s(first) if first else None
-        if cost is None or cost > self.margin * recompute:
+        if cost is None or cost > budget_s:
             return False
         at = self._timeline(self._clock())
         sized = _Ask(block_bytes, ask["block_tokens"], ask["start_tokens"], ask["prompt_tokens"])

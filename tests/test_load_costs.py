@@ -32,7 +32,7 @@ from kvcore.load_costs import (
     probe_read,
 )
 from kvcore.load_pace import JUDGE_SPANS, LOSING_MARGIN, SPAN_S, SPAN_SHARE
-from kvcore.store_probe import probe_repeats
+from kvcore.store_probe import PROBE_SHARE, probe_repeats
 from kvcore.transfer import TransferManager
 
 
@@ -546,6 +546,42 @@ def test_one_stalled_probe_read_is_looked_at_again_before_a_restore_is_recompute
         assert (choice.why, choice.blocks, choice.found) == (why, 188 if looks else 0, 188)
         assert counts.get("probes_second_look", 0) == looks
         assert counts["probes"] == 1 + looks
+
+
+def test_a_second_look_is_made_only_within_a_share_of_the_recompute_at_stake() -> None:
+    """The same stalled first read (90 ms) before a recompute of about 2.4 s: the probe has
+    spent 3.75 % of it, and a second read expected to take as long would take the whole probe
+    past 5 % (``PROBE_SHARE``): the request recomputes, unproven, as a slow store's does. A
+    probe is paid on every decision, the ones that recompute included: where a 4,000-token
+    prompt recomputed in 0.30 s, reads of two and then four blocks on a 1 Gbit/s link took
+    25-50 ms to decide to recompute. Before, a second look was made whenever it alone cost at
+    most the margin (5 %) of the recompute."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    class Store(_StallsOnce):
+        pass
+
+    Store.stall_on, Store.stall_s = 1, 0.09
+    clock = Clock()
+    decider = LoadDecider(prefill_of(500.0, clock), clock=clock)
+    prompt = 1200  # about 2.4 s to recompute at 500 tokens/s
+    recompute = decider.prefill.estimate_s(prompt, 0)
+    assert recompute is not None and 0.09 < PROBE_SHARE * recompute < 0.18
+    with kvcore.open_backend(Store, context={"namespace": "stall-share"}) as backend:
+        host = _Buffers(37, fill=3).host()
+        written = backend.request("w", _keys(37), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 37
+        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
+                              part_bytes=(SIZE,))  # fmt: skip
+        assert backend.read(one) == 1  # the client's first read: its setup, not a sample
+        Store.calls = 0
+        bare = backend.request("p", _keys(37), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0}
+        choice = decider.decide_over(backend, 37, probe=bare, prompt_tokens=prompt, **ask)
+        counts = decider.counters.snapshot()
+        assert (choice.why, choice.blocks) == ("unproven", 0), (choice, counts)
+        assert counts.get("probes_second_look", 0) == 0
+        assert counts["probes"] == 1 and counts["probe_blocks"] == 1
 
 
 class _SmallReadsFlatter(MemoryBackend):
