@@ -391,7 +391,8 @@ class MooncakeBackend:
         keys = [f"kvcore-raw-baseline-{tag}-{i}" for i in range(n)]
         ptrs = [ptr + i * object_nbytes for i in range(n)]
         sizes = [object_nbytes] * n
-        pinned, _ = self._regions.pin([(ptr, ptr + n * object_nbytes)])
+        regions = self._regions
+        pinned, _ = regions.pin([(ptr, ptr + n * object_nbytes)])
         try:
             t0 = time.perf_counter()
             put = self._store.batch_put_from(keys, ptrs, sizes)
@@ -399,7 +400,7 @@ class MooncakeBackend:
             got = self._store.batch_get_into(keys, ptrs, sizes)
             t2 = time.perf_counter()
         finally:
-            self._regions.unpin(pinned)
+            regions.unpin(pinned)
             self._store.batch_remove(keys, True)  # leave nothing behind in the cluster
         gb = n * object_nbytes / 1e9  # GB/s are 10^9 bytes per second in every kvcore figure
         out: dict[str, float] = {}
@@ -669,7 +670,9 @@ class MooncakeBackend:
         and the failing code that stopped it (None: a miss or the deadline)."""
         ok = [False] * len(keys)
         code = None
-        pinned, unregistered = self._regions.pin(objects.spans())
+        # the table pinned in, not self._regions at the end: a close meanwhile replaces it
+        regions = self._regions
+        pinned, unregistered = regions.pin(objects.spans())
         self._counters.add("unregistered_spans", unregistered)
         try:
             for lo, hi in _chunks(
@@ -682,7 +685,7 @@ class MooncakeBackend:
                 if not done:
                     break
         finally:
-            self._regions.unpin(pinned)
+            regions.unpin(pinned)
         return ok, code
 
     def _transfer_chunk(

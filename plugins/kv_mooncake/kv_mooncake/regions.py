@@ -99,13 +99,18 @@ class RegionTable:
         return pinned, unregistered
 
     def unpin(self, pinned: list[_Region]) -> None:
+        """Release what :meth:`pin` returned. A region :meth:`clear` forgot meanwhile (the
+        client closed while the call was in flight: a tier stack abandons a call at its
+        deadline and may close before it returns) is left to the closing client."""
         with self._lock:
             for region in pinned:
                 region.users -= 1
                 if region.users == 0:
                     i = bisect.bisect_left(self._starts, region.start)
-                    while self._regions[i] is not region:
+                    while i < len(self._regions) and self._regions[i] is not region:
                         i += 1
+                    if i == len(self._regions):
+                        continue
                     del self._starts[i], self._regions[i]
                     self.unregister(region.start)
 
