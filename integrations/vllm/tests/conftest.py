@@ -176,8 +176,18 @@ def model_dir() -> Path:
 
 
 def run_engine(spec: dict[str, Any], workdir: Path, label: str) -> EngineRun:
-    """Run one engine process over ``spec``; a failure fails the test with the log's tail."""
+    """Run one engine process over ``spec``; a failure fails the test with the log's tail.
+
+    The engine core runs inside the session's process unless the spec names an ``executor``
+    or sets ``in_process``. vLLM's default layout on a CPU (the engine core and a worker in
+    two more processes: the scheduler's and the worker's connector apart, their metadata
+    crossing a process boundary, as in production) is what the tests that name ``"executor":
+    "mp"`` run (test_engine's stores and restores, tensor parallelism, MLA, TP-agnostic
+    restores). Elsewhere the two more processes cost ~20 s per engine (each imports vLLM
+    again: 37-41 s per engine against 18-19 s here) and test nothing more."""
     spec = {"block_size": BLOCK_SIZE, "sys_path": [str(HERE)], **spec}
+    if "executor" not in spec:
+        spec.setdefault("in_process", True)
     try:
         return run_in_subprocess(spec, workdir, label, timeout_s=ENGINE_TIMEOUT_S)
     except RuntimeError as exc:
