@@ -175,9 +175,11 @@ def test_the_deadline_thread_survives_an_error_and_keeps_enforcing():
 
 
 class _Hangs(MemoryBackend):
+    hang_s = 4.0
+
     @hookimpl
     def kvcore_read(self, request):
-        time.sleep(1.5)
+        time.sleep(self.hang_s)
         return 0
 
 
@@ -192,7 +194,8 @@ def test_a_hanging_backend_is_answered_at_the_deadline_after_a_huge_timeout_else
         timeout=10
     )
     assert r.deadline_missed and r.outcome == "deadline"
-    assert time.monotonic() - t0 < 1.2
+    # (half the hang: a busy machine's lateness is not the answer waiting for the hang)
+    assert time.monotonic() - t0 < _Hangs.hang_s / 2
     assert big.result(timeout=10).num_blocks == 0
     close(tm)
 

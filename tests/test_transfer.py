@@ -714,7 +714,7 @@ def test_close_never_hangs_on_a_stuck_backend_and_frees_nothing_in_use():
     time.sleep(0.1)
     t0 = time.monotonic()
     tm.close(timeout_s=0.3)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0  # half the stuck read's 10 s: not waiting for it
     assert fut.result(timeout=1).error == "the transfer manager closed while the task ran"
     release.set()  # the stuck call now writes into its staging buffer: still allocated
     time.sleep(0.3)

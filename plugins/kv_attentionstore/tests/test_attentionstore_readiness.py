@@ -27,7 +27,7 @@ def test_open_gives_up_after_the_readiness_timeout(open_as: Callable[..., Harnes
     with pytest.raises(SdkNotReadyError, match="AS_READINESS_TIMEOUT_S"):
         open_as({"readiness_timeout_s": 0.3, "readiness_poll_s": 0.02})
     elapsed = time.monotonic() - t0
-    assert 0.3 <= elapsed < 1.5
+    assert 0.3 <= elapsed < 5.0  # (never ready: without the timeout the wait has no end)
     assert len(control.calls("match")) > 3
 
 
@@ -49,7 +49,7 @@ def test_other_errors_fail_the_open_at_once(open_as: Callable[..., Harness]) -> 
     t0 = time.monotonic()
     with pytest.raises(SdkStartError, match="namespace unknown"):
         open_as({"readiness_timeout_s": 30})
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # not the readiness timeout's 30 s
     assert len(control.calls("match")) == 1
 
 
@@ -66,4 +66,4 @@ def test_the_wait_never_sleeps_past_the_readiness_timeout(
     t0 = time.monotonic()
     with pytest.raises(SdkNotReadyError):
         open_as({"readiness_timeout_s": 0.2, "readiness_poll_s": 5.0})
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.5  # half the 5 s poll: the timeout cut the sleep

@@ -105,7 +105,7 @@ def test_slow_read_returns_by_the_deadline(harness: Harness) -> None:
     control.faults().delay_s = 30
     t0 = time.monotonic()
     assert harness.read(seq, timeout_s=0.2)[0] == 0
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 5.0  # far from the SDK's 30 s, whatever else the machine runs
 
 
 def test_expired_deadline_makes_no_sdk_call(harness: Harness) -> None:

@@ -181,7 +181,7 @@ def test_faults_not_ready_fail_and_slow() -> None:
     t0 = time.monotonic()
     with pytest.raises(AttentionStoreSDKError, match="timed out"):
         sdk.match(tokens, 0, 0.1)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.5  # half the 5 s delay: the timeout ended it
 
 
 def test_bad_arguments_are_sdk_errors() -> None:

@@ -136,7 +136,7 @@ def test_slow_sdk_write_returns_by_the_deadline(harness: Harness) -> None:
     control.faults().delay_s = 30
     t0 = time.monotonic()
     assert harness.write(seq, timeout_s=0.2) == 0
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 5.0  # far from the SDK's 30 s, whatever else the machine runs
     control.faults().delay_s = 0
     assert harness.query(seq) == 0
 

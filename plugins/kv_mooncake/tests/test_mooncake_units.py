@@ -260,7 +260,7 @@ def test_the_piece_budget_admits_what_fits_and_times_out_otherwise() -> None:
     assert budget.acquire(6, 0.0) and budget.acquire(4, 0.0)
     t0 = time.monotonic()
     assert not budget.acquire(1, 0.05), "full: waits, then gives up at the timeout"
-    assert 0.04 < time.monotonic() - t0 < 1.0
+    assert 0.04 < time.monotonic() - t0 < 5.0  # (nobody releases: without the timeout, forever)
     budget.release(4)
     assert budget.acquire(50, 0.0) is False  # clamped to the limit (10), and 6 are taken
     budget.release(6)
