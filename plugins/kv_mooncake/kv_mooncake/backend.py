@@ -53,6 +53,7 @@ deadline checked between chunks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -244,18 +245,26 @@ class MooncakeBackend:
         todo = [i for i, present in enumerate(stored) if not present]
         self._counters.add("objects_skipped", len(keys) - len(todo))
         code = None
-        if todo:
-            if request.block_meta is not None:
-                self._write_companions(request, names, keys, todo)
-            ok, code = self._transfer("write", [keys[i] for i in todo], objects.pick(todo), request)
-            for i, good in zip(todo, ok, strict=True):
-                stored[i] = good
-        done = leading_run(stored, parts)
-        self._drops.stored(names[: done * parts])
-        if self._watch is not None and self._watch.active:
-            landed = [i for i, good in enumerate(stored) if good]
-            self._watch.stored([names[i] for i in landed], [objects.sizes[i] for i in landed])
+        with self._changing(names):
+            if todo:
+                if request.block_meta is not None:
+                    self._write_companions(request, names, keys, todo)
+                todo_keys = [keys[i] for i in todo]
+                ok, code = self._transfer("write", todo_keys, objects.pick(todo), request)
+                for i, good in zip(todo, ok, strict=True):
+                    stored[i] = good
+            done = leading_run(stored, parts)
+            self._drops.stored(names[: done * parts])
+            if self._watch is not None and self._watch.active:
+                landed = [i for i, good in enumerate(stored) if good]
+                self._watch.stored([names[i] for i in landed], [objects.sizes[i] for i in landed])
         return _answer(done, code, objects.call("batch_put_from"))
+
+    def _changing(self, names: Sequence[str]) -> contextlib.AbstractContextManager[None]:
+        """While this client changes ``names`` (see :meth:`StoreWatch.changing`)."""
+        if self._watch is None or not self._watch.active:
+            return contextlib.nullcontext()
+        return self._watch.changing(names)
 
     @kvcore.hookimpl
     def kvcore_remove(self, request: BlockRequest) -> int:
@@ -266,18 +275,19 @@ class MooncakeBackend:
             return 0
         parts = len(request.parts)
         keys = self._keys(request)
-        codes = self._master_call(
-            lambda ks: self._store.batch_remove(ks, self.config.force_remove), keys, request
-        )
-        if not isinstance(codes, list):
-            return codes
         names = _names(request)
-        self._drops.forgotten(names)
-        self._remove_companions(keys, parts)
-        if self._watch is not None and self._watch.active:
-            self._watch.removed(
-                [n for n, c in zip(names, codes, strict=True) if c in (0, NOT_FOUND)]
+        with self._changing(names):
+            codes = self._master_call(
+                lambda ks: self._store.batch_remove(ks, self.config.force_remove), keys, request
             )
+            if not isinstance(codes, list):
+                return codes
+            self._drops.forgotten(names)
+            self._remove_companions(keys, parts)
+            if self._watch is not None and self._watch.active:
+                self._watch.removed(
+                    [n for n, c in zip(names, codes, strict=True) if c in (0, NOT_FOUND)]
+                )
         removed = sum(
             any(c == 0 for c in codes[i * parts : (i + 1) * parts])
             for i in range(request.num_blocks)

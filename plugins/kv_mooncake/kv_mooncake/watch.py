@@ -16,16 +16,21 @@ the interval stretches to five times the last listing's duration: following a la
 costs at most a fifth of a core, and its changes arrive later (100,000 keys: about 0.6 s).
 
 Names this client touched while a listing was in flight are left to the next round (the
-listing may predate the change), and a round during which this client cleared the namespace
-is not compared at all.
+listing may predate the change), and so are names whose change this client is making
+(:meth:`StoreWatch.changing`: a listing taken between the store's answer and the change's own
+report would take it for another client's, and the report, finding it known, would say
+nothing: seen on a busy machine as a local removal reported as a peer's). A round during which
+this client cleared the namespace is not compared at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import kvcore
@@ -60,6 +65,7 @@ class StoreWatch:
         self._known: set[str] = set()
         self._seeded = False
         self._touched: set[str] | None = None  # names changed here during a listing
+        self._changing: Counter[str] = Counter()  # names whose change here is under way
         self._cleared_during = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -95,6 +101,20 @@ class StoreWatch:
         return self._report is not None
 
     # -- this client's changes ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def changing(self, names: Collection[str]) -> Iterator[None]:
+        """Around a change of ``names`` in the store and its report (:meth:`stored`,
+        :meth:`removed`): no listing round reports them meanwhile (see the module docstring)."""
+        with self._lock:
+            self._changing.update(names)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._changing.subtract(names)
+                self._changing = +self._changing  # drop the names no change holds any more
+                self._touch(names)
 
     def stored(self, names: Sequence[str], sizes: Sequence[int]) -> None:
         with self._lock:
@@ -172,8 +192,9 @@ class StoreWatch:
                 return took
             if self._cleared_during:
                 return took  # the listing may hold what the clear removed: next round
-            added = [n for n in listed - self._known if n not in touched]
-            gone = [n for n in self._known - listed if n not in touched]
+            skip = touched | self._changing.keys()
+            added = [n for n in listed - self._known if n not in skip]
+            gone = [n for n in self._known - listed if n not in skip]
             self._known.update(added)
             self._known.difference_update(gone)
             if added:
