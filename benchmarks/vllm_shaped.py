@@ -24,7 +24,10 @@ better of the other two per repetition (goal <= 1.10 at every rate), whether ``a
   mean TTFT of ``auto`` over the better of ``always`` and recompute (goal <= 1.10).
 - **slowdown** (at a rate where loading wins): the link drops tenfold ``--slowdown-after-s``
   after the warm-up ends (the stored prompt's load under way); TTFT of ``auto`` (which cuts a
-  load behind its estimate) and ``always`` over recompute (goal for ``auto`` <= 1.25).
+  load behind its estimate) and ``always`` over recompute (goal for ``auto`` <= 1.25). The
+  moment is measured too (a third of the ``always`` arm's TTFT at that rate), and ``always``
+  slowed by the cut against its own run without it shows the cut landed inside the loads
+  (flagged where it did not: the arm then measured no slowdown).
 
 - **storing** (at the slowest rate, where a save takes longest): three new prompts one after
   the other, each computed while the blocks of the ones before are still being stored; mean
@@ -37,14 +40,13 @@ crossover moves to faster links (about 490 Mbit/s where recomputing the 4,000-to
 loses, so that a right decision starts no load to slow down. ``--together-rate crossover`` (the
 default) is where ``always`` and recompute cross over ``--rates`` (interpolated in log-rate
 between the two rates around it); ``--slowdown-rate fastest`` (the default) the fastest rate
-of ``--rates``. A number sets either; without the rates part, the defaults are 490 and 2000.
+of ``--rates``. A number sets either; without the rates part, the defaults are 490 and 2000
+(:mod:`shaped_rates`).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import random
 import statistics
 import threading
@@ -53,6 +55,13 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import Report
+from shaped_rates import (
+    SLOWDOWN_SEEN,
+    slowdown_after_s,
+    slowdown_rate,
+    storing_rate,
+    together_rate,
+)
 
 #: the random models of this part, both with 24 KiB of KV per token (6 layers, 8 KV heads of
 #: 128), as in the issue's measurements. ``light`` (hidden 256, MLP 512) is the issue's model:
@@ -104,7 +113,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         default="fastest",
         help="slowdown: Mbit/s, or 'fastest' (the fastest of --rates: where loading wins)",
     )
-    ap.add_argument("--slowdown-after-s", type=float, default=0.3)
+    ap.add_argument(
+        "--slowdown-after-s",
+        default="measured",
+        help="slowdown: seconds after the warm-up's answer to cut the link tenfold, or "
+        "'measured' (a third of the always arm's TTFT at that rate in the rates part: the cut "
+        "then lands inside the load on any machine; 0.3 s without the rates part)",
+    )
     ap.add_argument(
         "--storing-rate",
         default="slowest",
@@ -190,9 +205,9 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
             _report_rate(report, f"{int(rate)}mbit", res)
             measured[rate] = res
         if "together" in parts:
-            together_rate, why = _together_rate(args.together_rate, measured)
+            rate_together, why = together_rate(args.together_rate, measured)
             report.notes["shaped_together_rate"] = why
-            tc(together_rate)
+            tc(rate_together)
             steps = [warm, _gen("four", together)]
             # the engine core in this process: the four requests reach vLLM's scheduler before
             # its first step, as arriving together means. With the core in its own process
@@ -201,11 +216,13 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
             # 0.42/0.42/0.81/0.81 s), as much as the goal's margin
             together_base = {**base, "in_process": True}
             res = _compare(args, together_base, arms, steps, workdir, "together", reference, "four")
-            _report_rate(report, f"together_{int(together_rate)}mbit", res, mean=True)
+            _report_rate(report, f"together_{int(rate_together)}mbit", res, mean=True)
         if "slowdown" in parts:
-            slowdown_rate = _slowdown_rate(args.slowdown_rate, rates)
-            tc(slowdown_rate)
-            slow = (slowdown_rate, args.slowdown_after_s)
+            rate_slow = slowdown_rate(args.slowdown_rate, rates)
+            tc(rate_slow)
+            after_s, why_after = slowdown_after_s(args.slowdown_after_s, measured.get(rate_slow))
+            report.notes["shaped_slowdown_after"] = why_after
+            slow = (rate_slow, after_s)
             static = {n: arms[n] for n in ("recompute", "always", "auto")}
             res = _compare(
                 args,
@@ -218,64 +235,17 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
                 "long",
                 slowdown=slow,
             )
-            _report_slowdown(report, int(slowdown_rate), res)
+            _report_slowdown(report, int(rate_slow), res, measured.get(rate_slow))
         if "storing" in parts:
-            storing_rate = _storing_rate(args.storing_rate, rates)
-            tc(storing_rate)
-            _storing(args, base, arms, warm, workdir, report, int(storing_rate))
+            rate_storing = storing_rate(args.storing_rate, rates)
+            tc(rate_storing)
+            _storing(args, base, arms, warm, workdir, report, int(rate_storing))
         tc(None)
     return "; ".join(notes) or (
         f"measured: one master and a 2 GiB storage node on 127.0.0.1 in a private loopback-only "
         f"namespace, lo shaped by tbf (burst {BURST}); fresh engine per run; model "
         f"{args.shaped_model} (hidden {sizes['hidden_size']}, 24 KiB of KV per token)"
     )
-
-
-def crossover_rate(always_vs_recompute: dict[float, float]) -> float | None:
-    """The link rate where loading and recomputing take as long, from ``always`` TTFT over
-    recompute TTFT at each rate measured: interpolated in log-rate and log-ratio between the
-    two neighbouring rates around 1 (the slower where several pairs cross); the measured rate
-    nearest to 1 where none do; None without any."""
-    points = sorted(
-        (math.log(rate), math.log(ratio))
-        for rate, ratio in always_vs_recompute.items()
-        if rate > 0 and ratio > 0
-    )
-    for (x0, y0), (x1, y1) in itertools.pairwise(points):
-        if y0 >= 0 >= y1 and y0 != y1:
-            return math.exp(x0 + (x1 - x0) * y0 / (y0 - y1))
-    if not points:
-        return None
-    return math.exp(min(points, key=lambda p: abs(p[1]))[0])
-
-
-def _together_rate(setting: str, measured: dict[float, dict[str, Any]]) -> tuple[float, str]:
-    """The together arm's rate: a number as given, else the crossover measured in this run
-    (490 Mbit/s without the rates part)."""
-    if setting != "crossover":
-        return float(setting), "set (--together-rate)"
-    ratios = {
-        rate: statistics.median(res["always"]["ttft"]) / statistics.median(res["recompute"]["ttft"])
-        for rate, res in measured.items()
-    }
-    found = crossover_rate(ratios)
-    if found is None:
-        return 490.0, "490 Mbit/s: the rates part did not run, so no crossover was measured"
-    return round(found), f"the crossover measured over the rates part: {found:.0f} Mbit/s"
-
-
-def _slowdown_rate(setting: str, rates: list[float]) -> float:
-    """The slowdown arm's rate: a number as given, else the fastest of ``rates`` (2000)."""
-    if setting != "fastest":
-        return float(setting)
-    return max(rates, default=2000.0)
-
-
-def _storing_rate(setting: str, rates: list[float]) -> float:
-    """The storing part's rate: a number as given, else the slowest of ``rates`` (490)."""
-    if setting != "slowest":
-        return float(setting)
-    return min(rates, default=490.0)
 
 
 #: new prompts per engine in the storing part: the second and later are computed while the
@@ -446,8 +416,23 @@ def _report_rate(report: Report, tag: str, res: dict[str, Any], mean: bool = Fal
         ]
 
 
-def _report_slowdown(report: Report, rate: int, res: dict[str, Any]) -> None:
+def _report_slowdown(
+    report: Report, rate: int, res: dict[str, Any], unshaken: dict[str, Any] | None
+) -> None:
     tag = f"slowdown_{rate}mbit"
+    if unshaken is not None and unshaken["always"]["ttft"]:
+        # the cut must land inside the loads, or the arm measures no slowdown at all
+        report.ratio(
+            f"shaped_{tag}_always_vs_unshaken", res["always"]["ttft"], unshaken["always"]["ttft"]
+        )
+        hit = statistics.median(res["always"]["ttft"]) / statistics.median(
+            unshaken["always"]["ttft"]
+        )
+        if hit < SLOWDOWN_SEEN:
+            report.flags.append(
+                f"shaped_{tag}: the always arm took {hit:.2f}x its TTFT without the cut (under "
+                f"{SLOWDOWN_SEEN}x): the cut came after the loads, so no slowdown was measured"
+            )
     for name in ("recompute", "always", "auto"):
         report.figure(f"shaped_{tag}_ttft_{name}_s", res[name]["ttft"], "s")
     report.ratio(
