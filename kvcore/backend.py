@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import pluggy
@@ -283,6 +284,12 @@ class Backend:
             return self._for_tenant(request, "read", got)
         finally:
             rate.finished(done * self.block_nbytes(request) if done else 0)
+
+    def reading_in_spans(self, request: BlockRequest) -> AbstractContextManager[None]:
+        """Within: reads of ``request``'s blocks in spans (slices of it, on any thread) check
+        them against digests read once, now, not once per span
+        (:meth:`kvcore.integrity.BlockDigests.read_once`); nothing where none are kept. ``0.3``"""
+        return nullcontext() if self._digests is None else self._digests.read_once(request)
 
     def block_nbytes(self, request: BlockRequest) -> int:
         """Bytes of one block of ``request``, every part (0 when nothing says); ``0.3``."""

@@ -28,6 +28,12 @@ digest ends the leading run, is removed from the store (data and digest, as a RE
 event) and is counted (``corrupt_blocks.read``); the outcome's kind is
 :attr:`~kvcore.FailureKind.CORRUPT`.
 
+A read made in spans (a paced load: one call per span, so that a load falling behind is cut
+between two) reads the digests of all its blocks once, at its start
+(:meth:`BlockDigests.read_once`), instead of once per span: each digest read is a round trip,
+and at 4 Gbit/s the per-span ones were two thirds of what reading 125 blocks in 24 spans cost
+beyond one call.
+
 .. versionadded:: 0.3 (0.2 kept digests in ``kvcore.transfer.integrity.VerifiedBlocks``,
    which each caller wrapped around its backend by hand; that name is still importable for
    one release)
@@ -36,8 +42,10 @@ event) and is counted (``corrupt_blocks.read``); the outcome's kind is
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -81,6 +89,32 @@ class _Layout:
         return sum(self.part_nbytes)
 
 
+@dataclass(slots=True)
+class _HeldDigests:
+    """The digests of a read's blocks, read once at its start (:meth:`BlockDigests.read_once`):
+    each block's digest-object names (a row) to its digest bytes, None for a block that had
+    none then. Digest names are content-derived, so a digest read a moment earlier is the one
+    the block's bytes must match; a block rewritten since is caught as corrupt, never served."""
+
+    sums: dict[tuple[str, ...], bytes | None] = field(default_factory=dict)
+    #: the digest read's own answer: what a span reports for a block that had no digest
+    answer: Outcome = field(default_factory=lambda: Outcome(0))
+
+    def leading(self, names: Sequence[tuple[str, ...]], n: int) -> list[bytes] | None:
+        """The held digests of the leading blocks of a span named ``names`` that had one;
+        None when a block of it is not one of this read's (it reads its digests as usual)."""
+        rows = [tuple(names[i]) for i in range(n)]
+        if any(row not in self.sums for row in rows):
+            return None
+        out: list[bytes] = []
+        for row in rows:
+            got = self.sums[row]
+            if got is None:
+                break
+            out.append(got)
+        return out
+
+
 class BlockDigests:
     """Digest objects beside the blocks of one opened backend.
 
@@ -105,6 +139,9 @@ class BlockDigests:
         self._remove_corrupt = remove_corrupt
         self._can_remove = remove_corrupt is not None
         self._warn = OnceLogger(log)
+        #: digests read once for a read in spans, by task id (:meth:`read_once`)
+        self._held: dict[str, _HeldDigests] = {}
+        self._held_lock = threading.Lock()
 
     # -- where the digests of a request live -------------------------------------------------
 
@@ -288,23 +325,61 @@ class BlockDigests:
         """Read the digests, then the objects of the blocks that have one; count the leading
         blocks whose bytes match their digest. Digests first: they are small, a block without
         one costs no data read, and a deadline that passes during the data read leaves the
-        digests of what was read at hand."""
+        digests of what was read at hand. Within :meth:`read_once` of a request of the same
+        task, the digests of its blocks are the ones read then."""
         n = request.num_blocks
         if n == 0:
             return self._plain.read(request)
         assert request.host is not None
         layout = self._layout(request)
-        size = layout.block_nbytes
-        buf, sums = self._buffers(request, layout, n)
-        digests = self._plain.read(sums, op="read_digests")
-        d = int(digests)
+        held = self._held.get(request.task_id)
+        expected = None if held is None else held.leading(layout.names, n)
+        if expected is not None and held is not None:
+            digests = held.answer if len(expected) < n else Outcome(n)
+        else:
+            size = layout.block_nbytes
+            buf, sums = self._buffers(request, layout, n)
+            digests = self._plain.read(sums, op="read_digests")
+            expected = [buf[i * size : (i + 1) * size].tobytes() for i in range(int(digests))]
+        d = len(expected)
         if d == 0:
-            return digests
+            return Outcome(0, digests.failure, digests.kind)
         data = self._plain.read(_leading(request, d))
         for i in range(int(data)):
-            if self.digest(request.host, i) != buf[i * size : (i + 1) * size].tobytes():
+            if self.digest(request.host, i) != expected[i]:
                 return self._corrupt(request, i)
-        return data if int(data) < d or d == n else digests
+        if int(data) < d or d == n:
+            return data
+        return Outcome(d, digests.failure, digests.kind)
+
+    @contextmanager
+    def read_once(self, request: BlockRequest) -> Iterator[None]:
+        """Within: reads of ``request``'s blocks (its task's requests, sliced from it, on any
+        thread) check them against digests read once, now, for all of its blocks, rather
+        than each reading its own. For a read made in spans; a block that had no digest now
+        ends a span's run as it would have then. A scope of a task already in one adds
+        nothing (the outer scope's digests serve)."""
+        n = request.num_blocks
+        with self._held_lock:
+            nested = request.task_id in self._held
+        if n <= 0 or nested:
+            yield
+            return
+        layout = self._layout(request)
+        size = layout.block_nbytes
+        buf, sums = self._buffers(request, layout, n)
+        answer = self._plain.read(sums, op="read_digests")
+        held = _HeldDigests(answer=answer)
+        for i in range(n):
+            row = tuple(layout.names[i])
+            held.sums[row] = buf[i * size : (i + 1) * size].tobytes() if i < answer else None
+        with self._held_lock:
+            self._held[request.task_id] = held
+        try:
+            yield
+        finally:
+            with self._held_lock:
+                self._held.pop(request.task_id, None)
 
     def remove(self, request: BlockRequest) -> Outcome:
         removed = self._plain.remove(request)

@@ -206,28 +206,30 @@ class StagedIO(StorageIO):
             got = self.runner.read(job.request.slice(off, off + size, host=host)).outcome
             return got, time.monotonic() - t0
 
-        pending: dict[int, Future[tuple[Outcome, float]]] = {
-            k: self._io.submit(fetch, k) for k in range(min(depth - 1, len(spans)))
-        }
+        pending: dict[int, Future[tuple[Outcome, float]]] = {}
         try:
-            for k, (off, size) in enumerate(spans):
-                got, backend_s = pending.pop(k).result()
-                _add(timings, backend=backend_s)
-                ahead = k + depth - 1  # its slots were freed by the scatter of span k - 1
-                if got == size and ahead < len(spans):
-                    pending[ahead] = self._io.submit(fetch, ahead)
-                t0 = time.monotonic()
-                with fut.unanswered() as live:
-                    if not live:  # the caller was answered: never touch its blocks now
+            # its blocks' digests (where kept) are read once, not once per span
+            with self.backend.reading_in_spans(job.request.slice(0, count)):
+                for k in range(min(depth - 1, len(spans))):
+                    pending[k] = self._io.submit(fetch, k)
+                for k, (off, size) in enumerate(spans):
+                    got, backend_s = pending.pop(k).result()
+                    _add(timings, backend=backend_s)
+                    ahead = k + depth - 1  # its slots were freed by the scatter of span k - 1
+                    if got == size and ahead < len(spans):
+                        pending[ahead] = self._io.submit(fetch, ahead)
+                    t0 = time.monotonic()
+                    with fut.unanswered() as live:
+                        if not live:  # the caller was answered: never touch its blocks now
+                            return
+                        self._stage(job, staging, off, got, k, TO_DEVICE)
+                        job.done(prog, off, got)
+                    _add(timings, scatter=time.monotonic() - t0)
+                    if got < size:
+                        record_short(prog, got)
                         return
-                    self._stage(job, staging, off, got, k, TO_DEVICE)
-                    job.done(prog, off, got)
-                _add(timings, scatter=time.monotonic() - t0)
-                if got < size:
-                    record_short(prog, got)
-                    return
-                if cut_if_behind(pace, prog, off + size, count):
-                    return
+                    if cut_if_behind(pace, prog, off + size, count):
+                        return
         finally:
             _release_after(self._read_pool, staging, pending.values())
 
@@ -391,16 +393,17 @@ class DirectIO(StorageIO):
             return
         # paced: spans of ~pace.span_s each at the rate seen so far, each its own call, so a load
         # behind its estimate stops between two of them (a call under way on the engine's
-        # blocks is never abandoned)
+        # blocks is never abandoned); the blocks' digests are read once, not once per span
         lo = 0
-        while lo < count:
-            n = pace.next_span(lo)
-            t0 = time.monotonic()
-            got = self._call("read", job, lo, n, fut, prog, timings)
-            last = (n, time.monotonic() - t0)
-            if got is None or got < n or cut_if_behind(pace, prog, lo + n, count, last):
-                return
-            lo += n
+        with self.backend.reading_in_spans(job.request.slice(0, count)):
+            while lo < count:
+                n = pace.next_span(lo)
+                t0 = time.monotonic()
+                got = self._call("read", job, lo, n, fut, prog, timings)
+                last = (n, time.monotonic() - t0)
+                if got is None or got < n or cut_if_behind(pace, prog, lo + n, count, last):
+                    return
+                lo += n
 
     def write(
         self,
