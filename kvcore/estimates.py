@@ -90,14 +90,6 @@ class ReadRate:
         self._smallest = (0, 0.0)  # (bytes, when) of the smallest sample lately
         self._cold = True  # no read finished yet: the first pays for the client's setup
 
-    @property
-    def cold(self) -> bool:
-        """Whether no read of this client has come back with bytes yet: its first one pays
-        for the client's setup and is no sample, here or where another process is told of it
-        (:meth:`observe`)."""
-        with self._lock:
-            return self._cold
-
     def started(self) -> None:
         """A read was handed to the store."""
         with self._lock:
@@ -122,8 +114,7 @@ class ReadRate:
                 self._since = now
 
     def observe(self, nbytes: int, seconds: float, calls: int = 1) -> None:
-        """A read measured elsewhere (another process): ``nbytes`` in ``seconds``; none that
-        was its client's first (:attr:`cold`)."""
+        """A read measured elsewhere (another process): ``nbytes`` in ``seconds``."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
