@@ -195,7 +195,6 @@ class StagedIO(StorageIO):
         if staging is None:
             prog.stop("deadline", "no staging buffer came free before the deadline")
             return
-        pace = job.pace(count)
         spans = _chunks(count, self.span)
         depth = self.depth
 
@@ -210,6 +209,7 @@ class StagedIO(StorageIO):
         try:
             # its blocks' digests (where kept) are read once, not once per span
             with self.backend.reading_in_spans(job.request.slice(0, count)):
+                pace = job.pace(count)  # after the digests: see DirectIO.read
                 for k in range(min(depth - 1, len(spans))):
                     pending[k] = self._io.submit(fetch, k)
                 for k, (off, size) in enumerate(spans):
@@ -386,17 +386,18 @@ class DirectIO(StorageIO):
     def read(
         self, job: BlockJob, count: int, fut: TaskFuture, prog: Progress, timings: dict[str, float]
     ) -> None:
-        pace = job.pace(count)
-        if pace is None:
+        if job.expected_s is None:
             if count:
                 self._call("read", job, 0, count, fut, prog, timings)
             return
         # paced: spans of ~pace.span_s each at the rate seen so far, each its own call, so a load
         # behind its estimate stops between two of them (a call under way on the engine's
-        # blocks is never abandoned); the blocks' digests are read once, not once per span
+        # blocks is never abandoned). The blocks' digests are read once, first, and the pace
+        # starts after them: a fixed cost, not the rate its first spans are judged by
         lo = 0
         with self.backend.reading_in_spans(job.request.slice(0, count)):
-            while lo < count:
+            pace = job.pace(count)
+            while pace is not None and lo < count:
                 n = pace.next_span(lo)
                 t0 = time.monotonic()
                 got = self._call("read", job, lo, n, fut, prog, timings)
