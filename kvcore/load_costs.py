@@ -18,7 +18,8 @@ leading blocks ``k`` to load so that the request's expected time to its first to
 Reading costs the same per block while computing a block costs more the later it lies, so
 ``T`` is concave in ``k``: the least is at ``k = 0`` or at a run's end (the end of what a faster
 tier holds, or ``found``), the only candidates compared. A decision stands unless the other
-choice wins by ``margin`` (a fraction), so requests in a row do not flap on noise. With no
+choice wins by ``margin`` (a fraction), so requests in a row do not flap on noise (the first
+informed decision has no side to stand by: it takes the one expected faster). With no
 read measured lately (or only reads far smaller than this one:
 :meth:`ReadRate.trusted_for`), the load is the measurement (``measuring``): it runs paced to break even
 against recomputing what it saves, and is cut as soon as it falls behind that pace. With no
@@ -159,7 +160,9 @@ class LoadDecider:
         self.counters = self.figures.counters
         self._clock = clock
         self._lock = threading.Lock()
-        self._loading = False  # the last informed decision (the hysteresis' side)
+        #: the last informed decision (the hysteresis' side; None before the first: a fresh
+        #: engine has no side to stand by, so its first decision takes the faster expected)
+        self._loading: bool | None = None
         self._link_free_at = 0.0
         self._engine_free_at = 0.0
         self._due: list[float] = []  # when the first tokens of the requests decided are due
@@ -264,8 +267,10 @@ class LoadDecider:
             if cand_t is not None and at.cost(cand_t, cand_read) < best_cost:
                 best_k, best_t, best_read = cand_k, cand_t, cand_read
                 best_cost = at.cost(cand_t, cand_read)
-        # hysteresis: keep the side taken last unless the other wins by the margin
-        if best_k and not self._loading and best_cost > t0 * (1 - self.margin):
+        # hysteresis: keep the side taken last unless the other wins by the margin (none taken
+        # yet: the faster expected, so a fresh engine's first request is not held to
+        # recomputing at a rate where loading is expected faster by less than the margin)
+        if best_k and self._loading is False and best_cost > t0 * (1 - self.margin):
             best_k, best_t, best_read = 0, t0, 0.0
         elif not best_k and self._loading and options:
             last_k, last_t, last_read = options[-1]

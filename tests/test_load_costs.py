@@ -818,7 +818,12 @@ def test_decisions_do_not_flap_inside_the_margin() -> None:
     decider = LoadDecider(prefill, margin=0.1, clock=clock)
     # reading 96 MB at 62 MB/s takes ~1.55 s against ~1.6 s computing: inside the margin
     near = rate_of(62e6, clock)
+    # a fresh decider has no side to stand by: its first decision takes the faster expected
+    assert decide(LoadDecider(prefill, margin=0.1, clock=clock), near).blocks == 125
+    assert decide(decider, rate_of(40e6, clock)).blocks == 0  # clearly slower: recomputes
+    clock.now += 5  # let the booked prefill end
     assert decide(decider, near).blocks == 0  # not better by 10 %: stays recomputing
+    clock.now += 5
     assert decide(decider, rate_of(90e6, clock)).blocks == 125  # clearly better: loads
     clock.now += 100  # let the booked load end
     assert decide(decider, near).blocks == 125  # near the line again: stays loading
