@@ -88,7 +88,14 @@ class ReadRate:
         self._half_life_s = half_life_s
         self._largest = (0, 0.0)  # (bytes, when) of the largest sample lately
         self._smallest = (0, 0.0)  # (bytes, when) of the smallest sample lately
-        self._cold = True  # no read finished yet: the first pays for the client's setup
+        self._cold = True
+
+    @property
+    def cold(self) -> bool:
+        """No read came back with bytes yet: the first pays for the client's setup, no sample
+        here nor where another process is told of it (:meth:`observe`). ``0.3``"""
+        with self._lock:
+            return self._cold
 
     def started(self) -> None:
         """A read was handed to the store."""
@@ -114,7 +121,7 @@ class ReadRate:
                 self._since = now
 
     def observe(self, nbytes: int, seconds: float, calls: int = 1) -> None:
-        """A read measured elsewhere (another process): ``nbytes`` in ``seconds``."""
+        """A read measured elsewhere: ``nbytes`` in ``seconds`` (never a client's first)."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:

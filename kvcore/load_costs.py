@@ -305,8 +305,9 @@ class LoadDecider:
         for those blocks, built without buffers) is given, the store is measured first
         (:func:`probe_read`: as few reads as it takes for the decision to be informed; counted
         as ``probes`` and ``probe_blocks``), unless the one read it could afford would repeat a
-        size measured lately (:func:`probe_repeats`, counted as ``probes_skipped``: the
-        decision stands on what was measured). Every adapter's decision goes through here. The
+        size measured lately (:func:`probe_repeats`) or could not make loading win even taking
+        no time at all (:meth:`_could_win`): counted as ``probes_skipped``, the decision stands
+        on what was measured. Every adapter's decision goes through here. The
         seconds it takes, its probe's included, are counted (``deciding_seconds``): they are on
         the request's way to its first token."""
         t0 = time.perf_counter()
@@ -347,8 +348,18 @@ class LoadDecider:
             asked = probe if probe.num_blocks <= found else probe.slice(0, found)
             recompute = self.prefill.estimate_s(prompt_tokens - start_tokens, start_tokens)
             probing_since = time.monotonic()  # as the probe times its reads
-            read, short, repeats = 0, False, probe_repeats(backend, asked)
-            if repeats:  # its one affordable read would repeat what the decision stands on
+            # the decision stands on what was measured where the one read a probe could
+            # afford would repeat it, or could not make loading win even taking no time
+            # (a slow store's one measured block says so: at 490 Mbit/s, 13 ms a block)
+            first = probe_first_bytes(backend, asked)
+            repeats = probe_repeats(backend, asked) or bool(
+                recompute is not None
+                and first
+                and backend.read_rate.known
+                and not self._could_win(runs, block_bytes, ask, recompute, first)
+            )
+            read, short = 0, False
+            if repeats:
                 self.counters.add("probes_skipped")
             else:
                 read, short = self._probe(
@@ -385,7 +396,8 @@ class LoadDecider:
                 # a size measured already, and its bound does not make loading faster:
                 # recompute, unproven (not a load paced to measure: what one read of a slow
                 # store took already says loading would likely lose). A probe that measured
-                # nothing (the client's first read) leaves the rate unknown: decide measures
+                # nothing (the client's first read, then a short one) leaves the rate unknown:
+                # decide measures
                 now = self._clock()
                 with self._lock:
                     engine_free = max(now, self._engine_free_at)
@@ -463,6 +475,19 @@ class LoadDecider:
         cost = backend.read_rate.estimate_s(first) if first else None
         if cost is None or cost > budget_s:
             return False
+        return self._could_win(runs, block_bytes, ask, recompute, first)
+
+    def _could_win(
+        self,
+        runs: Sequence[StoredRun],
+        block_bytes: int,
+        ask: dict[str, int],
+        recompute: float,
+        first: int,
+    ) -> bool:
+        """Whether one more read of ``first`` bytes could make loading win by the margin, even
+        taking no time at all (:meth:`ReadRate.bound_s` ``after_free_read``): a read that
+        could not is not worth making."""
         at = self._timeline(self._clock())
         sized = _Ask(block_bytes, ask["block_tokens"], ask["start_tokens"], ask["prompt_tokens"])
         return (

@@ -70,7 +70,9 @@ def probe_read(
     """Measure ``backend``'s read rate now, before a decision that needs it: read the leading
     blocks of ``request`` (built without buffers) into scratch memory, in reads of 1, 2, 4, ...
     blocks (two sizes tell a store's per-call latency from its bandwidth) until the next read
-    would end past ``budget_s`` (one read is always made) or ``max_bytes`` were read, or, after
+    would end past ``budget_s`` (one measured read is always made: a client's first read
+    measures nothing, and where it read every block there is, they are read again) or
+    ``max_bytes`` were read, or, after
     any read, ``enough()`` says what was read decides the question asked
     (:meth:`LoadDecider.needs_probe`), so the reads land in :attr:`kvcore.Backend.read_rate`.
     Returns the blocks read, and whether a read came back short (a fresh client's first reads
@@ -183,6 +185,7 @@ def _probe_reads(
     step = _first_step(rate, per_block, most, budget_s)
     read, t0 = 0, time.monotonic()
     last: tuple[int, float] | None = None  # (blocks, seconds) of the last read measured
+    cold = rate.cold  # its first read pays for the client's setup and measures nothing
     while read < most:
         n = min(step, most - read)
         if last is not None and time.monotonic() - t0 + last[1] * n / last[0] > budget_s:
@@ -201,6 +204,15 @@ def _probe_reads(
         read += got
         if got < n:  # the rest is gone, or the store failed: nothing more to learn now
             return ProbeRead(read, short=True)
+        if cold and read >= most:
+            # the client's first read measured nothing (its connection) and was all there is
+            # to read: those blocks are read once more, measured (one measured read is always
+            # made). A fresh engine's first request, often one stored block, then leaves a
+            # figure for the next decision where it used to leave none (a worker's first load
+            # is no figure either: it pays for that client's setup)
+            cold, read, step, t0 = False, 0, n, time.monotonic()
+            continue
+        cold = False
         if read == got and not rate.known:
             # the client's first read measures nothing (its connection): the budget starts now
             t0 = time.monotonic()

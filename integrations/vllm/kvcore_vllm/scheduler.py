@@ -654,10 +654,12 @@ class SchedulerSide:
             self.decider.prefill.observe_step(float(data["forward_seconds"]) / steps, batch)
             if self.prefill_profile is not None:
                 self.prefill_profile.step_observed()
-        if self.lookup_role == "lookup" and data.get("load_bytes"):
+        if self.lookup_role == "lookup" and data.get("load_measured_bytes"):
             backend = self.stores[0].handle.get()
-            if backend is not None:
-                backend.read_rate.observe(int(data["load_bytes"]), float(data["load_seconds"]))
+            if backend is not None:  # a client's first read is no measure (ReadRate.cold)
+                backend.read_rate.observe(
+                    int(data["load_measured_bytes"]), float(data["load_measured_seconds"])
+                )
         self.counters.add(**self._decision_deltas())
 
     def _decision_deltas(self) -> dict[str, float]:

@@ -7,7 +7,9 @@ and the frontend, sums it across workers with :meth:`aggregate`, and logs :meth:
 - ``lookup_*``: scheduler-side existence checks (``blocks`` asked, ``hit_blocks`` found on
   every rank, ``errors`` backend failures);
 - ``load_*`` / ``save_*``: worker tasks (``blocks`` asked, ``done_blocks``, ``failed_blocks``
-  reported to vLLM for recomputation, ``bytes``, ``seconds``);
+  reported to vLLM for recomputation, ``bytes``, ``seconds``); ``load_measured_bytes`` /
+  ``load_measured_seconds``: the loads that were no client's first read, what the scheduler's
+  read rate learns from where the workers run in other processes;
 - ``kvcore.<counter>.<op>``: kvcore's own TransferManager and backend-facade counters (hits,
   misses, bytes, errors, deadline misses, latency sums), as deltas;
 - ``lookup_skipped`` / ``lookup_pauses``: lookups answered as misses without asking, while a

@@ -127,6 +127,8 @@ class WorkerSide:
         self._block_errors_name_requests = len(kv_cache_config.kv_cache_groups) == 1
         #: requests loading in the background: (when submitted, their runs and futures)
         self._loading: dict[str, tuple[float, list[tuple[BlockRun, list[Future | None]]]]] = {}
+        #: requests loading in the background whose reads include a client's first
+        self._cold_loads: set[str] = set()
         self._snapshots: dict[str, dict[str, float]] = {}
         self._closed = False
         self._events_wanted = events_enabled(vllm_config)
@@ -227,7 +229,7 @@ class WorkerSide:
             return
         assert self.mapping is not None, "register_kv_caches was not called"
         t0 = time.monotonic()
-        pending = self._submit_loads(meta.loads)
+        pending, cold = self._submit_loads(meta.loads)
         if meta.async_loads:
             # answered by get_finished once every run of the request is in; until then vLLM
             # keeps the request out of the batch and its blocks allocated (also when it is
@@ -235,18 +237,27 @@ class WorkerSide:
             with self._lock:
                 for run, futures in pending:
                     self._loading.setdefault(run.req_id, (t0, []))[1].append((run, futures))
+                    if cold:
+                        self._cold_loads.add(run.req_id)
             return
-        failed = self._collect_loads(pending, t0)
+        failed = self._collect_loads(pending, t0, cold)
         with self._lock:
             self._load_errors.update(failed)
         if self._step_t0 is not None:  # the step's compute starts once its loads are in
             self._step_t0 = time.monotonic()
 
-    def _submit_loads(self, runs: list[BlockRun]) -> list[tuple[BlockRun, list[Future | None]]]:
-        """Start reading ``runs``: for each, one read per slice this rank holds."""
+    def _submit_loads(
+        self, runs: list[BlockRun]
+    ) -> tuple[list[tuple[BlockRun, list[Future | None]]], bool]:
+        """Start reading ``runs``: for each, one read per slice this rank holds. Also whether
+        one of them is a client's first read (:attr:`kvcore.estimates.ReadRate.cold`): it
+        pays for the client's setup, so its time says little of the store's rate."""
         pending: list[tuple[BlockRun, list[Future | None]]] = []
+        cold = False
         for run in runs:
             manager = self._transfer_manager(run.group)
+            backend = None if manager is None else manager.backend
+            cold = cold or (backend is not None and backend.read_rate.cold)
             futures: list[Future | None] = []
             for piece in self.slices:  # every slice this rank holds, written here or not
                 fut = None
@@ -258,13 +269,15 @@ class WorkerSide:
                         log.warning("KVCoreConnector: load of %s refused: %s", run.req_id, exc)
                 futures.append(fut)
             pending.append((run, futures))
-        return pending
+        return pending, cold
 
     def _collect_loads(
-        self, pending: list[tuple[BlockRun, list[Future | None]]], t0: float
+        self, pending: list[tuple[BlockRun, list[Future | None]]], t0: float, cold: bool
     ) -> list[int]:
         """Wait for ``pending`` loads, count them, and return vLLM's ids of the blocks that
-        did not load (a block is restored when every slice of it is)."""
+        did not load (a block is restored when every slice of it is). Loads that are no
+        client's first read (``cold``) are also counted as ``load_measured_*``: what the
+        scheduler's read rate learns from, where the workers run in other processes."""
         nbytes = asked = done = runs = cut = 0
         expected = 0.0
         failed: list[int] = []
@@ -296,20 +309,21 @@ class WorkerSide:
                 for name, value in (("load_blocks", run.num_blocks), ("load_done_blocks", got)):
                     other_groups[f"{kind}_{name}"] = other_groups.get(f"{kind}_{name}", 0) + value
         self.counters.add(**other_groups)
+        seconds = time.monotonic() - t0
         self.counters.add(
             load_requests=runs,
             load_blocks=asked,
             load_done_blocks=done,
             load_failed_blocks=len(failed),
             load_bytes=nbytes,
-            load_seconds=time.monotonic() - t0,
+            load_seconds=seconds,
         )
+        if not cold:
+            self.counters.add(load_measured_bytes=nbytes, load_measured_seconds=seconds)
         if expected:
             # paced loads (the scheduler's decision expected them to take ``expected``)
             self.counters.add(
-                load_expected_seconds=expected,
-                load_paced_seconds=time.monotonic() - t0,
-                load_cut_blocks=cut,
+                load_expected_seconds=expected, load_paced_seconds=seconds, load_cut_blocks=cut
             )
         return failed
 
@@ -329,11 +343,13 @@ class WorkerSide:
                 if all(f is None or f.done() for _, futures in runs for f in futures)
             ]
             taken = {req: self._loading.pop(req) for req in ready}
+            cold = {req for req in ready if req in self._cold_loads}
+            self._cold_loads -= cold
         failed: set[str] = set()
         failed_blocks: set[int] = set()
         partial = 0
         for req, (t0, runs) in taken.items():
-            missing = self._collect_loads(runs, t0)
+            missing = self._collect_loads(runs, t0, req in cold)
             if missing:
                 partial += 1
                 if self._block_errors_name_requests:

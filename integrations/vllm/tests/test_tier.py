@@ -80,7 +80,11 @@ def test_a_flipped_bit_is_never_promoted_and_the_chunk_is_stored_again(
         more["load_policy"] = "always"
     else:  # computing is slow: the decision weighs the store, so it probes it first
         more["prefill_tokens_per_s"] = 1000.0
-    tier, _ = make_tier(backend, str(tmp_path), tensor, **more)
+    spec = offloading_spec()
+    # vLLM's 16-token blocks (the mocked spec's default says 1: a one-token chunk never saves
+    # its prompt's last token, which is computed whatever is loaded, so it is not worth loading)
+    spec.tokens_per_block = (16,)
+    tier, _ = make_tier(backend, str(tmp_path), tensor, spec=spec, **more)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier])
     end = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -377,6 +378,13 @@ def test_the_workers_loads_and_saves_skip_pydantic_and_ask_no_query(
         assert torch.equal(tensor[10:13], tensor[2:5])
     stats = worker.take_stats()
     assert (stats["save_written_blocks"], stats["load_done_blocks"]) == (3, 3)
+    # the first load is its client's first read (the client's setup): not a measure of the
+    # store for the scheduler's read rate; the next one is
+    assert "load_measured_bytes" not in stats
+    worker.start_load_kv(StepMetadata(loads=[BlockRun("r2", 0, keys, [10, 11, 12])]))
+    again = worker.take_stats()
+    assert again["load_measured_bytes"] == again["load_bytes"] > 0
+    assert again["load_measured_seconds"] == again["load_seconds"] > 0
     # a load the decision chose for its speed carries its pace to the manager: the expected
     # time and the break-even time (kvcore.ReadTask), so a load that loses is cut
     paced = BlockRun("p", 0, keys, [13, 14, 15], expected_s=0.5, break_even_s=0.6)
@@ -572,9 +580,17 @@ def test_a_scheduler_whose_workers_run_elsewhere_measures_the_store_before_decid
                 )
             finally:
                 writer.close()
+        # the workers' loads teach the rate here only where they measured the store: a
+        # client's first read (a worker's first load) pays for the client's setup
+        first_load = {"load_bytes": 1e6, "load_seconds": 0.05}
+        side._learn_rates(SimpleNamespace(kv_connector_stats=SimpleNamespace(data=first_load)))
         assert not client.read_rate.known
         assert side.get_num_new_matched_tokens(request, 0) == (loads * BLOCK_SIZE, False)
         assert client.read_rate.known  # measured by the scheduler itself
+        samples = client.read_rate.samples
+        measured = {**first_load, "load_measured_bytes": 1e6, "load_measured_seconds": 0.05}
+        side._learn_rates(SimpleNamespace(kv_connector_stats=SimpleNamespace(data=measured)))
+        assert client.read_rate.samples == samples + 1
         decided = side.decider.counters.snapshot()
         assert decided["probes"] == 1 and decided["decisions"] == 1
         # the client's first read (one block) pays for its connection and measures nothing
