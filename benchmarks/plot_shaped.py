@@ -58,7 +58,10 @@ def main(argv: list[str]) -> int:
     ax.set_xscale("log")
     ax.set_xlabel("Mooncake read rate the link delivered (MB/s, measured)")
     ax.set_ylabel("TTFT of the stored prompt (s)")
-    ax.set_title("Load or recompute: real vLLM CPU engine, kvcore over a tc-shaped Mooncake link")
+    ax.set_title(
+        "Load or recompute: real vLLM CPU engine,\nkvcore over a tc-shaped Mooncake link",
+        fontsize=10,
+    )
     ax.set_ylim(bottom=0)
     ax.legend()
     ax.grid(alpha=0.3)
