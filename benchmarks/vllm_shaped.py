@@ -217,7 +217,8 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
         if "together" in parts:
             rate_together, why = together_rate(args.together_rate, measured)
             report.notes["shaped_together_rate"] = why
-            report.notes["shaped_together_reps"] = args.together_reps or 2 * args.reps
+            together_reps = args.together_reps or 2 * args.reps
+            report.notes["shaped_together_reps"] = together_reps
             tc(rate_together)
             steps = [warm, _gen("four", together)]
             # the engine core in this process: the four requests reach vLLM's scheduler before
@@ -235,7 +236,7 @@ def run(args: argparse.Namespace, netns_note: str | None, workdir: Path, report:
                 "together",
                 reference,
                 "four",
-                reps=args.together_reps or 2 * args.reps,
+                reps=together_reps,
             )
             _report_rate(report, f"together_{int(rate_together)}mbit", res, mean=True)
         if "slowdown" in parts:
