@@ -149,6 +149,7 @@ class Backend:
         world_size: int | None = None,
         block_meta: Sequence[bytes] | None = None,
         tenant: str | None = None,
+        caller_idle: bool = False,
     ) -> BlockRequest:
         """A :class:`BlockRequest` with this rank's object names.
 
@@ -165,9 +166,10 @@ class Backend:
 
         ``block_meta``: what each block says of itself, stored with it on writes by backends
         that keep it (``Capabilities.block_meta``), for :meth:`describe` (one ``bytes`` per
-        block, each at most :data:`kvcore.MAX_BLOCK_META_BYTES`).
+        block, each at most :data:`kvcore.MAX_BLOCK_META_BYTES`). ``tenant``, ``caller_idle``:
+        as :class:`BlockRequest` says.
 
-        .. versionchanged:: 0.3 ``block_meta``; ``tenant`` (:attr:`BlockRequest.tenant`).
+        .. versionchanged:: 0.3 ``block_meta``, ``tenant``, ``caller_idle``.
         """
         ctx = self.context
         if deadline is None:
@@ -198,6 +200,7 @@ class Backend:
             part_nbytes=None if part_bytes is None else tuple(part_bytes),
             block_meta=meta,
             tenant=None if tenant is None else check_tenant_name(tenant, "tenant"),
+            caller_idle=caller_idle,
         )
 
     @property

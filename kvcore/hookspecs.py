@@ -172,12 +172,19 @@ def kvcore_read(request: BlockRequest) -> int:
         part, every byte). Buffers of blocks at and after ``n`` hold unspecified bytes. A
         stored object whose size differs from the region's is a miss, never a partial copy.
 
+    ``request.caller_idle`` True: nothing of the caller's computes while it waits for this
+    read, so a client that waits for a transfer by polling may poll from a thread at the
+    lowest CPU priority (it then leaves the cores to the threads moving the bytes). False:
+    the engine may be computing; a read polled at the lowest priority would wait for it.
+    A hint a backend may ignore.
+
     ``firstresult``: the backend's answer is the result.
 
     .. versionadded:: 0.1
     .. versionchanged:: 0.2 segmented ``request.host`` buffers (per-layer pieces of the
        engine's own blocks: ``HostBuffers.segments``) for backends declaring
        ``Capabilities(segmented_host=True)``; may return :class:`kvcore.Outcome`.
+    .. versionchanged:: 0.3 ``request.caller_idle``.
     """
 
 

@@ -211,6 +211,7 @@ class BlockDigests:
             host=host,
             num_blocks=request.num_blocks,
             part_nbytes=layout.part_nbytes,
+            caller_idle=request.caller_idle,  # the digests are read as the data is
         )
 
     @staticmethod

@@ -292,6 +292,13 @@ class BlockRequest:
       metadata.
     - ``tenant``: whose request it is (:mod:`kvcore.tenants`: an operator's tenant name, never
       a salt), for figures per tenant and a store's shares; None: the request names none.
+    - ``caller_idle``: the caller waits for this call with nothing of its own computing
+      meanwhile (a synchronous load, made before the engine's step computes; a load-or-recompute
+      probe made between steps). A backend whose client waits for a transfer by polling may
+      then poll from a thread at the lowest CPU priority, which leaves the cores to the threads
+      moving the bytes (:mod:`kv_mooncake.background`). False (the default): assume the engine
+      computes meanwhile; a lowest-priority thread would then wait for a core as long as the
+      compute runs. Only a hint: a backend may ignore it, and one written before it does.
 
     What kvcore promises a hook (checked once, where the request enters the core): ``host`` is
     set on reads and writes of ``io="host"`` backends and ``device`` on those of ``io="device"``
@@ -302,7 +309,7 @@ class BlockRequest:
 
     .. versionchanged:: 0.2 ``num_blocks`` is a field (token-only requests carry no fake keys);
        ``part_nbytes``; :meth:`slice`.
-    .. versionchanged:: 0.3 ``block_meta``, ``tenant``.
+    .. versionchanged:: 0.3 ``block_meta``, ``tenant``, ``caller_idle``.
     """
 
     task_id: str
@@ -318,6 +325,7 @@ class BlockRequest:
     part_nbytes: tuple[int, ...] | None = None
     block_meta: tuple[bytes, ...] | None = None
     tenant: str | None = None
+    caller_idle: bool = False
 
     def __post_init__(self) -> None:
         # keys, when present, decide (so dataclasses.replace(request, block_keys=...) stays
@@ -356,6 +364,7 @@ class BlockRequest:
             part_nbytes=self.part_nbytes,
             block_meta=None if self.block_meta is None else self.block_meta[lo:hi],
             tenant=self.tenant,
+            caller_idle=self.caller_idle,
         )
 
     def with_buffers(

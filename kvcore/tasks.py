@@ -138,11 +138,17 @@ class ReadTask(_BlockTask):
     way (:meth:`kvcore.load_pace.LoadPace.losing`): an estimate from a few short reads can be
     optimistic, and the blocks read by then are kept.
 
-    .. versionchanged:: 0.3 ``expected_s``, ``break_even_s``.
+    ``caller_idle``: the engine waits for this load with nothing computing meanwhile (a load
+    made before its step computes), so the backend may wait for its transfers at the lowest
+    CPU priority (:attr:`kvcore.BlockRequest.caller_idle`). False (the default) for a load the
+    engine computes beside.
+
+    .. versionchanged:: 0.3 ``expected_s``, ``break_even_s``, ``caller_idle``.
     """
 
     expected_s: float | None = Field(default=None, gt=0)
     break_even_s: float | None = Field(default=None, gt=0)
+    caller_idle: bool = False
 
 
 class WriteTask(_BlockTask):

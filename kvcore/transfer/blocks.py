@@ -160,6 +160,7 @@ class BlockTasks:
             world_size=getattr(task, "world_size", None),
             block_meta=getattr(task, "block_meta", None),
             tenant=getattr(task, "tenant", None),
+            caller_idle=getattr(task, "caller_idle", False),  # a read's (ReadTask)
         )
 
     def query(self, task: QueryTask, timeout_s: float) -> int:

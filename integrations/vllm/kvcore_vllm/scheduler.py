@@ -167,6 +167,11 @@ class SchedulerSide:
             serial=not self.load_async,  # sync loads run inside the step, before its compute
             waiting=self.vllm_scheduler.others_waiting,  # what a sync load holds up
         )
+        #: whether the decider's probe reads run with nothing of the engine's computing: the
+        #: scheduler runs between steps (no async scheduling) and no load runs beside it
+        self.probes_idle = not self.load_async and not getattr(
+            vllm_config.scheduler_config, "async_scheduling", False
+        )
         self._choices: dict[str, LoadChoice] = {}  # req -> its decision, until allocated
         self._step_batch: list[tuple[int, int]] = []  # (tokens, context) of the step in flight
         self._decider_seen: dict[str, float] = {}
@@ -354,6 +359,7 @@ class SchedulerSide:
             timeout_s=self.settings.lookup_timeout_s,
             rank=piece.rank,
             world_size=piece.world,
+            caller_idle=self.probes_idle,
         )
         choice = self.decider.decide_over(
             backend,

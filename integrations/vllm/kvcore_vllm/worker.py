@@ -229,7 +229,8 @@ class WorkerSide:
             return
         assert self.mapping is not None, "register_kv_caches was not called"
         t0 = time.monotonic()
-        pending, cold = self._submit_loads(meta.loads)
+        # a sync load is made before the step computes: nothing of the engine's runs meanwhile
+        pending, cold = self._submit_loads(meta.loads, idle=not meta.async_loads)
         if meta.async_loads:
             # answered by get_finished once every run of the request is in; until then vLLM
             # keeps the request out of the batch and its blocks allocated (also when it is
@@ -247,11 +248,13 @@ class WorkerSide:
             self._step_t0 = time.monotonic()
 
     def _submit_loads(
-        self, runs: list[BlockRun]
+        self, runs: list[BlockRun], idle: bool
     ) -> tuple[list[tuple[BlockRun, list[Future | None]]], bool]:
-        """Start reading ``runs``: for each, one read per slice this rank holds. Also whether
-        one of them is a client's first read (:attr:`kvcore.estimates.ReadRate.cold`): it
-        pays for the client's setup, so its time says little of the store's rate."""
+        """Start reading ``runs``: for each, one read per slice this rank holds (``idle``:
+        the engine waits for them computing nothing, :attr:`kvcore.ReadTask.caller_idle`).
+        Also whether one of them is a client's first read
+        (:attr:`kvcore.estimates.ReadRate.cold`): it pays for the client's setup, so its
+        time says little of the store's rate."""
         pending: list[tuple[BlockRun, list[Future | None]]] = []
         cold = False
         for run in runs:
@@ -262,7 +265,7 @@ class WorkerSide:
             for piece in self.slices:  # every slice this rank holds, written here or not
                 fut = None
                 if manager is not None:
-                    task = self._task(run, "load", self.settings.load_timeout_s, piece)
+                    task = self._task(run, "load", self.settings.load_timeout_s, piece, idle)
                     try:
                         fut = manager.read(task)
                     except Exception as exc:  # a refused task is a miss, never a crash
@@ -524,7 +527,12 @@ class WorkerSide:
     # -- helpers ---------------------------------------------------------------------------
 
     def _task(
-        self, run: BlockRun, what: Literal["load", "save"], timeout_s: float, piece: Slice
+        self,
+        run: BlockRun,
+        what: Literal["load", "save"],
+        timeout_s: float,
+        piece: Slice,
+        idle: bool = False,
     ) -> ReadTask | WriteTask:
         """The TransferManager task of one slice of ``run``'s blocks.
 
@@ -548,6 +556,9 @@ class WorkerSide:
         }
         if what == "load":
             return ReadTask.model_construct(
-                **fields, expected_s=run.expected_s, break_even_s=run.break_even_s
+                **fields,
+                expected_s=run.expected_s,
+                break_even_s=run.break_even_s,
+                caller_idle=idle,
             )
         return WriteTask.model_construct(**fields, block_meta=run.block_meta)

@@ -393,6 +393,46 @@ def test_the_workers_loads_and_saves_skip_pydantic_and_ask_no_query(
     worker.close()
 
 
+def test_a_sync_load_tells_the_store_the_engine_waits_idle_and_an_async_one_does_not(
+    vllm_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync load runs before the step's compute: nothing of the engine computes while it
+    waits, so its reads may be polled at the lowest priority (kvcore.ReadTask.caller_idle). An
+    async load runs beside the engine's compute, where such a poller would wait for it."""
+    from kvcore_vllm.worker import WorkerSide
+
+    from kvcore.transfer import TransferManager
+
+    seen: list[bool] = []
+    real_read = TransferManager.read
+
+    def read(manager: TransferManager, task: Any) -> Any:
+        seen.append(task.caller_idle)
+        return real_read(manager, task)
+
+    monkeypatch.setattr(TransferManager, "read", read)
+    settings = ConnectorSettings(backend="memory", namespace="idle-loads", load_mode="sync")
+    worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
+    caches = {name: _joined_tensor() for name in LAYERS}
+    worker.register_kv_caches(caches)
+    keys = engine_block_keys(vllm_config, list(range(1, 200)))[:3]
+    worker.wait_for_save(StepMetadata(saves=[BlockRun("w", 0, keys, [2, 3, 4])]))
+    worker.handle_preemptions(StepMetadata(preempted={"w"}))  # waits for the saves
+    worker.start_load_kv(StepMetadata(loads=[BlockRun("s", 0, keys, [10, 11, 12])]))
+    assert seen == [True] and worker.get_block_ids_with_load_errors() == set()
+    load = StepMetadata(loads=[BlockRun("a", 0, keys, [13, 14, 15])], async_loads=True)
+    worker.start_load_kv(load)
+    deadline = time.monotonic() + 60
+    finished: set[str] | None = None
+    while not finished and time.monotonic() < deadline:
+        _, finished = worker.get_finished(set())
+        time.sleep(0.01)
+    assert finished == {"a"} and seen == [True, False]
+    for tensor in caches.values():
+        assert torch.equal(tensor[10:13], tensor[2:5]) and torch.equal(tensor[13:16], tensor[2:5])
+    worker.close()
+
+
 # -- the scheduler side --------------------------------------------------------------------
 
 
@@ -587,6 +627,10 @@ def test_a_scheduler_whose_workers_run_elsewhere_measures_the_store_before_decid
         assert not client.read_rate.known
         assert side.get_num_new_matched_tokens(request, 0) == (loads * BLOCK_SIZE, False)
         assert client.read_rate.known  # measured by the scheduler itself
+        # between steps (sync loads, no async scheduling) nothing of the engine computes: the
+        # probe's reads were polled from the client's lowest-priority threads
+        assert side.probes_idle
+        assert client.stats()["backend_reads_polled_in_background"] >= 2
         samples = client.read_rate.samples
         measured = {**first_load, "load_measured_bytes": 1e6, "load_measured_seconds": 0.05}
         side._learn_rates(SimpleNamespace(kv_connector_stats=SimpleNamespace(data=measured)))

@@ -66,6 +66,7 @@ from typing import Any
 
 import kvcore
 from kv_mooncake import block_meta
+from kv_mooncake.background import PUT_THREADS, READ_THREADS, BackgroundCalls
 from kv_mooncake.codes import (
     ALREADY_EXISTS,
     HAS_LEASE,
@@ -83,7 +84,6 @@ from kv_mooncake.connect import open_store, prepare_environment
 from kv_mooncake.inflight import NamesBeingWritten, PieceBudget, queued_transfers_limit
 from kv_mooncake.listing import StoreListing
 from kv_mooncake.observed import ObservedDrops
-from kv_mooncake.puts import BackgroundPuts
 from kv_mooncake.regions import RegionTable
 from kv_mooncake.store_keys import namespace_pattern, store_key, store_key_as_is
 from kv_mooncake.watch import StoreWatch
@@ -152,8 +152,10 @@ class MooncakeBackend:
         self._counters = kvcore.Counters()
         self._warnings = kvcore.OnceLogger(log)
         self._probes = thread_pool(PROBE_WORKERS, "kv-mooncake-probe")
-        #: every put is made from here: the client polls a transfer until it ends
-        self._puts = BackgroundPuts()
+        #: every put is made from here, and every read a caller waits for idle: the client
+        #: polls a transfer until it ends (kv_mooncake.background)
+        self._puts = BackgroundCalls(PUT_THREADS, "kv-mooncake-put")
+        self._idle_reads = BackgroundCalls(READ_THREADS, "kv-mooncake-read")
         #: what this client stored, to report an eviction when it finds one gone
         self._drops = ObservedDrops(frozenset((0, NOT_FOUND)))  # batch_is_exist: 0 absent
         listing_url = config.master_url("/get_all_keys")
@@ -432,7 +434,9 @@ class MooncakeBackend:
         # segments, buffers and threads) is freed once its close returns, not whenever the
         # cyclic garbage collector next runs (16 opens and closes kept 250 MB before)
         self._regions = RegionTable(_closed_register, _closed_unregister)
-        _close_store(store, self._probes, self._puts, self.config.close_timeout_s)
+        _close_store(
+            store, self._probes, (self._puts, self._idle_reads), self.config.close_timeout_s
+        )
 
     # -- Mooncake calls ----------------------------------------------------------------------
 
@@ -563,15 +567,23 @@ class MooncakeBackend:
         with self._stuck_lock:
             self._stuck -= 1
 
-    def _get(self, keys: list[str], objects: _Objects) -> tuple[list[int], int]:
+    def _get(self, keys: list[str], objects: _Objects, idle: bool) -> tuple[list[int], int]:
         """Read into the objects' memory; a key is done when exactly its object's size arrived.
         An object of another size is not done (0), and removed when the layout says the
         object, not the region, has the wrong size (so a rewrite lands instead of being
-        skipped)."""
+        skipped). ``idle``: the caller waits with nothing computing, so the read is polled
+        from a lowest-priority thread (:mod:`kv_mooncake.background`)."""
+        # the call's third argument: each object's size, or the sizes of its pieces
+        sizes: list[int] | list[list[int]]
         if objects.pieces is None:
-            results = self._store.batch_get_into(keys, objects.ptrs, objects.sizes)
+            get, sizes = self._store.batch_get_into, objects.sizes
         else:
-            results = self._store.batch_get_into_multi_buffers(keys, objects.ptrs, objects.pieces)
+            get, sizes = self._store.batch_get_into_multi_buffers, objects.pieces
+        if idle:
+            self._counters.add("reads_polled_in_background")
+            results = self._idle_reads.call(get, keys, objects.ptrs, sizes)
+        else:
+            results = get(keys, objects.ptrs, sizes)
         done = []
         for key, r, size in zip(keys, results, objects.sizes, strict=True):
             if r in (size, NOT_FOUND):
@@ -714,7 +726,6 @@ class MooncakeBackend:
         A read that finds an object whose put is still in flight (another writer's: the
         existence check already counts it) waits for it, with backoff, until the deadline.
         """
-        call = self._get if op == "read" else self._put
         backoff = _READY_POLL_S
         while True:
             chunk = objects.slice(lo, hi)
@@ -723,7 +734,10 @@ class MooncakeBackend:
                 self._counters.add("miss_deadline")  # other calls held the queue until then
                 return False, None
             try:
-                codes, nbytes = call(keys[lo:hi], chunk)
+                if op == "read":
+                    codes, nbytes = self._get(keys[lo:hi], chunk, request.caller_idle)
+                else:
+                    codes, nbytes = self._put(keys[lo:hi], chunk)
             finally:
                 self._pieces.release(pieces)
             self._counters.add(f"bytes_{op}", nbytes)
@@ -863,22 +877,25 @@ _CLOSE_AT_EXIT_S = 30.0
 
 
 def _close_store(
-    store: Any, probes: ThreadPoolExecutor, puts: BackgroundPuts, wait_s: float
+    store: Any, probes: ThreadPoolExecutor, background: Sequence[BackgroundCalls], wait_s: float
 ) -> None:
     """Close a client, waiting at most ``wait_s`` (it takes 1-3 s, ~20 s after the master
     died); the rest happens on a thread that interpreter exit waits for."""
-    thread = start_thread(_quiet_close, "kv-mooncake-close", args=(store, probes, puts))
+    thread = start_thread(_quiet_close, "kv-mooncake-close", args=(store, probes, background))
     thread.join(wait_s)
     if thread.is_alive():
         _closing[:] = [t for t in _closing if t.is_alive()]
         _closing.append(thread)
 
 
-def _quiet_close(store: Any, probes: ThreadPoolExecutor, puts: BackgroundPuts) -> None:
+def _quiet_close(
+    store: Any, probes: ThreadPoolExecutor, background: Sequence[BackgroundCalls]
+) -> None:
     # abandoned existence checks may still be inside the client: let them end (each within
-    # MC_RPC_TIMEOUT_MS) before the client goes away under them; puts under way too
+    # MC_RPC_TIMEOUT_MS) before the client goes away under them; puts and reads under way too
     probes.shutdown(wait=True, cancel_futures=True)
-    puts.close()
+    for calls in background:
+        calls.close()
     try:
         store.close()
     except Exception:  # closing must never raise into the engine
