@@ -296,7 +296,7 @@ class BlockRequest:
       meanwhile (a synchronous load, made before the engine's step computes; a load-or-recompute
       probe made between steps). A backend whose client waits for a transfer by polling may
       then poll from a thread at the lowest CPU priority, which leaves the cores to the threads
-      moving the bytes (:mod:`kv_mooncake.background`). False (the default): assume the engine
+      moving the bytes (Mooncake's client polls so). False (the default): assume the engine
       computes meanwhile; a lowest-priority thread would then wait for a core as long as the
       compute runs. Only a hint: a backend may ignore it, and one written before it does.
 

@@ -347,12 +347,28 @@ def test_a_save_in_flight_holds_its_request(
     worker.close()
 
 
+def _worker_with_three_blocks_saved(
+    vllm_config: Any, namespace: str
+) -> tuple[Any, dict[str, torch.Tensor], list[str]]:
+    """A sync-load worker over the memory backend whose device blocks 2-4 were saved: the
+    worker, its caches and the three blocks' keys."""
+    from kvcore_vllm.worker import WorkerSide
+
+    settings = ConnectorSettings(backend="memory", namespace=namespace, load_mode="sync")
+    worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
+    caches = {name: _joined_tensor() for name in LAYERS}
+    worker.register_kv_caches(caches)
+    keys = engine_block_keys(vllm_config, list(range(1, 200)))[:3]
+    worker.wait_for_save(StepMetadata(saves=[BlockRun("w", 0, keys, [2, 3, 4])]))
+    worker.handle_preemptions(StepMetadata(preempted={"w"}))  # waits for the saves
+    return worker, caches, keys
+
+
 def test_the_workers_loads_and_saves_skip_pydantic_and_ask_no_query(
     vllm_config: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On vLLM's step thread the worker builds its tasks without pydantic's validation (it
     made every field itself) and a load is one read: no query before it."""
-    from kvcore_vllm.worker import WorkerSide
 
     from kvcore.schemas import ReadTask, WriteTask
 
@@ -361,13 +377,7 @@ def test_the_workers_loads_and_saves_skip_pydantic_and_ask_no_query(
 
     for model in (ReadTask, WriteTask):
         monkeypatch.setattr(model, "model_validate", classmethod(refuse))
-    settings = ConnectorSettings(backend="memory", namespace="no-pydantic", load_mode="sync")
-    worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
-    caches = {name: _joined_tensor() for name in LAYERS}
-    worker.register_kv_caches(caches)
-    keys = engine_block_keys(vllm_config, list(range(1, 200)))[:3]
-    worker.wait_for_save(StepMetadata(saves=[BlockRun("w", 0, keys, [2, 3, 4])]))
-    worker.handle_preemptions(StepMetadata(preempted={"w"}))  # waits for the saves
+    worker, caches, keys = _worker_with_three_blocks_saved(vllm_config, "no-pydantic")
     backend = worker.handle.get()
     assert backend is not None
     queries_before = backend.metrics.snapshot().get("calls.query", 0.0)
@@ -399,7 +409,6 @@ def test_a_sync_load_tells_the_store_the_engine_waits_idle_and_an_async_one_does
     """A sync load runs before the step's compute: nothing of the engine computes while it
     waits, so its reads may be polled at the lowest priority (kvcore.ReadTask.caller_idle). An
     async load runs beside the engine's compute, where such a poller would wait for it."""
-    from kvcore_vllm.worker import WorkerSide
 
     from kvcore.transfer import TransferManager
 
@@ -411,13 +420,7 @@ def test_a_sync_load_tells_the_store_the_engine_waits_idle_and_an_async_one_does
         return real_read(manager, task)
 
     monkeypatch.setattr(TransferManager, "read", read)
-    settings = ConnectorSettings(backend="memory", namespace="idle-loads", load_mode="sync")
-    worker = WorkerSide(vllm_config, _kv_cache_config(), settings, rank=0)
-    caches = {name: _joined_tensor() for name in LAYERS}
-    worker.register_kv_caches(caches)
-    keys = engine_block_keys(vllm_config, list(range(1, 200)))[:3]
-    worker.wait_for_save(StepMetadata(saves=[BlockRun("w", 0, keys, [2, 3, 4])]))
-    worker.handle_preemptions(StepMetadata(preempted={"w"}))  # waits for the saves
+    worker, caches, keys = _worker_with_three_blocks_saved(vllm_config, "idle-loads")
     worker.start_load_kv(StepMetadata(loads=[BlockRun("s", 0, keys, [10, 11, 12])]))
     assert seen == [True] and worker.get_block_ids_with_load_errors() == set()
     load = StepMetadata(loads=[BlockRun("a", 0, keys, [13, 14, 15])], async_loads=True)
