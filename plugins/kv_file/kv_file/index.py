@@ -376,9 +376,10 @@ class Index:
         Eviction is as if the objects were written one by one: whenever the next one would
         pass the high watermark, LRU objects no write of this process holds (pinned) are
         evicted down to the low watermark, a block's parts together (:func:`block_of`: a part
-        of a block some write holds keeps the whole block). ``leaving``: objects an eviction
-        of this process is handing over already: not chosen again, and still counted (the
-        receiver may not take them). Nothing changes here: the caller deletes the victims'
+        of a block some write holds keeps the whole block); nothing is evicted for a size
+        that does not fit even then (it is refused, and so is every one after it).
+        ``leaving``: objects an eviction of this process is handing over already: not chosen
+        again, and still counted (the receiver may not take them). Nothing changes here: the caller deletes the victims'
         files, then records their eviction.
 
         With shares configured, ``tenant`` writes, and the victims are chosen by the shares
@@ -403,6 +404,7 @@ class Index:
             victims: list[int] = []
             admitted = 0
             for size in sizes:
+                needed = len(victims)  # the victims the objects admitted so far need
                 if projected + size > self.high_bytes:
                     while projected + size > self.low_bytes:
                         unit = next(candidates, None)
@@ -411,7 +413,10 @@ class Index:
                         victims += unit
                         projected -= sum(self.lru[d].size for d in unit)
                 if projected + size > self.capacity:
-                    break  # this one will not be admitted, nor any after it
+                    # this one will not be admitted, nor any after it, and nothing is evicted
+                    # for it: writes in flight may hold more than every unpinned object frees
+                    del victims[needed:]
+                    break
                 projected += size
                 admitted += 1
             return victims, admitted

@@ -126,7 +126,12 @@ class StoreModel:
         """:meth:`_write` with tenants: a block past the tenant's quota evicts the tenant's own
         oldest; past the high watermark, victims down to the low one come from the tenants
         over their reserved share (:meth:`TenantLRU.victim`). The request's blocks are kept
-        (pinned); a block that finds no room ends the write (the rest lacks its prefix)."""
+        (pinned); a block that finds no room ends the write (the rest lacks its prefix).
+
+        The store evicts nothing for an object it refuses (``Index.plan_admission``); here
+        that needs no step: blocks are of one size and no write is in
+        flight, so one victim always makes the room, and a block is refused only where there
+        is none to take."""
         size = self.block_bytes
         keep = {b for b in blocks if b in book}
         book.touch(b for b in blocks if b in keep)

@@ -8,7 +8,8 @@ gives an object the next tick), and plans an admission by the shares:
 - a write past its tenant's quota evicts the tenant's own least recently used objects;
 - a write past the high watermark evicts, down to the low one, the least recently used object
   among the tenants holding more than their reserved share; where none does, the writer's
-  own; where it has none, what is left of the write is refused.
+  own; where it has none, what is left of the write is refused, and nothing is evicted for
+  the objects refused (writes in flight can hold more than the store can free).
 
 A tenant's bytes are its stored objects' (what the journal says each tenant's writes stored)
 plus what the planned write adds; writes in flight in other processes count against the
@@ -138,10 +139,12 @@ class Shares:
 
         admitted = 0
         for size in sizes:
+            needed = len(victims)  # the victims the objects admitted so far need
             if quota is not None:
                 while held[writer] + delta[writer] + size > quota and head(writer) is not None:
                     projected -= evict(writer)
                 if held[writer] + delta[writer] + size > quota:
+                    del victims[needed:]  # nothing is evicted for an object refused
                     break  # the writer's own objects cannot make the room (being written)
             if projected + size > high:
                 while projected + size > low:
@@ -150,6 +153,7 @@ class Shares:
                         break
                     projected -= evict(tenant)
             if projected + size > capacity:
+                del victims[needed:]  # nothing is evicted for an object refused
                 break  # this one will not be admitted, nor any after it
             projected += size
             delta[writer] += size

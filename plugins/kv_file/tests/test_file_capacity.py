@@ -8,6 +8,8 @@ import time
 
 import kv_file.objbatch
 import kv_file.transfer
+import pytest
+from kv_file.index import Index
 from kv_file.objfile import header_size
 from kv_file_testutil import (
     LAYOUT,
@@ -21,6 +23,8 @@ from kv_file_testutil import (
     with_own_files,
     write,
 )
+
+from kvcore.tenants import TenantSettings
 
 KEY_LEN = len("default/kNN/k/r0of1")
 OBJECT = header_size(KEY_LEN) + LAYOUT.part_bytes("k")  # one stored file
@@ -289,3 +293,27 @@ def test_stores_sharing_a_root_come_back_within_the_capacity_after_a_rescan(tmp_
     assert disk_bytes(root) <= 10 * BLOCK
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("shares", [False, True], ids=["one-lru", "tenants-shares"])
+def test_a_write_refused_for_lack_of_room_evicts_nothing_for_what_it_refuses(shares) -> None:
+    """Writes in flight (of this process or another) can hold more than evicting every
+    unpinned object frees. The objects of a write that fit are admitted with the victims they
+    need; one that does not fit even then is refused, and nothing is evicted for it: a
+    refusal that first evicted everything it could lost the store's blocks for no write (a
+    flood of concurrent writes emptied a store under load this way)."""
+    size = 1000
+    settings = None
+    if shares:  # A's share covers what it holds, so only B's objects can go
+        settings = TenantSettings(tenants={"A": {"reserved_bytes": 2 * size}, "B": {}})
+    index = Index(10 * size, high=1.0, low=1.0, tenants=settings)
+    stored = [(d, size, None, False, None, "B") for d in range(1, 9)]  # oldest first
+    index.add_many(stored)
+    in_flight = 7 * size
+    # 8 stored + 7 in flight: the first object (1) fits once 6 are evicted; the second (3)
+    # would need more than the 2 left, so it is refused and those 2 stay
+    victims, admitted = index.plan_admission(in_flight, [size, 3 * size], tenant="B")
+    assert admitted == 1
+    assert victims == [1, 2, 3, 4, 5, 6]
+    # nothing fits at all: nothing is evicted
+    assert index.plan_admission(10 * size, [size], tenant="B") == ([], 0)
