@@ -20,13 +20,13 @@ import pluggy
 
 from kvcore import events as ev
 from kvcore.door import check_buffers
-from kvcore.estimates import ReadRate
 from kvcore.facade_events import FacadeEvents
 from kvcore.guard import DEADLINE_GRACE_S, BackendContractError, CallGuard, GuardedDataCalls
 from kvcore.integrity import BlockDigests
 from kvcore.keys import object_names
 from kvcore.lookups import Lookups
 from kvcore.metrics import Metrics
+from kvcore.read_rate import ReadRate
 from kvcore.requests import (
     BlockRequest,
     DeviceBuffers,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from kvcore.config import LoadPolicy
-from kvcore.estimates import ReadRate
+from kvcore.read_rate import ReadRate
 
 __all__ = ["LOAD_POLICIES", "PACE_SLOWDOWN", "LoadChoice", "StoredRun", "check_load_policy"]
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 from kvcore.backend import Backend
 from kvcore.config import LoadPolicy
-from kvcore.estimates import PrefillRate, ReadRate
+from kvcore.estimates import PrefillRate
 from kvcore.load_choice import (
     LOAD_POLICIES,
     PACE_SLOWDOWN,
@@ -54,6 +54,7 @@ from kvcore.load_choice import (
 )
 from kvcore.load_figures import LoadFigures
 from kvcore.load_pace import CUT_GRACE_S, CUT_SLACK, SPAN_S, LoadPace
+from kvcore.read_rate import ReadRate
 from kvcore.requests import BlockRequest
 from kvcore.store_probe import (
     PROBE_BUDGET_S,

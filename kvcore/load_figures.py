@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import threading
 
-from kvcore.estimates import PrefillRate, ReadRate
+from kvcore.estimates import PrefillRate
 from kvcore.load_choice import LoadChoice
 from kvcore.metrics import Counters
+from kvcore.read_rate import ReadRate
 
 __all__ = ["LoadFigures"]
 

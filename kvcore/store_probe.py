@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvcore.backend import Backend
-from kvcore.estimates import ReadRate
 from kvcore.host_memory import HostBuffer
+from kvcore.read_rate import ReadRate
 from kvcore.requests import BlockRequest, HostBuffers
 
 __all__ = [

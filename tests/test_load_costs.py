@@ -208,6 +208,58 @@ def test_prefill_grows_with_context_when_the_steps_show_it() -> None:
     assert figures["per_token_pair_s"] == pytest.approx(1e-8, rel=1e-3)
 
 
+def test_a_sizes_one_sample_that_the_next_read_of_it_shows_was_a_stall_leaves_the_fit() -> None:
+    """One block read in 17 ms, then in 3 ms (a fresh engine's stalled probe read, measured at
+    4 Gbit/s): the first was a stall, and the rate is the second's, not their mean. A size
+    read alike twice is the store's: a third, faster read is averaged in. A read slower than
+    its size's one sample is never taken for the stall's end: a store that slowed down counts.
+    """
+    block = 768 << 10
+    clock = Clock()
+    rate = ReadRate(clock=clock)
+    rate.observe(block, 0.017)
+    clock.now += 0.1
+    rate.observe(block, 0.003)
+    assert rate.stalls_discounted == 1
+    assert rate.estimate_s(block) == pytest.approx(0.003, rel=0.01)
+    assert rate.figures()["stalls_discounted"] == 1
+    # measured alike twice, then faster: not a stall, the mean moves
+    alike = ReadRate(clock=clock)
+    for seconds in (0.012, 0.012, 0.003):
+        alike.observe(block, seconds)
+    assert alike.stalls_discounted == 0
+    assert 0.003 < (alike.estimate_s(block) or 0) < 0.012
+    # slower after one fast read: the store slowed down, both count
+    slowed = ReadRate(clock=clock)
+    slowed.observe(block, 0.003)
+    slowed.observe(block, 0.030)
+    assert slowed.stalls_discounted == 0
+    assert (slowed.estimate_s(block) or 0) > 0.01
+    # another size is no evidence either way
+    other = ReadRate(clock=clock)
+    other.observe(block, 0.017)
+    other.observe(2 * block, 0.003)
+    assert other.stalls_discounted == 0
+
+
+def test_the_bound_after_a_free_read_of_a_size_measured_once_counts_that_sample_out() -> None:
+    """What one more read could bring the bound to: where its size was measured once, that
+    read taking no time would show the sample was a stall, so the bound falls to nothing;
+    where it was measured twice alike, the free read only joins them (a third of the mean)."""
+    block = 768 << 10
+    clock = Clock()
+    rate = ReadRate(clock=clock)
+    rate.observe(block, 0.017)
+    load = 124 * block
+    assert rate.bound_s(load) == pytest.approx(124 * 0.017)
+    assert rate.bound_s(load, after_free_read=block) == pytest.approx(0.0, abs=1e-9)
+    rate.observe(block, 0.017)
+    assert rate.stalls_discounted == 0
+    assert rate.bound_s(load, after_free_read=block) == pytest.approx(124 * 0.017 * 2 / 3)
+    # a free read of another size joins the fit as before
+    assert rate.bound_s(load, after_free_read=2 * block) == pytest.approx(124 * 2 * 0.017 / (2 + 4))
+
+
 def test_overlapping_reads_share_the_store_busy_time_counts_not_each_call() -> None:
     clock = Clock()
     rate = ReadRate(clock=clock, sample_s=10.0)
@@ -520,8 +572,8 @@ def test_one_stalled_probe_read_is_looked_at_again_before_a_restore_is_recompute
     tenth of a millisecond: one run in 75 of the session-70 restore A/B). One read is one
     sample: read once more (90 ms at most, under 1 % of the recompute at stake), since a read as
     fast as it can be would make loading win; it is fast, and the blocks load. A store whose
-    every read takes 0.25 s is not read again: even a second read taking no time leaves
-    loading losing."""
+    every read takes 0.25 s is not read again: a second read would take the probe past its
+    share of the recompute (``PROBE_SHARE``)."""
     from test_runner import SIZE, _Buffers, _keys
 
     class Store(_StallsOnce):
@@ -546,6 +598,60 @@ def test_one_stalled_probe_read_is_looked_at_again_before_a_restore_is_recompute
         assert (choice.why, choice.blocks, choice.found) == (why, 188 if looks else 0, 188)
         assert counts.get("probes_second_look", 0) == looks
         assert counts["probes"] == 1 + looks
+
+
+@pytest.mark.parametrize("every_read_slow", [False, True], ids=["one-stall", "slow-store"])
+def test_a_fresh_engines_one_stalled_measured_read_does_not_decide_its_next_request(
+    every_read_slow: bool,
+) -> None:
+    """A fresh engine's first request measured the store with one read of one block, and it
+    stalled (run O of session 81: 17 ms on a 4 Gbit/s link that reads a block in 3 ms). The
+    next request, 188 blocks stored, recomputes in about 2.4 s; the one read its probe could
+    afford would repeat that size, so it probed nothing and, at the stalled figure's bound
+    (halved by a free read), recomputed, unproven: a 2.3x TTFT. A size measured once is one
+    sample: a read of it that took no time would show it a stall (:class:`ReadRate` counts
+    such a sample out), so the decision looks once more (within its share of the recompute);
+    the read is fast, the stall leaves the fit, and the blocks load. On a store whose every
+    read is that slow, the second read agrees: recomputed, and the request after that reads
+    nothing more (a size read alike twice is the store's rate)."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    class Store(_StallsOnce):
+        pass
+
+    # every read of this store is two hook calls (its digests, then its data:
+    # kvcore.integrity), so a slow store's 90 ms read is two calls of 45 ms
+    Store.stall_on, Store.stall_s = (0, 0.045) if every_read_slow else (1, 0.09)
+    clock = Clock()
+    decider = LoadDecider(prefill_of(500.0, clock), clock=clock)
+    with kvcore.open_backend(Store, context={"namespace": f"fresh-{every_read_slow}"}) as backend:
+        host = _Buffers(188, fill=3).host()
+        written = backend.request("w", _keys(188), host=host, parts=("obj",), part_bytes=(SIZE,))
+        assert backend.write(written) == 188
+        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
+                              part_bytes=(SIZE,))  # fmt: skip
+        assert backend.read(one) == 1  # the client's first read: its setup, no sample
+        Store.calls = 0
+        assert backend.read(one) == 1  # the first request's one measured read
+        rate = backend.read_rate
+        assert rate.samples == 1 and (rate.estimate_s(SIZE) or 0) >= 0.09
+        bare = backend.request("p", _keys(188), parts=("obj",), part_bytes=(SIZE,))
+        ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0, "prompt_tokens": 1200}
+        choice = decider.decide_over(backend, 188, probe=bare, **ask)
+        counts = decider.counters.snapshot()
+        assert counts["probes_skipped"] == 1  # its first read would repeat the size...
+        assert counts["probes_second_look"] == 1  # ...which is looked at once more
+        if not every_read_slow:
+            assert rate.stalls_discounted == 1
+            assert (choice.why, choice.blocks) == ("bounded", 188)
+            return
+        assert rate.stalls_discounted == 0
+        assert (choice.why, choice.blocks) == ("unproven", 0)
+        reads = Store.calls
+        again = decider.decide_over(backend, 188, probe=bare, **ask)
+        assert (again.why, again.blocks) == ("unproven", 0)
+        assert Store.calls == reads  # nothing more read
+        assert decider.counters.snapshot()["probes_second_look"] == 1
 
 
 def test_a_second_look_is_made_only_within_a_share_of_the_recompute_at_stake() -> None:
