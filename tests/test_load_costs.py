@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ from kvcore.load_costs import (
     probe_read,
 )
 from kvcore.load_pace import JUDGE_SPANS, LOSING_MARGIN, SPAN_S, SPAN_SHARE
+from kvcore.requests import BlockRequest
 from kvcore.store_probe import PROBE_SHARE, probe_repeats
 from kvcore.transfer import TransferManager
 
@@ -562,6 +565,28 @@ class _StallsOnce(MemoryBackend):
         return MemoryBackend.kvcore_read(self, request)
 
 
+@contextmanager
+def _stalling_store(
+    stall_on: int, stall_s: float, blocks: int, namespace: str
+) -> Iterator[tuple[type[_StallsOnce], kvcore.Backend, BlockRequest]]:
+    """A store of its own class (:class:`_StallsOnce`, ``stall_on`` and ``stall_s``) holding
+    ``blocks`` blocks, its client's first read made (its setup, never a sample: what a warm-up's
+    load leaves) and its read count reset. Yields the class, the backend and a one-block read."""
+    from test_runner import SIZE, _Buffers, _keys
+
+    store = type("Store", (_StallsOnce,), {"stall_on": stall_on, "stall_s": stall_s})
+    with kvcore.open_backend(store, context={"namespace": namespace}) as backend:
+        host = _Buffers(blocks, fill=3).host()
+        written = backend.request("w", _keys(blocks), host=host, parts=("obj",),
+                                  part_bytes=(SIZE,))  # fmt: skip
+        assert backend.write(written) == blocks
+        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
+                              part_bytes=(SIZE,))  # fmt: skip
+        assert backend.read(one) == 1
+        store.calls = 0
+        yield store, backend, one
+
+
 @pytest.mark.parametrize(("stall_on", "looks", "why"), [(1, 1, "bounded"), (0, 0, "unproven")])
 def test_one_stalled_probe_read_is_looked_at_again_before_a_restore_is_recomputed(
     stall_on: int, looks: int, why: str
@@ -574,23 +599,12 @@ def test_one_stalled_probe_read_is_looked_at_again_before_a_restore_is_recompute
     fast as it can be would make loading win; it is fast, and the blocks load. A store whose
     every read takes 0.25 s is not read again: a second read would take the probe past its
     share of the recompute (``PROBE_SHARE``)."""
-    from test_runner import SIZE, _Buffers, _keys
+    from test_runner import SIZE, _keys
 
-    class Store(_StallsOnce):
-        pass
-
-    Store.stall_on, Store.stall_s = stall_on, 0.09 if stall_on else 0.25
     clock = Clock()
     decider = LoadDecider(prefill_of(500.0, clock), clock=clock)
-    with kvcore.open_backend(Store, context={"namespace": f"stall-{stall_on}"}) as backend:
-        host = _Buffers(188, fill=3).host()
-        written = backend.request("w", _keys(188), host=host, parts=("obj",), part_bytes=(SIZE,))
-        assert backend.write(written) == 188
-        # the client's first read (its setup, never a sample), as a warm-up's load makes it
-        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
-                              part_bytes=(SIZE,))  # fmt: skip
-        assert backend.read(one) == 1
-        Store.calls = 0
+    stall_s = 0.09 if stall_on else 0.25
+    with _stalling_store(stall_on, stall_s, 188, f"stall-{stall_on}") as (_, backend, _):
         bare = backend.request("p", _keys(188), parts=("obj",), part_bytes=(SIZE,))
         ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0}
         choice = decider.decide_over(backend, 188, probe=bare, prompt_tokens=6000, **ask)
@@ -614,24 +628,15 @@ def test_a_fresh_engines_one_stalled_measured_read_does_not_decide_its_next_requ
     the read is fast, the stall leaves the fit, and the blocks load. On a store whose every
     read is that slow, the second read agrees: recomputed, and the request after that reads
     nothing more (a size read alike twice is the store's rate)."""
-    from test_runner import SIZE, _Buffers, _keys
-
-    class Store(_StallsOnce):
-        pass
+    from test_runner import SIZE, _keys
 
     # every read of this store is two hook calls (its digests, then its data:
     # kvcore.integrity), so a slow store's 90 ms read is two calls of 45 ms
-    Store.stall_on, Store.stall_s = (0, 0.045) if every_read_slow else (1, 0.09)
+    stall_on, stall_s = (0, 0.045) if every_read_slow else (1, 0.09)
     clock = Clock()
     decider = LoadDecider(prefill_of(500.0, clock), clock=clock)
-    with kvcore.open_backend(Store, context={"namespace": f"fresh-{every_read_slow}"}) as backend:
-        host = _Buffers(188, fill=3).host()
-        written = backend.request("w", _keys(188), host=host, parts=("obj",), part_bytes=(SIZE,))
-        assert backend.write(written) == 188
-        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
-                              part_bytes=(SIZE,))  # fmt: skip
-        assert backend.read(one) == 1  # the client's first read: its setup, no sample
-        Store.calls = 0
+    namespace = f"fresh-{every_read_slow}"
+    with _stalling_store(stall_on, stall_s, 188, namespace) as (Store, backend, one):
         assert backend.read(one) == 1  # the first request's one measured read
         rate = backend.read_rate
         assert rate.samples == 1 and (rate.estimate_s(SIZE) or 0) >= 0.09
@@ -662,25 +667,14 @@ def test_a_second_look_is_made_only_within_a_share_of_the_recompute_at_stake() -
     prompt recomputed in 0.30 s, reads of two and then four blocks on a 1 Gbit/s link took
     25-50 ms to decide to recompute. Before, a second look was made whenever it alone cost at
     most the margin (5 %) of the recompute."""
-    from test_runner import SIZE, _Buffers, _keys
+    from test_runner import SIZE, _keys
 
-    class Store(_StallsOnce):
-        pass
-
-    Store.stall_on, Store.stall_s = 1, 0.09
     clock = Clock()
     decider = LoadDecider(prefill_of(500.0, clock), clock=clock)
     prompt = 1200  # about 2.4 s to recompute at 500 tokens/s
     recompute = decider.prefill.estimate_s(prompt, 0)
     assert recompute is not None and 0.09 < PROBE_SHARE * recompute < 0.18
-    with kvcore.open_backend(Store, context={"namespace": "stall-share"}) as backend:
-        host = _Buffers(37, fill=3).host()
-        written = backend.request("w", _keys(37), host=host, parts=("obj",), part_bytes=(SIZE,))
-        assert backend.write(written) == 37
-        one = backend.request("r", _keys(1), host=_Buffers(1).host(), parts=("obj",),
-                              part_bytes=(SIZE,))  # fmt: skip
-        assert backend.read(one) == 1  # the client's first read: its setup, not a sample
-        Store.calls = 0
+    with _stalling_store(1, 0.09, 37, "stall-share") as (_, backend, _):
         bare = backend.request("p", _keys(37), parts=("obj",), part_bytes=(SIZE,))
         ask = {"block_bytes": SIZE, "block_tokens": 32, "start_tokens": 0}
         choice = decider.decide_over(backend, 37, probe=bare, prompt_tokens=prompt, **ask)
