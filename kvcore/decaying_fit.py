@@ -72,13 +72,17 @@ class DecayingFit:
         """Take back a sample :meth:`add` took at ``added_at`` (the clock's time then), with
         the weight it has now: as if it had never been added."""
         self._decay()
-        w = 0.5 ** ((self._at - added_at) / self.half_life_s)
+        w = self._weight_now(added_at)
         v = np.asarray(x, dtype=np.float64)
         self._xx -= w * np.outer(v, v)
         self._xy -= w * v * y
         self._yy = max(0.0, self._yy - w * y * y)
         self._weight = max(0.0, self._weight - w)
         self._coef = None
+
+    def _weight_now(self, added_at: float) -> float:
+        """The weight now (as of the last decay) of a sample added at ``added_at``."""
+        return float(0.5 ** ((self._at - added_at) / self.half_life_s))
 
     def slope(
         self,
@@ -95,7 +99,7 @@ class DecayingFit:
         self._decay()
         xx, xy = self._xx[feature, feature], self._xy[feature]
         for x, y, added_at in without:
-            w = 0.5 ** ((self._at - added_at) / self.half_life_s)
+            w = self._weight_now(added_at)
             xx -= w * x[feature] * x[feature]
             xy -= w * x[feature] * y
         if self._weight <= 0 or xx + free * free <= 0 or (xx <= 0 and not free):
